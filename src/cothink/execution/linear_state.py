@@ -1,0 +1,62 @@
+"""Gated DeltaNet state of a view, composed block by block (BRIEF §3.2, research note §2.3).
+
+For each block in view order: its first W-1 tokens (the head) are recomputed against the conv tail
+of what precedes it in this view, then its body is applied either as a cached dense summary
+[B | A] or by replaying its stored rows. Exact relative to the blocks' stored per-layer inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cothink.memory.block import LinearRecords
+from cothink.models.gdn_ops import affine_summary, apply_summary, causal_conv, compose, delta_rule
+from cothink.models.transformer import GatedDeltaNet
+
+
+def empty_state(mixer: GatedDeltaNet, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = mixer.cfg
+    state = torch.zeros(g.num_v_heads, g.k_dim, g.v_dim, dtype=torch.float32, device=device)
+    tail = torch.zeros(g.conv_kernel - 1, g.conv_dim, dtype=dtype, device=device)
+    return state, tail
+
+
+def run_tokens(
+    mixer: GatedDeltaNet, history: torch.Tensor, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Conv (after `history`, the W-1 preceding pre-conv rows) and delta rule over rows; (out, state)."""
+    q, k, v = mixer.split(causal_conv(history, rows, mixer.conv_weight))
+    return delta_rule(q, k, v, g, beta, state)
+
+
+def _body_summary(mixer: GatedDeltaNet, rec: LinearRecords, length: int) -> torch.Tensor:
+    """Dense summary of tokens W-1..length-1, extended incrementally from what is cached."""
+    w = mixer.cfg.conv_kernel - 1
+    start = rec.summary_covers if rec.summary is not None else w
+    rows = rec.rows.data
+    q, k, v = mixer.split(causal_conv(rows[start - w : start], rows[start:length], mixer.conv_weight))
+    piece = affine_summary(k, v, rec.g.data[start:length], rec.beta.data[start:length])
+    rec.summary = piece if rec.summary is None else compose(rec.summary, piece)
+    rec.summary_covers = length
+    return rec.summary
+
+
+def apply_block(
+    mixer: GatedDeltaNet, rec: LinearRecords, length: int, state: torch.Tensor, tail: torch.Tensor,
+    dense_min_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advance (state, conv tail) over the first `length` tokens of a block."""
+    w = mixer.cfg.conv_kernel - 1
+    rows, g, beta = rec.rows.data[:length], rec.g.data[:length], rec.beta.data[:length]
+    head = min(w, length)
+    _, state = run_tokens(mixer, tail, rows[:head], g[:head], beta[:head], state)
+    if length > head:
+        body = length - head
+        if body >= dense_min_tokens and rec.summary_covers <= length:
+            packed = rec.summary if rec.summary_covers == length else _body_summary(mixer, rec, length)
+            state = apply_summary(packed, state)
+        else:
+            _, state = run_tokens(mixer, rows[:w], rows[w:], g[w:], beta[w:], state)
+    new_tail = torch.cat((tail, rows), dim=0)[-w:] if w else tail
+    return state, new_tail

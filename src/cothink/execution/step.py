@@ -1,0 +1,152 @@
+"""One forward pass over many items, each writing its own block while reading its own view.
+
+Step semantics (BRIEF §2): every item reads each view block as it was at the start of the step,
+plus the tokens the item itself writes in this step. Block lengths are snapshotted before the
+forward and committed after it, so what other items write in the same step is invisible until the
+next step, and an item's result does not depend on who shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from cothink.execution.linear_state import apply_block, empty_state, run_tokens
+from cothink.memory.block import Block
+from cothink.memory.store import BlockStore
+from cothink.models.attention import merge_partials, partial_attention
+from cothink.models.rope import Rotary
+from cothink.models.transformer import GatedDeltaNet
+
+
+@dataclass
+class StepItem:
+    """Append `token_ids` to `block` (the last block of `view`); `logits` is 'all', 'last' or 'none'."""
+
+    block: Block
+    token_ids: list[int]
+    view: list[Block] | None = None
+    logits: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.view is None:
+            self.view = [self.block]
+
+
+@dataclass
+class _Plan:
+    """Per-item geometry of one step, shared by every layer."""
+
+    rows: slice  # the item's tokens in the flattened batch
+    start: int  # the writer block's length at step start
+    lengths: list[int]  # snapshot length of each view block (writer: start + new tokens)
+    offsets: list[int]  # view position of each block's first token
+    slots: list[torch.Tensor] = field(default_factory=list)  # pool slots of each view block's keys
+    view_key: tuple = ()  # identity of the view's content before this step (for the GDN state cache)
+
+
+class ViewBatch:
+    """Implements the model's ForwardContext for one step over blocks and views."""
+
+    def __init__(self, store: BlockStore, rotary: Rotary, items: list[StepItem], dense_min_tokens: int):
+        self.store, self.rotary, self.items = store, rotary, items
+        self.dense_min_tokens = dense_min_tokens
+        self.scale = store.cfg.head_dim**-0.5
+        self.plans: list[_Plan] = []
+        local, writes = [], []
+        row = 0
+        for item in items:
+            n, start = len(item.token_ids), item.block.length
+            lengths = [b.length for b in item.view[:-1]] + [start + n]
+            offsets = [0]
+            for b in item.view[:-1]:
+                offsets.append(offsets[-1] + b.position_span)
+            plan = _Plan(slice(row, row + n), start, lengths, offsets[: len(item.view)])
+            plan.view_key = tuple((b.id, b.version, ln) for b, ln in zip(item.view, lengths[:-1] + [start]))
+            if store.attn_slot:
+                plan.slots = [store.slots(b, 0, ln) for b, ln in zip(item.view, lengths)]
+                writes.append(plan.slots[-1][start:])
+            local.append(torch.arange(start, start + n))
+            self.plans.append(plan)
+            row += n
+        self.local_positions = torch.cat(local)
+        self.write_slots = torch.cat(writes) if writes else None
+        self.new_states: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in items]
+
+    # ---- full attention --------------------------------------------------------------------
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        slot = self.store.attn_slot[layer]
+        pool = self.store.pool
+        pool.k[slot, self.write_slots] = self.rotary.rotate(k, self.local_positions)
+        pool.v[slot, self.write_slots] = v
+        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        for plan in self.plans:
+            q_item = q[plan.rows]
+            writer_pos = plan.offsets[-1] + plan.start + torch.arange(q_item.shape[0])
+            outs, lses = [], []
+            for j, (slots, offset) in enumerate(zip(plan.slots, plan.offsets)):
+                if slots.numel() == 0:
+                    continue
+                rel = writer_pos - offset  # the query's position relative to this block's start
+                limit = rel if j == len(plan.slots) - 1 else None  # earlier blocks are wholly visible
+                o, lse = partial_attention(
+                    self.rotary.rotate(q_item, rel), pool.k[slot, slots], pool.v[slot, slots], self.scale, limit
+                )
+                outs.append(o)
+                lses.append(lse)
+            out[plan.rows] = merge_partials(outs, lses)
+        return out
+
+    # ---- Gated DeltaNet ---------------------------------------------------------------------
+    def linear_attention(
+        self, layer: int, mixer: GatedDeltaNet, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
+    ) -> torch.Tensor:
+        slot = self.store.linear_slot[layer]
+        out = torch.empty(rows.shape[0], mixer.cfg.num_v_heads, mixer.cfg.v_dim, dtype=torch.float32,
+                          device=rows.device)
+        for i, (item, plan) in enumerate(zip(self.items, self.plans)):
+            state, tail = self._state_before(item, plan, slot, mixer, rows.dtype, rows.device)
+            r = plan.rows
+            out[r], state = run_tokens(mixer, tail, rows[r], g[r], beta[r], state)
+            w = mixer.cfg.conv_kernel - 1
+            self.new_states[i][slot] = (state, torch.cat((tail, rows[r]), dim=0)[-w:] if w else tail)
+            rec = item.block.linear[slot]
+            rec.rows.append(rows[r])
+            rec.g.append(g[r])
+            rec.beta.append(beta[r])
+        return out
+
+    def _state_before(self, item: StepItem, plan: _Plan, slot: int, mixer: GatedDeltaNet, dtype, device):
+        cached = item.block.writer_state
+        if cached is not None and cached[0] == plan.view_key:
+            return cached[1][slot]
+        state, tail = empty_state(mixer, dtype, device)
+        for block, length in zip(item.view, plan.lengths[:-1] + [plan.start]):
+            if length:
+                state, tail = apply_block(mixer, block.linear[slot], length, state, tail, self.dense_min_tokens)
+        return state, tail
+
+    def commit(self) -> None:
+        """Publish the step: lengths grow and each writer remembers its GDN state for the next step."""
+        for item, plan, states in zip(self.items, self.plans, self.new_states):
+            item.block.length = plan.start + len(item.token_ids)
+            if states:
+                key = plan.view_key[:-1] + ((item.block.id, item.block.version, item.block.length),)
+                item.block.writer_state = (key, [states[s] for s in range(len(states))])
+
+    def rollback(self) -> None:
+        """Undo a failed step: drop appended linear records and pages beyond the committed lengths."""
+        for item, plan in zip(self.items, self.plans):
+            for rec in item.block.linear:
+                rec.truncate(plan.start)
+            self.store.unreserve(item.block)
+
+    def logit_rows(self) -> torch.Tensor:
+        rows: list[int] = []
+        for item, plan in zip(self.items, self.plans):
+            if item.logits == "all":
+                rows.extend(range(plan.rows.start, plan.rows.stop))
+            elif item.logits == "last":
+                rows.append(plan.rows.stop - 1)
+        return torch.tensor(rows, dtype=torch.long)

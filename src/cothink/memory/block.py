@@ -1,0 +1,95 @@
+"""Blocks: growing segments of model memory with block-local positions (BRIEF §2)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class GrowingTensor:
+    """Rows appended over time, stored with doubling capacity so decode appends stay O(1) amortised."""
+
+    def __init__(self, width: tuple[int, ...], dtype: torch.dtype, device: torch.device | str):
+        self._buf = torch.empty((16, *width), dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def data(self) -> torch.Tensor:
+        return self._buf[: self.length]
+
+    def append(self, rows: torch.Tensor) -> None:
+        need = self.length + rows.shape[0]
+        if need > self._buf.shape[0]:
+            grown = torch.empty((max(need, 2 * self._buf.shape[0]), *self._buf.shape[1:]), dtype=self._buf.dtype,
+                                device=self._buf.device)
+            grown[: self.length] = self.data
+            self._buf = grown
+        self._buf[self.length : need] = rows
+        self.length = need
+
+    def truncate(self, n: int) -> None:
+        self.length = min(self.length, n)
+
+    def clone(self) -> GrowingTensor:
+        copy = GrowingTensor(tuple(self._buf.shape[1:]), self._buf.dtype, self._buf.device)
+        copy.append(self.data)
+        return copy
+
+
+@dataclass(eq=False)
+class LinearRecords:
+    """What a block keeps for one Gated DeltaNet layer (research note §2.3-2.4).
+
+    Per token: the pre-conv [q|k|v] row, the log decay g and beta. These replay the block exactly
+    after any predecessor (its first W-1 tokens re-read the predecessor's conv tail). For long
+    blocks a dense summary [B | A] of the body (tokens W-1..covered-1) is cached as well, so a view
+    composes them in O(K^2 V) instead of replaying them.
+    """
+
+    rows: GrowingTensor
+    g: GrowingTensor
+    beta: GrowingTensor
+    summary: torch.Tensor | None = None
+    summary_covers: int = 0  # block tokens covered by `summary` (head included in the count)
+
+    def truncate(self, n: int) -> None:
+        for t in (self.rows, self.g, self.beta):
+            t.truncate(n)
+        if self.summary_covers > n:
+            self.summary, self.summary_covers = None, 0
+
+    def clone(self) -> LinearRecords:
+        return LinearRecords(self.rows.clone(), self.g.clone(), self.beta.clone(), self.summary,
+                             self.summary_covers)
+
+
+@dataclass(eq=False)
+class Block:
+    """A growing segment of memory, written by one writer at a time, readable from any view.
+
+    Attention keys are stored with RoPE at block-local positions 0..n-1. The view, not the block,
+    decides where the block sits. `version` changes whenever existing content changes (truncate),
+    which invalidates every cache keyed on it.
+    """
+
+    id: int
+    name: str
+    length: int = 0
+    version: int = 0
+    freed: bool = False
+    pages: list[int] = field(default_factory=list, repr=False)
+    linear: list[LinearRecords] = field(default_factory=list, repr=False)
+    # Gated DeltaNet state after this block under the view it was last written with: view key -> states
+    writer_state: tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]] | None = field(default=None, repr=False)
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def position_span(self) -> int:
+        """How far the block advances positions in a view (one per text token)."""
+        return self.length
+
+    def __hash__(self) -> int:
+        return self.id

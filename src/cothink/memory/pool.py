@@ -1,0 +1,73 @@
+"""A paged pool for attention KV: fixed-size pages, reference counted so forks can share them."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from cothink.errors import PoolExhaustedError
+
+
+class KVPool:
+    """K and V for every attention layer, stored as flat token slots grouped in pages.
+
+    `k[layer]` has shape [num_pages * page_size, kv_heads, head_dim]; a block's token i lives at slot
+    page * page_size + i % page_size with page = block.pages[i // page_size].
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: str | torch.device,
+    ):
+        self.num_pages, self.page_size = num_pages, page_size
+        shape = (num_layers, num_pages * page_size, kv_heads, head_dim)
+        # empty, not zeros: untouched pages cost no resident memory until written
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.refcount = [0] * num_pages
+        self._free: deque[int] = deque(range(num_pages))
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    @property
+    def bytes_per_page(self) -> int:
+        per_layer_slot = self.k[0, 0].numel() * self.k.element_size()
+        return 2 * self.k.shape[0] * self.page_size * per_layer_slot
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise PoolExhaustedError(
+                f"KV pool exhausted: need {count} pages, {len(self._free)} of {self.num_pages} free "
+                f"(page size {self.page_size} tokens)"
+            )
+        pages = [self._free.popleft() for _ in range(count)]
+        for p in pages:
+            self.refcount[p] = 1
+        return pages
+
+    def retain(self, page: int) -> None:
+        self.refcount[page] += 1
+
+    def release(self, page: int) -> None:
+        self.refcount[page] -= 1
+        if self.refcount[page] == 0:
+            self._free.append(page)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        s = slice(src * self.page_size, (src + 1) * self.page_size)
+        d = slice(dst * self.page_size, (dst + 1) * self.page_size)
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]

@@ -1,0 +1,145 @@
+"""Model configuration: one frozen dataclass read from a Hugging Face checkpoint folder.
+
+We let `transformers.AutoConfig` parse config.json (it knows every historical spelling of the
+rope parameters) and keep only what the forward pass needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cothink.errors import UnsupportedModelError
+
+FULL_ATTENTION = "full_attention"
+LINEAR_ATTENTION = "linear_attention"
+
+# model_type -> our architecture family
+_FAMILIES = {
+    "llama": "llama",
+    "qwen3": "qwen3",
+    "qwen3_5": "qwen3_5",  # multimodal layout; the text decoder sits under text_config
+    "qwen3_5_text": "qwen3_5",
+}
+
+
+@dataclass(frozen=True)
+class GDNConfig:
+    """Shapes of a Gated DeltaNet (linear attention) layer."""
+
+    num_k_heads: int
+    num_v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.v_dim
+
+    @property
+    def conv_dim(self) -> int:
+        # pre-conv channels are laid out [q | k | v]
+        return 2 * self.key_dim + self.value_dim
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    family: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    layer_types: tuple[str, ...]
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3, Qwen3.5)
+    zero_centred_norm: bool  # RMSNorm computes x * (1 + w) (Qwen3.5)
+    attn_output_gate: bool  # q_proj also yields a sigmoid gate per channel (Qwen3.5)
+    gdn: GDNConfig | None
+    eos_token_ids: tuple[int, ...]
+    hf_text_config: Any  # the transformers config object of the text decoder (RoPE init reads it)
+
+    @property
+    def attention_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == FULL_ATTENTION]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i, t in enumerate(self.layer_types) if t == LINEAR_ATTENTION]
+
+
+def _eos_ids(cfg: Any) -> tuple[int, ...]:
+    eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+
+
+def load_config(folder: str | Path) -> ModelConfig:
+    """Read config.json of a local checkpoint folder into a ModelConfig."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    family = _FAMILIES.get(hf.model_type)
+    if family is None:
+        raise UnsupportedModelError(
+            f"model_type {hf.model_type!r} is not supported; cothink runs {sorted(set(_FAMILIES))}"
+        )
+    text = hf.get_text_config() if family == "qwen3_5" else hf
+    return config_from_hf(text, family, eos=_eos_ids(hf) or _eos_ids(text))
+
+
+def config_from_hf(text: Any, family: str, eos: tuple[int, ...] = ()) -> ModelConfig:
+    num_heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+    layer_types = tuple(getattr(text, "layer_types", None) or [FULL_ATTENTION] * text.num_hidden_layers)
+    unknown = set(layer_types) - {FULL_ATTENTION, LINEAR_ATTENTION}
+    if unknown:
+        raise UnsupportedModelError(f"layer types {sorted(unknown)} are not supported")
+    if getattr(text, "use_sliding_window", False):
+        raise UnsupportedModelError("sliding-window attention is not supported")
+    rope_type = (getattr(text, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        raise UnsupportedModelError(f"rope_type {rope_type!r} depends on sequence length; views need static RoPE")
+    gdn = None
+    if LINEAR_ATTENTION in layer_types:
+        gdn = GDNConfig(
+            num_k_heads=text.linear_num_key_heads,
+            num_v_heads=text.linear_num_value_heads,
+            k_dim=text.linear_key_head_dim,
+            v_dim=text.linear_value_head_dim,
+            conv_kernel=text.linear_conv_kernel_dim,
+        )
+    qwen35 = family == "qwen3_5"
+    return ModelConfig(
+        family=family,
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=text.intermediate_size,
+        num_layers=text.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=text.num_key_value_heads,
+        head_dim=head_dim,
+        rms_norm_eps=text.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+        attention_bias=bool(getattr(text, "attention_bias", False)),
+        mlp_bias=bool(getattr(text, "mlp_bias", False)),
+        layer_types=layer_types,
+        qk_norm=family in ("qwen3", "qwen3_5"),
+        zero_centred_norm=qwen35,
+        attn_output_gate=qwen35,
+        gdn=gdn,
+        eos_token_ids=eos or _eos_ids(text),
+        hf_text_config=text,
+    )

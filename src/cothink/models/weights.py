@@ -1,0 +1,58 @@
+"""Load a decoder's weights from the safetensors files of a local Hugging Face folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from cothink.errors import UnsupportedModelError
+from cothink.models.config import ModelConfig
+from cothink.models.transformer import CausalLM
+
+# Real Qwen3.5 checkpoints use the multimodal layout: the text decoder under model.language_model,
+# the vision tower under model.visual and a multi-token-prediction head under mtp.
+_RENAMES = (("model.language_model.", "model."),)
+_SKIPPED = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+
+
+def _checkpoint_name(name: str) -> str | None:
+    if name.startswith(_SKIPPED):
+        return None
+    for old, new in _RENAMES:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def read_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise UnsupportedModelError(f"no *.safetensors weights in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                name = _checkpoint_name(key)
+                if name is not None:
+                    state[name] = f.get_tensor(key).to(dtype)
+    return state
+
+
+def load_weights(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
+    """Build the model and fill it from the checkpoint; every parameter must be present."""
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    state = read_state_dict(folder, dtype)
+    if cfg.tie_word_embeddings or "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    expected = set(model.state_dict())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise UnsupportedModelError(
+            f"checkpoint in {folder} does not match the {cfg.family} layout: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    model.load_state_dict(state, assign=True)
+    return model.to(device).eval()
