@@ -46,13 +46,17 @@ class ModelRunner:
 
     # ---- blocks -------------------------------------------------------------------------------
     def new_block(self, name: str | None = None) -> Block:
-        return self.store.new_block(name)
+        block = self.store.new_block(name)
+        block.owner = self
+        return block
 
     def free(self, block: Block) -> None:
         self.store.free(block)
 
     def fork(self, block: Block, name: str | None = None) -> Block:
-        return self.store.fork(block, name)
+        child = self.store.fork(block, name)
+        child.owner = self
+        return child
 
     def truncate(self, block: Block, n: int) -> None:
         self.store.truncate(block, n)
@@ -67,6 +71,16 @@ class ModelRunner:
         """
         return self.step([StepItem(block, list(token_ids), view, logits)])[0]
 
+    def validate_input(self, view: list[Block], token_ids: list[int], writer_in_view: bool = True) -> None:
+        """Check that `token_ids` can be appended after `view` (blocks live, distinct, within context)."""
+        for b in view:
+            self.store.check(b)
+        if len({b.id for b in view}) != len(view):
+            raise InvalidViewError("a block appears twice in the view")
+        total = sum(b.position_span for b in view) + len(token_ids)
+        if total > self.max_context:
+            raise InputTooLongError(f"view would span {total} positions; the model allows {self.max_context}")
+
     def validate(self, item: StepItem) -> None:
         """Raise a typed error, changing nothing, unless the item can run."""
         if item.logits not in _LOGITS_MODES:
@@ -79,12 +93,19 @@ class ModelRunner:
             self.store.check(b)
         if len({b.id for b in view}) != len(view):
             raise InvalidViewError("a block appears twice in the view")
+        spans = [b.position_span for b in view[:-1]]
+        if item.read_lengths is not None:
+            if len(item.read_lengths) != len(spans) or any(
+                not 0 <= n <= s for n, s in zip(item.read_lengths, spans)
+            ):
+                raise InvalidViewError("read_lengths must give, for each block before the writer, 0..len(block)")
+            spans = list(item.read_lengths)
         if not item.token_ids:
             raise EmptyInputError(f"no tokens to append to block {item.block.name!r}")
         vocab = self.config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in item.token_ids):
             raise ValueError(f"token ids must be ints in [0, {vocab})")
-        total = sum(b.position_span for b in view) + len(item.token_ids)
+        total = sum(spans) + item.block.position_span + len(item.token_ids)
         if total > self.max_context:
             raise InputTooLongError(f"view would span {total} positions; the model allows {self.max_context}")
 
@@ -104,15 +125,13 @@ class ModelRunner:
             batch.rollback()
             raise
         batch.commit()
-        return self._split_logits(items, logits)
-
-    @staticmethod
-    def _split_logits(items: list[StepItem], logits: torch.Tensor) -> list[torch.Tensor]:
         out, row = [], 0
-        for item in items:
+        for i, item in enumerate(items):
             n = {"all": len(item.token_ids), "last": 1, "none": 0}[item.logits]
             out.append(logits[row : row + n])
             row += n
+            if n:
+                item.block.last_logits = (batch.key_after(i), out[-1][-1].clone())
         return out
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cothink.execution.linear_state import apply_block, empty_state, run_tokens
-from cothink.memory.block import Block
+from cothink.memory.block import Block, view_key
 from cothink.memory.store import BlockStore
 from cothink.models.attention import merge_partials, partial_attention
 from cothink.models.rope import Rotary
@@ -22,12 +22,17 @@ from cothink.models.transformer import GatedDeltaNet
 
 @dataclass
 class StepItem:
-    """Append `token_ids` to `block` (the last block of `view`); `logits` is 'all', 'last' or 'none'."""
+    """Append `token_ids` to `block` (the last block of `view`); `logits` is 'all', 'last' or 'none'.
+
+    `read_lengths`, if given, reads only that many tokens of each block before the writer (a view of
+    an earlier state of those blocks; used to recompute the logits after a view's last token).
+    """
 
     block: Block
     token_ids: list[int]
     view: list[Block] | None = None
     logits: str = "all"
+    read_lengths: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.view is None:
@@ -58,12 +63,13 @@ class ViewBatch:
         row = 0
         for item in items:
             n, start = len(item.token_ids), item.block.length
-            lengths = [b.length for b in item.view[:-1]] + [start + n]
+            before = item.read_lengths if item.read_lengths is not None else [b.length for b in item.view[:-1]]
+            lengths = [*before, start + n]
             offsets = [0]
-            for b in item.view[:-1]:
-                offsets.append(offsets[-1] + b.position_span)
-            plan = _Plan(slice(row, row + n), start, lengths, offsets[: len(item.view)])
-            plan.view_key = tuple((b.id, b.version, ln) for b, ln in zip(item.view, lengths[:-1] + [start]))
+            for span in before:  # text tokens: a block's position span is its length
+                offsets.append(offsets[-1] + span)
+            plan = _Plan(slice(row, row + n), start, lengths, offsets)
+            plan.view_key = view_key(item.view, [*before, start])
             if store.attn_slot:
                 plan.slots = [store.slots(b, 0, ln) for b, ln in zip(item.view, lengths)]
                 writes.append(plan.slots[-1][start:])
@@ -129,11 +135,16 @@ class ViewBatch:
 
     def commit(self) -> None:
         """Publish the step: lengths grow and each writer remembers its GDN state for the next step."""
-        for item, plan, states in zip(self.items, self.plans, self.new_states):
+        for i, (item, plan, states) in enumerate(zip(self.items, self.plans, self.new_states)):
             item.block.length = plan.start + len(item.token_ids)
+            item.block.tokens.extend(item.token_ids)
             if states:
-                key = plan.view_key[:-1] + ((item.block.id, item.block.version, item.block.length),)
-                item.block.writer_state = (key, [states[s] for s in range(len(states))])
+                item.block.writer_state = (self.key_after(i), [states[s] for s in range(len(states))])
+
+    def key_after(self, i: int) -> tuple:
+        """The view key of item i once the step is committed."""
+        block = self.items[i].block
+        return self.plans[i].view_key[:-1] + ((block.id, block.version, block.length),)
 
     def rollback(self) -> None:
         """Undo a failed step: drop appended linear records and pages beyond the committed lengths."""

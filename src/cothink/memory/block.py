@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -78,10 +79,18 @@ class Block:
     length: int = 0
     version: int = 0
     freed: bool = False
+    tokens: list[int] = field(default_factory=list, repr=False)  # the token ids, for rewinds and replays
     pages: list[int] = field(default_factory=list, repr=False)
     linear: list[LinearRecords] = field(default_factory=list, repr=False)
     # Gated DeltaNet state after this block under the view it was last written with: view key -> states
     writer_state: tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]] | None = field(default=None, repr=False)
+    # logits after the block's last token, under the view key they were computed with
+    last_logits: tuple[tuple, torch.Tensor] | None = field(default=None, repr=False)
+    owner: Any = field(default=None, repr=False, compare=False)  # the runner or engine that made it
+
+    def truncate(self, n: int) -> None:
+        """Rewind to the first n tokens (through the owner, which checks nobody is writing)."""
+        self.owner.truncate(self, n)
 
     def __len__(self) -> int:
         return self.length
@@ -93,3 +102,9 @@ class Block:
 
     def __hash__(self) -> int:
         return self.id
+
+
+def view_key(view: list[Block], lengths: list[int] | None = None) -> tuple:
+    """Identity of a view's content: which blocks, in which order, how far each is read."""
+    lengths = lengths if lengths is not None else [b.length for b in view]
+    return tuple((b.id, b.version, n) for b, n in zip(view, lengths))

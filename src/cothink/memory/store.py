@@ -70,7 +70,8 @@ class BlockStore:
         self.check(block)
         for page in block.pages:
             self.pool.release(page)
-        block.pages, block.linear, block.writer_state = [], [], None
+        block.pages, block.linear, block.tokens = [], [], []
+        block.writer_state = block.last_logits = None
         block.freed = True
         del self.blocks[block.id]
 
@@ -79,6 +80,7 @@ class BlockStore:
         self.check(block)
         child = self.new_block(name or f"{block.name}-fork")
         child.length = block.length
+        child.tokens = list(block.tokens)
         child.pages = list(block.pages)
         for page in child.pages:
             self.pool.retain(page)
@@ -95,7 +97,9 @@ class BlockStore:
         self._drop_pages_after(block, n)
         for rec in block.linear:
             rec.truncate(n)
-        block.length, block.version, block.writer_state = n, block.version + 1, None
+        del block.tokens[n:]
+        block.length, block.version = n, block.version + 1
+        block.writer_state = block.last_logits = None
 
     def _drop_pages_after(self, block: Block, n: int) -> None:
         keep = -(-n // self.page_size)
