@@ -48,6 +48,9 @@ class _Plan:
     lengths: list[int]  # snapshot length of each view block (writer: start + new tokens)
     offsets: list[int]  # view position of each block's first token
     slots: list[torch.Tensor] = field(default_factory=list)  # pool slots of each view block's keys
+    # per view block: cos/sin rotating the item's queries to their position relative to the block,
+    # and the causal limit (None: the whole block is visible). Layer-independent, so built once.
+    rotations: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
     view_key: tuple = ()  # identity of the view's content before this step (for the GDN state cache)
 
 
@@ -73,10 +76,15 @@ class ViewBatch:
             if store.attn_slot:
                 plan.slots = [store.slots(b, 0, ln) for b, ln in zip(item.view, lengths)]
                 writes.append(plan.slots[-1][start:])
+                writer_pos = offsets[-1] + torch.arange(start, start + n)
+                for j, offset in enumerate(offsets):
+                    rel = writer_pos - offset  # query position relative to block j's start
+                    last = j == len(offsets) - 1
+                    plan.rotations.append((*rotary.cos_sin(rel.to(store.device)), rel if last else None))
             local.append(torch.arange(start, start + n))
             self.plans.append(plan)
             row += n
-        self.local_positions = torch.cat(local)
+        self.key_rotation = rotary.cos_sin(torch.cat(local).to(store.device))
         self.write_slots = torch.cat(writes) if writes else None
         self.new_states: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in items]
 
@@ -84,21 +92,17 @@ class ViewBatch:
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         slot = self.store.attn_slot[layer]
         pool = self.store.pool
-        pool.k[slot, self.write_slots] = self.rotary.rotate(k, self.local_positions)
+        pool.k[slot, self.write_slots] = self.rotary.apply(k, *self.key_rotation)
         pool.v[slot, self.write_slots] = v
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         for plan in self.plans:
             q_item = q[plan.rows]
-            writer_pos = plan.offsets[-1] + plan.start + torch.arange(q_item.shape[0])
             outs, lses = [], []
-            for j, (slots, offset) in enumerate(zip(plan.slots, plan.offsets)):
+            for slots, (cos, sin, limit) in zip(plan.slots, plan.rotations):
                 if slots.numel() == 0:
                     continue
-                rel = writer_pos - offset  # the query's position relative to this block's start
-                limit = rel if j == len(plan.slots) - 1 else None  # earlier blocks are wholly visible
-                o, lse = partial_attention(
-                    self.rotary.rotate(q_item, rel), pool.k[slot, slots], pool.v[slot, slots], self.scale, limit
-                )
+                keys, values = pool.k[slot, slots], pool.v[slot, slots]
+                o, lse = partial_attention(self.rotary.apply(q_item, cos, sin), keys, values, self.scale, limit)
                 outs.append(o)
                 lses.append(lse)
             out[plan.rows] = merge_partials(outs, lses)

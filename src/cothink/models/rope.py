@@ -38,7 +38,10 @@ class Rotary:
 
     def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, head_dim] so that row t sits at positions[t]."""
-        cos, sin = self.cos_sin(positions)
+        return self.apply(x, *self.cos_sin(positions))
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] with precomputed cos/sin [T, rotary_dim] (see cos_sin)."""
         cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
         rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
         half = self.rotary_dim // 2
