@@ -22,7 +22,11 @@ def empty_state(mixer: GatedDeltaNet, dtype: torch.dtype, device) -> tuple[torch
 
 
 def run_tokens(
-    mixer: GatedDeltaNet, history: torch.Tensor, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    mixer: GatedDeltaNet,
+    history: torch.Tensor,
+    rows: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Conv (after `history`, the W-1 preceding pre-conv rows) and delta rule over rows; (out, state)."""
@@ -43,7 +47,11 @@ def _body_summary(mixer: GatedDeltaNet, rec: LinearRecords, length: int) -> torc
 
 
 def apply_block(
-    mixer: GatedDeltaNet, rec: LinearRecords, length: int, state: torch.Tensor, tail: torch.Tensor,
+    mixer: GatedDeltaNet,
+    rec: LinearRecords,
+    length: int,
+    state: torch.Tensor,
+    tail: torch.Tensor,
     dense_min_tokens: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Advance (state, conv tail) over the first `length` tokens of a block."""

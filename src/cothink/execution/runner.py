@@ -40,7 +40,9 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.rotary = Rotary(cfg.hf_text_config, cfg.head_dim, self.device)
         self.store = BlockStore(cfg, kv_tokens, page_size, self.dtype, self.device)
-        self.max_context = max_context or getattr(cfg.hf_text_config, "max_position_embeddings", None) or 1 << 20
+        self.max_context = (
+            max_context or getattr(cfg.hf_text_config, "max_position_embeddings", None) or 1 << 20
+        )
         # A dense [B|A] summary pays off once replaying the body costs more than applying a K x K map.
         self.dense_summary_min_tokens = dense_summary_min_tokens or (4 * cfg.gdn.k_dim if cfg.gdn else 0)
 
@@ -98,7 +100,9 @@ class ModelRunner:
             if len(item.read_lengths) != len(spans) or any(
                 not 0 <= n <= s for n, s in zip(item.read_lengths, spans)
             ):
-                raise InvalidViewError("read_lengths must give, for each block before the writer, 0..len(block)")
+                raise InvalidViewError(
+                    "read_lengths must give, for each block before the writer, 0..len(block)"
+                )
             spans = list(item.read_lengths)
         if not item.token_ids:
             raise EmptyInputError(f"no tokens to append to block {item.block.name!r}")
@@ -117,7 +121,9 @@ class ModelRunner:
             raise InvalidViewError("two items in one step write the same block")
         self.store.reserve([(item.block, item.block.length + len(item.token_ids)) for item in items])
         batch = ViewBatch(self.store, self.rotary, items, self.dense_summary_min_tokens)
-        ids = torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long, device=self.device)
+        ids = torch.tensor(
+            [t for item in items for t in item.token_ids], dtype=torch.long, device=self.device
+        )
         try:
             with torch.inference_mode():
                 logits = self.model(ids, batch, batch.logit_rows().to(self.device))

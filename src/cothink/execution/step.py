@@ -66,7 +66,9 @@ class ViewBatch:
         row = 0
         for item in items:
             n, start = len(item.token_ids), item.block.length
-            before = item.read_lengths if item.read_lengths is not None else [b.length for b in item.view[:-1]]
+            before = (
+                item.read_lengths if item.read_lengths is not None else [b.length for b in item.view[:-1]]
+            )
             lengths = [*before, start + n]
             offsets = [0]
             for span in before:  # text tokens: a block's position span is its length
@@ -102,7 +104,9 @@ class ViewBatch:
                 if slots.numel() == 0:
                     continue
                 keys, values = pool.k[slot, slots], pool.v[slot, slots]
-                o, lse = partial_attention(self.rotary.apply(q_item, cos, sin), keys, values, self.scale, limit)
+                o, lse = partial_attention(
+                    self.rotary.apply(q_item, cos, sin), keys, values, self.scale, limit
+                )
                 outs.append(o)
                 lses.append(lse)
             out[plan.rows] = merge_partials(outs, lses)
@@ -113,8 +117,9 @@ class ViewBatch:
         self, layer: int, mixer: GatedDeltaNet, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
     ) -> torch.Tensor:
         slot = self.store.linear_slot[layer]
-        out = torch.empty(rows.shape[0], mixer.cfg.num_v_heads, mixer.cfg.v_dim, dtype=torch.float32,
-                          device=rows.device)
+        out = torch.empty(
+            rows.shape[0], mixer.cfg.num_v_heads, mixer.cfg.v_dim, dtype=torch.float32, device=rows.device
+        )
         for i, (item, plan) in enumerate(zip(self.items, self.plans)):
             state, tail = self._state_before(item, plan, slot, mixer, rows.dtype, rows.device)
             r = plan.rows
@@ -134,7 +139,9 @@ class ViewBatch:
         state, tail = empty_state(mixer, dtype, device)
         for block, length in zip(item.view, plan.lengths[:-1] + [plan.start]):
             if length:
-                state, tail = apply_block(mixer, block.linear[slot], length, state, tail, self.dense_min_tokens)
+                state, tail = apply_block(
+                    mixer, block.linear[slot], length, state, tail, self.dense_min_tokens
+                )
         return state, tail
 
     def commit(self) -> None:

@@ -22,8 +22,11 @@ class GrowingTensor:
     def append(self, rows: torch.Tensor) -> None:
         need = self.length + rows.shape[0]
         if need > self._buf.shape[0]:
-            grown = torch.empty((max(need, 2 * self._buf.shape[0]), *self._buf.shape[1:]), dtype=self._buf.dtype,
-                                device=self._buf.device)
+            grown = torch.empty(
+                (max(need, 2 * self._buf.shape[0]), *self._buf.shape[1:]),
+                dtype=self._buf.dtype,
+                device=self._buf.device,
+            )
             grown[: self.length] = self.data
             self._buf = grown
         self._buf[self.length : need] = rows
@@ -61,8 +64,9 @@ class LinearRecords:
             self.summary, self.summary_covers = None, 0
 
     def clone(self) -> LinearRecords:
-        return LinearRecords(self.rows.clone(), self.g.clone(), self.beta.clone(), self.summary,
-                             self.summary_covers)
+        return LinearRecords(
+            self.rows.clone(), self.g.clone(), self.beta.clone(), self.summary, self.summary_covers
+        )
 
 
 @dataclass(eq=False)
@@ -83,7 +87,9 @@ class Block:
     pages: list[int] = field(default_factory=list, repr=False)
     linear: list[LinearRecords] = field(default_factory=list, repr=False)
     # Gated DeltaNet state after this block under the view it was last written with: view key -> states
-    writer_state: tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]] | None = field(default=None, repr=False)
+    writer_state: tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]] | None = field(
+        default=None, repr=False
+    )
     # logits after the block's last token, under the view key they were computed with
     last_logits: tuple[tuple, torch.Tensor] | None = field(default=None, repr=False)
     owner: Any = field(default=None, repr=False, compare=False)  # the runner or engine that made it

@@ -33,8 +33,13 @@ class BlockStore:
         self.attn_slot = {layer: i for i, layer in enumerate(cfg.attention_layers)}
         self.linear_slot = {layer: i for i, layer in enumerate(cfg.linear_layers)}
         self.pool = KVPool(
-            len(self.attn_slot), max(1, -(-kv_tokens // page_size)), page_size, cfg.num_kv_heads,
-            cfg.head_dim, dtype, device,
+            len(self.attn_slot),
+            max(1, -(-kv_tokens // page_size)),
+            page_size,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            dtype,
+            device,
         )
         self.blocks: dict[int, Block] = {}
         self._ids = itertools.count(1)

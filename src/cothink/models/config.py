@@ -111,7 +111,9 @@ def config_from_hf(text: Any, family: str, eos: tuple[int, ...] = ()) -> ModelCo
         raise UnsupportedModelError("sliding-window attention is not supported")
     rope_type = (getattr(text, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope_type in ("dynamic", "longrope"):
-        raise UnsupportedModelError(f"rope_type {rope_type!r} depends on sequence length; views need static RoPE")
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} depends on sequence length; views need static RoPE"
+        )
     gdn = None
     if LINEAR_ATTENTION in layer_types:
         gdn = GDNConfig(

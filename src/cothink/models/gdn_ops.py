@@ -26,7 +26,12 @@ def causal_conv(history: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor)
 
 
 def delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the gated delta rule over n tokens from `state`.
 
@@ -62,7 +67,9 @@ def _chunk(q, k, v, g, beta, state):
     c = q.shape[1]
     cum = g.cumsum(dim=-1)  # [H, c]
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()  # exp(G_i - G_j), j<=i
+    decay = (
+        (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()
+    )  # exp(G_i - G_j), j<=i
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * decay  # unit diagonal is implied by solve_triangular below
     system = system.tril(-1) + torch.eye(c, dtype=q.dtype, device=q.device)
@@ -83,7 +90,9 @@ def affine_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torc
     """
     n, h, kd = k.shape
     aug_v = torch.cat((v, v.new_zeros(n, h, kd)), dim=-1)
-    start = torch.cat((v.new_zeros(h, kd, v.shape[-1]), torch.eye(kd, dtype=v.dtype).expand(h, kd, kd)), dim=-1)
+    start = torch.cat(
+        (v.new_zeros(h, kd, v.shape[-1]), torch.eye(kd, dtype=v.dtype).expand(h, kd, kd)), dim=-1
+    )
     _, packed = delta_rule(k, k, aug_v, g, beta, start)  # the query is irrelevant; reuse k
     return packed
 

@@ -140,7 +140,9 @@ def resolve_model_path(name_or_path: str | os.PathLike[str]) -> Path:
     model = _lookup(str(name_or_path))
     if model is None:
         if path.exists():
-            raise ModelNotFoundError(f"{str(path)!r} is not a folder; expected a model folder with config.json")
+            raise ModelNotFoundError(
+                f"{str(path)!r} is not a folder; expected a model folder with config.json"
+            )
         raise ModelNotFoundError(_unknown_message(name_or_path))
     return prepare_model(model.key)
 
@@ -169,7 +171,8 @@ def prepare_model(name: str | os.PathLike[str], *, force: bool = False) -> Path:
         gguf_path = find_embedded_gguf(model.key)
         tmp = Path(tempfile.mkdtemp(prefix=f".{model.folder}.tmp-", dir=models_dir))
         try:
-            _convert_gguf(model, gguf_path, tmp)
+            with _quiet_progress_bars():
+                _convert_gguf(model, gguf_path, tmp)
             _relax_permissions(tmp)
             if target.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{model.folder}.old-", dir=models_dir))
@@ -190,6 +193,19 @@ def _file_lock(path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _relax_permissions(folder: Path) -> None:

@@ -154,7 +154,10 @@ class Engine:
 
     @classmethod
     def from_pretrained(
-        cls, path_or_name: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+        cls,
+        path_or_name: str | Path,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
         **limits: Any,
     ) -> Engine:
         """Load a model; limits: kv_tokens, page_size, max_context, dense_summary_min_tokens (memory),
@@ -162,7 +165,9 @@ class Engine:
         on_pool_full, pool_wait_s, max_input_tokens (engine)."""
         memory_keys = {"kv_tokens", "page_size", "max_context", "dense_summary_min_tokens"}
         sched_keys = set(SchedulerConfig.__dataclass_fields__)
-        runner = load_model(path_or_name, device, dtype, **{k: v for k, v in limits.items() if k in memory_keys})
+        runner = load_model(
+            path_or_name, device, dtype, **{k: v for k, v in limits.items() if k in memory_keys}
+        )
         sched = SchedulerConfig(**{k: v for k, v in limits.items() if k in sched_keys})
         rest = {k: v for k, v in limits.items() if k not in memory_keys | sched_keys}
         return cls(runner, EngineLimits(scheduler=sched, **rest))
@@ -181,8 +186,11 @@ class Engine:
             self._loop_task = asyncio.create_task(self._run(), name="cothink-step-loop")
 
     async def stop(self) -> None:
-        """Finish: running works end (generations with finish_reason 'cancelled'); nothing hangs."""
+        """Finish: generations end with finish_reason 'cancelled', pending extends and probes raise
+        EngineClosedError; nothing hangs."""
         for work in list(self._works):
+            if not work.finished and not isinstance(work, GenerateWork):
+                work.fail(EngineClosedError("the engine stopped"))
             self._cancel(work)
         if self._loop_task is not None:
             self._loop_task.cancel()
@@ -260,8 +268,14 @@ class Engine:
 
     # ---- coroutine operations -----------------------------------------------------------------
     async def extend(
-        self, block: Block, text: str | None = None, token_ids: list[int] | None = None,
-        view: list[Block] | None = None, *, priority: Priority | str | None = None, name: str | None = None,
+        self,
+        block: Block,
+        text: str | None = None,
+        token_ids: list[int] | None = None,
+        view: list[Block] | None = None,
+        *,
+        priority: Priority | str | None = None,
+        name: str | None = None,
     ) -> None:
         """Append input to `block`, read under `view` (default [block]); returns once it is in memory."""
         view = self._check_view(view if view is not None else [block])
@@ -270,15 +284,27 @@ class Engine:
         tokens = self._tokens(text, token_ids)
         self._check_not_written(block)
         self.runner.validate_input(view, tokens)
-        work = ExtendWork(self, self._name(name), Priority.parse(priority, PriorityClass.BACKGROUND), view, tokens)
+        work = ExtendWork(
+            self, self._name(name), Priority.parse(priority, PriorityClass.BACKGROUND), view, tokens
+        )
         self._submit(work)
         await work.future
 
     def generate(
-        self, view: list[Block] | Block, *, max_tokens: int = 256, temperature: float = 0.0, top_p: float = 1.0,
-        top_k: int = 0, seed: int | None = None, stop: list[str] | str | None = None,
-        stop_token_ids: list[int] | None = None, banned_token_ids: list[int] | None = None,
-        priority: Priority | str | None = None, name: str | None = None, stop_at_eos: bool = True,
+        self,
+        view: list[Block] | Block,
+        *,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: list[str] | str | None = None,
+        stop_token_ids: list[int] | None = None,
+        banned_token_ids: list[int] | None = None,
+        priority: Priority | str | None = None,
+        name: str | None = None,
+        stop_at_eos: bool = True,
     ) -> Generation:
         """Generate into view[-1]; iterate the result for Pieces or `await ...collect()`."""
         view = self._check_view(view)
@@ -296,26 +322,43 @@ class Engine:
             if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
                 stop_ids.add(self.tokenizer.eos_token_id)
         work = GenerateWork(
-            self, self._name(name), Priority.parse(priority, PriorityClass.BACKGROUND), view, Sampler(params),
-            max_tokens, stops, frozenset(stop_ids),
+            self,
+            self._name(name),
+            Priority.parse(priority, PriorityClass.BACKGROUND),
+            view,
+            Sampler(params),
+            max_tokens,
+            stops,
+            frozenset(stop_ids),
         )
         self._submit(work)
         return Generation(work)
 
     async def probe(
-        self, view: list[Block] | Block, question: str | list[int], choices: tuple[str, ...] | list[str] = ("yes", "no"),
-        *, priority: Priority | str | None = None, name: str | None = None,
+        self,
+        view: list[Block] | Block,
+        question: str | list[int],
+        choices: tuple[str, ...] | list[str] = ("yes", "no"),
+        *,
+        priority: Priority | str | None = None,
+        name: str | None = None,
     ) -> dict[str, float]:
         """Probabilities of each choice right after `question` is read after `view` (one forward pass
         for single-token choices). Choices are tokenized exactly as given (mind a leading space)."""
         view = self._check_view(view)
-        q = self._tokens(question if isinstance(question, str) else None,
-                         None if isinstance(question, str) else list(question))
+        q = self._tokens(
+            question if isinstance(question, str) else None,
+            None if isinstance(question, str) else list(question),
+        )
         if len(set(choices)) != len(choices) or not choices:
             raise ValueError("choices must be distinct and non-empty")
         encoded = {c: self._tokens(c, None) for c in choices}
-        self.runner.validate_input(view, q + [0] * max(len(t) - 1 for t in encoded.values()), writer_in_view=False)
-        work = ProbeWork(self, self._name(name), Priority.parse(priority, PriorityClass.INTERACTIVE), view, q, encoded)
+        self.runner.validate_input(
+            view, q + [0] * max(len(t) - 1 for t in encoded.values()), writer_in_view=False
+        )
+        work = ProbeWork(
+            self, self._name(name), Priority.parse(priority, PriorityClass.INTERACTIVE), view, q, encoded
+        )
         self._submit(work)
         return await work.future
 
@@ -331,8 +374,16 @@ class Engine:
     # ---- internals ----------------------------------------------------------------------------
     def _notify(self, work: Work, event: str, value: float = 0.0, detail: str = "") -> None:
         if self.work_listeners:
-            record = WorkEvent(event, work.name, work.kind, work.priority.klass.name.lower(), work.block.name,
-                               time.perf_counter(), value, detail)
+            record = WorkEvent(
+                event,
+                work.name,
+                work.kind,
+                work.priority.klass.name.lower(),
+                work.block.name,
+                time.perf_counter(),
+                value,
+                detail,
+            )
             for listener in self.work_listeners:
                 listener(record)
 
@@ -408,13 +459,21 @@ class Engine:
                 self._waiting_since.pop(id(work), None)
                 return True
             if self.limits.on_pool_full == "error" or need > store.pool.num_pages:
-                self._fail(work, PoolExhaustedError(
-                    f"KV pool cannot hold {n} more tokens for {work.name!r} ({need} pages needed, {free[0]} free)"))
+                self._fail(
+                    work,
+                    PoolExhaustedError(
+                        f"KV pool cannot hold {n} more tokens for {work.name!r} ({need} pages needed, {free[0]} free)"
+                    ),
+                )
             else:
                 since = self._waiting_since.setdefault(id(work), time.perf_counter())
                 if time.perf_counter() - since > self.limits.pool_wait_s:
-                    self._fail(work, PoolExhaustedError(
-                        f"KV pool stayed full for {self.limits.pool_wait_s:.0f}s; {work.name!r} gave up"))
+                    self._fail(
+                        work,
+                        PoolExhaustedError(
+                            f"KV pool stayed full for {self.limits.pool_wait_s:.0f}s; {work.name!r} gave up"
+                        ),
+                    )
             return False
 
         return fits
@@ -444,7 +503,9 @@ class Engine:
     def _step(self) -> bool:
         """Plan and run one step; False when nothing could be scheduled."""
         free = [self.runner.store.pool.free_pages]
-        chosen = plan_step([w for w in self._works if not w.finished], self.limits.scheduler, self._fits(free))
+        chosen = plan_step(
+            [w for w in self._works if not w.finished], self.limits.scheduler, self._fits(free)
+        )
         if not chosen:
             return False
         now = time.perf_counter()
@@ -492,7 +553,9 @@ class Engine:
             stats.tokens_written += tokens
             stats.tokens_read += view_tokens
             work.served += tokens
-            records.append(StepItemRecord(work.name, work.kind, tokens, view_tokens, work.priority.klass.name.lower()))
+            records.append(
+                StepItemRecord(work.name, work.kind, tokens, view_tokens, work.priority.klass.name.lower())
+            )
             try:
                 work.on_step(mine)
             except Exception as exc:

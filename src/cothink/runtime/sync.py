@@ -56,10 +56,14 @@ class SyncEngine:
     def release(self, block: Block) -> None:
         self._run(self.engine.release, block)
 
-    def extend(self, block: Block, text: str | None = None, token_ids: list[int] | None = None, **kw: Any) -> None:
+    def extend(
+        self, block: Block, text: str | None = None, token_ids: list[int] | None = None, **kw: Any
+    ) -> None:
         self._call(self.engine.extend(block, text, token_ids, **kw))
 
-    def probe(self, view: list[Block] | Block, question: str, choices=("yes", "no"), **kw: Any) -> dict[str, float]:
+    def probe(
+        self, view: list[Block] | Block, question: str, choices=("yes", "no"), **kw: Any
+    ) -> dict[str, float]:
         return self._call(self.engine.probe(view, question, choices, **kw))
 
     def generate(self, view: list[Block] | Block, **kw: Any) -> GenerationResult:

@@ -109,7 +109,11 @@ class ExtendWork(Work):
 
     def items(self, n: int) -> list[StepItem]:
         self._chunk = n
-        return [StepItem(self.block, self.pending[:n], self.view, logits="last" if n == len(self.pending) else "none")]
+        return [
+            StepItem(
+                self.block, self.pending[:n], self.view, logits="last" if n == len(self.pending) else "none"
+            )
+        ]
 
     def on_step(self, logits: list[torch.Tensor]) -> None:
         del self.pending[: self._chunk]
@@ -133,8 +137,15 @@ class GenerateWork(Work):
     kind = "generate"
 
     def __init__(
-        self, engine: Engine, name: str, priority: Priority, view: list[Block], sampler: Sampler,
-        max_tokens: int, stop: tuple[str, ...], stop_token_ids: frozenset[int],
+        self,
+        engine: Engine,
+        name: str,
+        priority: Priority,
+        view: list[Block],
+        sampler: Sampler,
+        max_tokens: int,
+        stop: tuple[str, ...],
+        stop_token_ids: frozenset[int],
     ):
         super().__init__(engine, name, priority, view)
         self.sampler, self.max_tokens = sampler, max_tokens
@@ -247,7 +258,12 @@ class ProbeWork(Work):
     kind = "probe"
 
     def __init__(
-        self, engine: Engine, name: str, priority: Priority, view: list[Block], question: list[int],
+        self,
+        engine: Engine,
+        name: str,
+        priority: Priority,
+        view: list[Block],
+        question: list[int],
         choices: dict[str, list[int]],
     ):
         scratch = engine.runner.new_block(f"{name}-probe")

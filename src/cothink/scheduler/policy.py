@@ -37,7 +37,9 @@ class Priority:
         try:
             return Priority(PriorityClass[str(value).upper()])
         except KeyError:
-            raise ValueError(f"priority must be 'interactive', 'background' or a Priority, got {value!r}") from None
+            raise ValueError(
+                f"priority must be 'interactive', 'background' or a Priority, got {value!r}"
+            ) from None
 
     def __post_init__(self) -> None:
         if not self.weight > 0:
