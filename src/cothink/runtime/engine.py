@@ -462,7 +462,8 @@ class Engine:
                 self._fail(
                     work,
                     PoolExhaustedError(
-                        f"KV pool cannot hold {n} more tokens for {work.name!r} ({need} pages needed, {free[0]} free)"
+                        f"KV pool cannot hold {n} more tokens for {work.name!r} "
+                        f"({need} pages needed, {free[0]} free)"
                     ),
                 )
             else:

@@ -1,0 +1,65 @@
+"""Typed errors raised by cothink.
+
+Every error derives from :class:`CothinkError` and also from the closest builtin exception, so callers
+may catch either ``CothinkError`` subclasses or the usual builtins (``ValueError``, ``KeyError``, ...).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CothinkError",
+    "ModelNotFoundError",
+    "UnsupportedModelError",
+    "InvalidViewError",
+    "BlockFreedError",
+    "UnknownBlockError",
+    "EmptyInputError",
+    "InputTooLongError",
+    "BlockBusyError",
+    "PoolExhaustedError",
+    "EngineClosedError",
+]
+
+
+class CothinkError(Exception):
+    """Base class of every error raised by cothink."""
+
+
+class ModelNotFoundError(CothinkError, FileNotFoundError):
+    """Raised when a model name is unknown or a model folder is missing or lacks config.json."""
+
+
+class UnsupportedModelError(CothinkError, ValueError):
+    """Raised when a model's architecture or configuration is not supported by the runtime."""
+
+
+class InvalidViewError(CothinkError, ValueError):
+    """Raised when a view or fork of a block names positions outside the block or is malformed."""
+
+
+class BlockFreedError(CothinkError, ValueError):
+    """Raised when a block is used after it has been freed."""
+
+
+class UnknownBlockError(CothinkError, KeyError):
+    """Raised when a block id does not belong to this runner or pool."""
+
+
+class EmptyInputError(CothinkError, ValueError):
+    """Raised when an operation that needs tokens is given none."""
+
+
+class InputTooLongError(CothinkError, ValueError):
+    """Raised when the input would exceed the model's or the block's maximum length."""
+
+
+class BlockBusyError(CothinkError, RuntimeError):
+    """Raised when a block is written while another coroutine is writing the same block."""
+
+
+class PoolExhaustedError(CothinkError, MemoryError):
+    """Raised when the memory pool has no free pages left for a request."""
+
+
+class EngineClosedError(CothinkError, RuntimeError):
+    """Raised when work is submitted to an engine or runner that has been closed."""
