@@ -44,7 +44,9 @@ class ModelRunner:
             max_context or getattr(cfg.hf_text_config, "max_position_embeddings", None) or 1 << 20
         )
         # A dense [B|A] summary pays off once replaying the body costs more than applying a K x K map.
-        self.dense_summary_min_tokens = dense_summary_min_tokens or (4 * cfg.gdn.k_dim if cfg.gdn else 0)
+        if dense_summary_min_tokens is None:
+            dense_summary_min_tokens = 4 * cfg.gdn.k_dim if cfg.gdn else 0
+        self.dense_summary_min_tokens = dense_summary_min_tokens
 
     # ---- blocks -------------------------------------------------------------------------------
     def new_block(self, name: str | None = None) -> Block:
@@ -120,15 +122,19 @@ class ModelRunner:
         if len({item.block.id for item in items}) != len(items):
             raise InvalidViewError("two items in one step write the same block")
         self.store.reserve([(item.block, item.block.length + len(item.token_ids)) for item in items])
-        batch = ViewBatch(self.store, self.rotary, items, self.dense_summary_min_tokens)
-        ids = torch.tensor(
-            [t for item in items for t in item.token_ids], dtype=torch.long, device=self.device
-        )
         try:
+            batch = ViewBatch(self.store, self.rotary, items, self.dense_summary_min_tokens)
+            ids = [t for item in items for t in item.token_ids]
             with torch.inference_mode():
-                logits = self.model(ids, batch, batch.logit_rows().to(self.device))
+                logits = self.model(
+                    torch.tensor(ids, device=self.device), batch, batch.logit_rows().to(self.device)
+                )
         except BaseException:
-            batch.rollback()
+            # Undo the failed step: lengths were not committed; drop appended GDN records and pages.
+            for item in items:
+                for rec in item.block.linear:
+                    rec.truncate(item.block.length)
+                self.store.unreserve(item.block)
             raise
         batch.commit()
         out, row = [], 0

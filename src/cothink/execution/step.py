@@ -78,11 +78,11 @@ class ViewBatch:
             if store.attn_slot:
                 plan.slots = [store.slots(b, 0, ln) for b, ln in zip(item.view, lengths)]
                 writes.append(plan.slots[-1][start:])
-                writer_pos = offsets[-1] + torch.arange(start, start + n)
+                writer_pos = offsets[-1] + torch.arange(start, start + n, device=store.device)
                 for j, offset in enumerate(offsets):
                     rel = writer_pos - offset  # query position relative to block j's start
                     last = j == len(offsets) - 1
-                    plan.rotations.append((*rotary.cos_sin(rel.to(store.device)), rel if last else None))
+                    plan.rotations.append((*rotary.cos_sin(rel), rel if last else None))
             local.append(torch.arange(start, start + n))
             self.plans.append(plan)
             row += n
@@ -156,13 +156,6 @@ class ViewBatch:
         """The view key of item i once the step is committed."""
         block = self.items[i].block
         return self.plans[i].view_key[:-1] + ((block.id, block.version, block.length),)
-
-    def rollback(self) -> None:
-        """Undo a failed step: drop appended linear records and pages beyond the committed lengths."""
-        for item, plan in zip(self.items, self.plans):
-            for rec in item.block.linear:
-                rec.truncate(plan.start)
-            self.store.unreserve(item.block)
 
     def logit_rows(self) -> torch.Tensor:
         rows: list[int] = []

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -113,31 +114,37 @@ class BlockStore:
         del block.pages[keep:]
 
     # ---- pages ------------------------------------------------------------------------------
-    def pages_needed(self, block: Block, new_length: int) -> int:
-        """Fresh pages that growing `block` to new_length takes, copy-on-write copies included."""
-        needed = max(0, -(-new_length // self.page_size) - len(block.pages))
+    def _shared_tail(self, block: Block, new_length: int) -> int | None:
+        """The page a block would append into while a fork still shares it (it must be copied first)."""
         if block.length % self.page_size and new_length > block.length:
-            last = block.pages[block.length // self.page_size]
-            needed += self.pool.refcount[last] > 1
-        return needed
+            page = block.pages[block.length // self.page_size]
+            if self.pool.refcount[page] > 1:
+                return page
+        return None
+
+    def pages_needed(self, block: Block, new_length: int) -> int:
+        """Fresh pages that growing `block` to new_length takes, copy-on-write copy included."""
+        fresh = max(0, -(-new_length // self.page_size) - len(block.pages))
+        return fresh + (self._shared_tail(block, new_length) is not None)
 
     def reserve(self, growth: list[tuple[Block, int]]) -> None:
         """Make room for each (block, new_length); all or nothing."""
-        total = sum(self.pages_needed(b, n) for b, n in growth)
-        if total > self.pool.free_pages:
+        fresh = sum(max(0, -(-n // self.page_size) - len(b.pages)) for b, n in growth)
+        # k writers into one shared page need min(k, refcount - 1) copies: the last one keeps the original
+        writers = Counter(p for p in (self._shared_tail(b, n) for b, n in growth) if p is not None)
+        copies = sum(min(k, self.pool.refcount[p] - 1) for p, k in writers.items())
+        if fresh + copies > self.pool.free_pages:
             raise PoolExhaustedError(
-                f"KV pool exhausted: this step needs {total} pages, {self.pool.free_pages} free "
+                f"KV pool exhausted: this step needs {fresh + copies} pages, {self.pool.free_pages} free "
                 f"of {self.pool.num_pages} ({self.page_size} tokens each)"
             )
         for block, new_length in growth:
-            if block.length % self.page_size and new_length > block.length:
-                index = block.length // self.page_size
-                old = block.pages[index]
-                if self.pool.refcount[old] > 1:  # shared with a fork: copy before writing into it
-                    (fresh,) = self.pool.allocate(1)
-                    self.pool.copy_page(old, fresh)
-                    self.pool.release(old)
-                    block.pages[index] = fresh
+            shared = self._shared_tail(block, new_length)
+            if shared is not None:
+                (copy,) = self.pool.allocate(1)
+                self.pool.copy_page(shared, copy)
+                self.pool.release(shared)
+                block.pages[block.length // self.page_size] = copy
             extra = -(-new_length // self.page_size) - len(block.pages)
             if extra > 0:
                 block.pages.extend(self.pool.allocate(extra))

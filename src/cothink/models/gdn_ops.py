@@ -91,7 +91,8 @@ def affine_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torc
     n, h, kd = k.shape
     aug_v = torch.cat((v, v.new_zeros(n, h, kd)), dim=-1)
     start = torch.cat(
-        (v.new_zeros(h, kd, v.shape[-1]), torch.eye(kd, dtype=v.dtype).expand(h, kd, kd)), dim=-1
+        (v.new_zeros(h, kd, v.shape[-1]), torch.eye(kd, dtype=v.dtype, device=v.device).expand(h, kd, kd)),
+        dim=-1,
     )
     _, packed = delta_rule(k, k, aug_v, g, beta, start)  # the query is irrelevant; reuse k
     return packed

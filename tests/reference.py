@@ -1,0 +1,199 @@
+"""A slow, obviously-correct reference for views, working from a runner's stored memory.
+
+`reference_logits(runner, view, token_ids)` returns the logits that appending `token_ids` after the
+blocks of `view` must give, computed in float64 with none of cothink's attention, GDN or linear-state
+code (only the runner's module weights and what the runner stored for each block):
+
+- full attention: every stored key (rotated at block-local position i) is rotated further by its block's
+  view offset o (RoPE rotations compose: R(o) R(i) = R(o + i)), new keys and queries are rotated at their
+  absolute view positions, and plain causal softmax attention runs over the concatenation;
+- Gated DeltaNet: the view blocks' stored pre-conv rows, log decays g and betas are concatenated with the
+  new tokens' ones, the depthwise causal conv runs over the whole concatenation from a zero history, and
+  the delta rule is replayed one token at a time in an explicit Python loop.
+
+Call it BEFORE `runner.extend` so it sees the same memory the runner reads. Also small test utilities.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+import torch.nn.functional as F
+
+ATOL = 1e-4  # the issue's tolerance for fp32 logits
+DT = torch.float64
+
+
+def random_ids(n: int, seed: int | random.Random, vocab: int = 300) -> list[int]:
+    rng = seed if isinstance(seed, random.Random) else random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+    return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+
+
+# ---- plain math -----------------------------------------------------------------------------------
+def _w(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to(DT)
+
+
+def _linear(x: torch.Tensor, module: torch.nn.Linear) -> torch.Tensor:
+    y = x @ _w(module.weight).T
+    return y + _w(module.bias) if module.bias is not None else y
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
+    w = _w(weight)
+    y = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y * (1.0 + w) if zero_centred else y * w
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+class RefRope:
+    """RoPE frequencies from transformers' own rotary module for the family; angles in float64."""
+
+    def __init__(self, runner):
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
+
+        cls = {"llama": LlamaRotaryEmbedding, "qwen3": Qwen3RotaryEmbedding,
+               "qwen3_5": Qwen3_5TextRotaryEmbedding}[runner.config.family]
+        hf = cls(config=runner.config.hf_text_config)
+        self.inv_freq = hf.inv_freq.detach().to(DT)
+        self.scaling = float(hf.attention_scaling)  # YaRN's attention factor multiplies cos and sin
+        self.rotary_dim = 2 * self.inv_freq.numel()
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, scaled: bool = True) -> torch.Tensor:
+        """Rotate x [T, H, D] by positions [T] (first rotary_dim channels, halves layout as in HF)."""
+        angles = positions.to(DT)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)[:, None, :]
+        cos, sin = angles.cos(), angles.sin()
+        if scaled:
+            cos, sin = cos * self.scaling, sin * self.scaling
+        r = self.rotary_dim
+        rot, rest = x[..., :r], x[..., r:]
+        half = r // 2
+        rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        return torch.cat((rot * cos + rotated_half * sin, rest), dim=-1)
+
+
+def _causal_attention(q, k, v, q_pos, k_pos, scale):
+    """q [T, H, D], k/v [L, Hkv, D]; key j visible to query t iff k_pos[j] <= q_pos[t]."""
+    rep = q.shape[1] // k.shape[1]
+    # query head h reads kv head h // rep
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = torch.einsum("thd,lhd->htl", q, k) * scale
+    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    return torch.einsum("htl,lhd->thd", scores.softmax(dim=-1), v)
+
+
+# ---- the reference forward -----------------------------------------------------------------------
+@torch.no_grad()
+def reference_logits(runner, view: list, token_ids: list[int]) -> torch.Tensor:
+    """float64 logits [len(token_ids), vocab] of token_ids appended after the blocks of `view`.
+
+    `view` lists already written blocks in view order; it may end with the block being written (with
+    its current content) or leave it out when that block is still empty.
+    """
+    cfg, store, model = runner.config, runner.store, runner.model
+    rope = RefRope(runner)
+    lengths = [b.length for b in view]  # one position per text token
+    offsets = [sum(lengths[:j]) for j in range(len(view))]
+    past = sum(lengths)
+    n = len(token_ids)
+    new_pos = torch.arange(past, past + n)
+    eps, zc = cfg.rms_norm_eps, cfg.zero_centred_norm
+
+    x = _w(model.model.embed_tokens.weight)[torch.tensor(token_ids)]
+    for index, layer in enumerate(model.model.layers):
+        h = _rms_norm(x, layer.input_layernorm.weight, eps, zc)
+        if hasattr(layer, "self_attn"):
+            slot = store.attn_slot[index]
+            mix = _attention_layer(runner, rope, layer.self_attn, slot, view, lengths, offsets, h, new_pos)
+        else:
+            mix = _gdn_layer(cfg, layer.linear_attn, store.linear_slot[index], view, lengths, h)
+        x = x + mix
+        h = _rms_norm(x, layer.post_attention_layernorm.weight, eps, zc)
+        mlp = layer.mlp
+        x = x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
+    x = _rms_norm(x, model.model.norm.weight, eps, zc)
+    return x @ _w(model.lm_head.weight).T
+
+
+def _attention_layer(runner, rope, attn, slot, view, lengths, offsets, h, new_pos):
+    cfg, store = runner.config, runner.store
+    n, d = h.shape[0], cfg.head_dim
+    q = _linear(h, attn.q_proj).view(n, cfg.num_heads, -1)
+    gate = None
+    if cfg.attn_output_gate:  # per head: [query | gate]
+        q, gate = q[..., :d], q[..., d:].reshape(n, -1)
+    k = _linear(h, attn.k_proj).view(n, cfg.num_kv_heads, d)
+    v = _linear(h, attn.v_proj).view(n, cfg.num_kv_heads, d)
+    if cfg.qk_norm:
+        q = _rms_norm(q, attn.q_norm.weight, cfg.rms_norm_eps, cfg.zero_centred_norm)
+        k = _rms_norm(k, attn.k_norm.weight, cfg.rms_norm_eps, cfg.zero_centred_norm)
+    keys, values, key_pos = [], [], []
+    for block, length, offset in zip(view, lengths, offsets):
+        if length == 0:
+            continue
+        slots = store.slots(block, 0, length)
+        stored_k = store.pool.k[slot, slots].to(DT)  # rotated at block-local positions 0..length-1
+        # R(offset) R(i) = R(offset + i); unscaled: the stored key already carries the YaRN factor once
+        keys.append(rope.rotate(stored_k, torch.full((length,), offset), scaled=False))
+        values.append(store.pool.v[slot, slots].to(DT))
+        key_pos.append(torch.arange(offset, offset + length))
+    keys.append(rope.rotate(k, new_pos))
+    values.append(v)
+    key_pos.append(new_pos)
+    out = _causal_attention(rope.rotate(q, new_pos), torch.cat(keys), torch.cat(values), new_pos,
+                            torch.cat(key_pos), d**-0.5).reshape(n, -1)
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
+    return _linear(out, attn.o_proj)
+
+
+def _gdn_layer(cfg, mixer, slot, view, lengths, h):
+    g_cfg, n = cfg.gdn, h.shape[0]
+    hv, kd, vd = g_cfg.num_v_heads, g_cfg.k_dim, g_cfg.v_dim
+    rows_new = _linear(h, mixer.in_proj_qkv)
+    beta_new = torch.sigmoid(_linear(h, mixer.in_proj_b))
+    g_new = -torch.exp(_w(mixer.A_log)) * F.softplus(_linear(h, mixer.in_proj_a) + _w(mixer.dt_bias))
+    rows = [b.linear[slot].rows.data[:ln].to(DT) for b, ln in zip(view, lengths)] + [rows_new]
+    gs = [b.linear[slot].g.data[:ln].to(DT) for b, ln in zip(view, lengths)] + [g_new]
+    betas = [b.linear[slot].beta.data[:ln].to(DT) for b, ln in zip(view, lengths)] + [beta_new]
+    rows, gs, betas = torch.cat(rows), torch.cat(gs), torch.cat(betas)
+    total, before = rows.shape[0], rows.shape[0] - n
+
+    # depthwise causal conv from a zero history, then SiLU
+    weight = _w(mixer.conv1d.weight)[:, 0, :]  # [C, W]
+    width = weight.shape[1]
+    padded = torch.cat((rows.new_zeros(width - 1, rows.shape[1]), rows))
+    conv = sum(padded[j : j + total] * weight[:, j] for j in range(width))
+    post = F.silu(conv)
+
+    q, k, v = post.split([g_cfg.key_dim, g_cfg.key_dim, g_cfg.value_dim], dim=-1)
+    rep = hv // g_cfg.num_k_heads  # value head h reads key head h // rep
+    q = _l2norm(q.reshape(total, -1, kd)).repeat_interleave(rep, dim=1) * kd**-0.5
+    k = _l2norm(k.reshape(total, -1, kd)).repeat_interleave(rep, dim=1)
+    v = v.reshape(total, hv, vd)
+
+    state = torch.zeros(hv, kd, vd, dtype=DT)
+    outs = []
+    for t in range(total):
+        state = torch.exp(gs[t])[:, None, None] * state
+        recalled = torch.einsum("hk,hkv->hv", k[t], state)
+        state = state + k[t][:, :, None] * (betas[t][:, None] * (v[t] - recalled))[:, None, :]
+        if t >= before:
+            outs.append(torch.einsum("hk,hkv->hv", q[t], state))
+    core = torch.stack(outs)  # [n, HV, V]
+
+    z = _linear(h, mixer.in_proj_z).view(n, hv, vd)
+    normed = _rms_norm(core, mixer.norm.weight, cfg.rms_norm_eps, zero_centred=False) * F.silu(z)
+    return _linear(normed.reshape(n, -1), mixer.out_proj)
