@@ -47,10 +47,11 @@ class _Plan:
     start: int  # the writer block's length at step start
     lengths: list[int]  # snapshot length of each view block (writer: start + new tokens)
     offsets: list[int]  # view position of each block's first token
-    slots: list[torch.Tensor] = field(default_factory=list)  # pool slots of each view block's keys
-    # per view block: cos/sin rotating the item's queries to their position relative to the block,
-    # and the causal limit (None: the whole block is visible). Layer-independent, so built once.
-    rotations: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    # Key runs the item attends to: (pool slots, cos, sin, causal). cos/sin rotate the item's queries
+    # to their positions relative to the run's block. Every block before the writer is one wholly
+    # visible run; the writer block is its old tokens (visible) plus this step's tokens (causal).
+    # Layer-independent, so built once per step.
+    runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = field(default_factory=list)
     view_key: tuple = ()  # identity of the view's content before this step (for the GDN state cache)
 
 
@@ -76,13 +77,15 @@ class ViewBatch:
             plan = _Plan(slice(row, row + n), start, lengths, offsets)
             plan.view_key = view_key(item.view, [*before, start])
             if store.attn_slot:
-                plan.slots = [store.slots(b, 0, ln) for b, ln in zip(item.view, lengths)]
-                writes.append(plan.slots[-1][start:])
                 writer_pos = offsets[-1] + torch.arange(start, start + n, device=store.device)
-                for j, offset in enumerate(offsets):
-                    rel = writer_pos - offset  # query position relative to block j's start
-                    last = j == len(offsets) - 1
-                    plan.rotations.append((*rotary.cos_sin(rel), rel if last else None))
+                for j, (block, length, offset) in enumerate(zip(item.view, lengths, offsets)):
+                    cos, sin = rotary.cos_sin(writer_pos - offset)  # positions relative to block j
+                    slots = store.slots(block, 0, length)
+                    old = slots[:start] if j == len(offsets) - 1 else slots
+                    if old.numel():
+                        plan.runs.append((old, cos, sin, False))
+                plan.runs.append((slots[start:], cos, sin, True))
+                writes.append(slots[start:])
             local.append(torch.arange(start, start + n))
             self.plans.append(plan)
             row += n
@@ -100,12 +103,10 @@ class ViewBatch:
         for plan in self.plans:
             q_item = q[plan.rows]
             outs, lses = [], []
-            for slots, (cos, sin, limit) in zip(plan.slots, plan.rotations):
-                if slots.numel() == 0:
-                    continue
+            for slots, cos, sin, causal in plan.runs:
                 keys, values = pool.k[slot, slots], pool.v[slot, slots]
                 o, lse = partial_attention(
-                    self.rotary.apply(q_item, cos, sin), keys, values, self.scale, limit
+                    self.rotary.apply(q_item, cos, sin), keys, values, self.scale, causal
                 )
                 outs.append(o)
                 lses.append(lse)
