@@ -81,10 +81,14 @@ class ViewBatch:
                 for j, (block, length, offset) in enumerate(zip(item.view, lengths, offsets)):
                     cos, sin = rotary.cos_sin(writer_pos - offset)  # positions relative to block j
                     slots = store.slots(block, 0, length)
-                    old = slots[:start] if j == len(offsets) - 1 else slots
-                    if old.numel():
-                        plan.runs.append((old, cos, sin, False))
-                plan.runs.append((slots[start:], cos, sin, True))
+                    if j < len(offsets) - 1 and length:
+                        plan.runs.append((slots, cos, sin, False))
+                if n == 1:  # a single new token sees its whole block: one run
+                    plan.runs.append((slots, cos, sin, False))
+                else:
+                    if start:
+                        plan.runs.append((slots[:start], cos, sin, False))
+                    plan.runs.append((slots[start:], cos, sin, True))
                 writes.append(slots[start:])
             local.append(torch.arange(start, start + n))
             self.plans.append(plan)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections import deque
-
 import torch
 
 from cothink.errors import PoolExhaustedError
@@ -32,7 +30,8 @@ class KVPool:
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.refcount = [0] * num_pages
-        self._free: deque[int] = deque(range(num_pages))
+        # LIFO: recently freed pages are reused first, so memory stays warm and small in long runs
+        self._free = list(range(num_pages - 1, -1, -1))
 
     @property
     def free_pages(self) -> int:
@@ -53,7 +52,7 @@ class KVPool:
                 f"KV pool exhausted: need {count} pages, {len(self._free)} of {self.num_pages} free "
                 f"(page size {self.page_size} tokens)"
             )
-        pages = [self._free.popleft() for _ in range(count)]
+        pages = [self._free.pop() for _ in range(count)]
         for p in pages:
             self.refcount[p] = 1
         return pages

@@ -19,7 +19,6 @@ import torch
 from cothink.errors import (
     BlockBusyError,
     BlockFreedError,
-    CothinkError,
     EmptyInputError,
     EngineClosedError,
     InputTooLongError,
@@ -92,6 +91,7 @@ class EngineLimits:
     pool_wait_s: float = 30.0
     max_input_tokens: int | None = None  # per extend/probe call
     timeline_steps: int = 100_000  # step records kept for traces
+    max_tracked_coroutines: int = 10_000  # per-coroutine stats kept (oldest dropped first)
 
 
 class Generation:
@@ -122,6 +122,8 @@ class Generation:
         finally:
             if self.result is None:  # the consumer was cancelled or stopped early
                 self._work.engine._cancel(self._work)
+                work = self._work
+                self.result = GenerationResult(work.text, list(work.token_ids), "cancelled")
 
     async def collect(self) -> GenerationResult:
         async for _ in self:
@@ -278,6 +280,7 @@ class Engine:
         name: str | None = None,
     ) -> None:
         """Append input to `block`, read under `view` (default [block]); returns once it is in memory."""
+        self._require_running()
         view = self._check_view(view if view is not None else [block])
         if view[-1] is not block:
             raise ValueError(f"the view must end with the written block {block.name!r}")
@@ -288,7 +291,7 @@ class Engine:
             self, self._name(name), Priority.parse(priority, PriorityClass.BACKGROUND), view, tokens
         )
         self._submit(work)
-        await work.future
+        await self._wait(work)
 
     def generate(
         self,
@@ -307,6 +310,7 @@ class Engine:
         stop_at_eos: bool = True,
     ) -> Generation:
         """Generate into view[-1]; iterate the result for Pieces or `await ...collect()`."""
+        self._require_running()
         view = self._check_view(view)
         if max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
@@ -345,6 +349,7 @@ class Engine:
     ) -> dict[str, float]:
         """Probabilities of each choice right after `question` is read after `view` (one forward pass
         for single-token choices). Choices are tokenized exactly as given (mind a leading space)."""
+        self._require_running()
         view = self._check_view(view)
         q = self._tokens(
             question if isinstance(question, str) else None,
@@ -360,13 +365,25 @@ class Engine:
             self, self._name(name), Priority.parse(priority, PriorityClass.INTERACTIVE), view, q, encoded
         )
         self._submit(work)
-        return await work.future
+        return await self._wait(work)
+
+    async def _wait(self, work: ExtendWork | ProbeWork):
+        """Await a work's result; if the caller is cancelled, the work stops before the next step."""
+        try:
+            return await work.future
+        except asyncio.CancelledError:
+            self._cancel(work)
+            raise
 
     # ---- accounting ---------------------------------------------------------------------------
     def _stats(self, name: str) -> CoroutineStats:
-        if name not in self.stats:
-            self.stats[name] = CoroutineStats(name)
-        return self.stats[name]
+        stats = self.stats.get(name)
+        if stats is None:
+            stats = self.stats[name] = CoroutineStats(name)
+            # Keep the most recent coroutines only: default names (task names) are unique per task.
+            while len(self.stats) > self.limits.max_tracked_coroutines:
+                del self.stats[next(iter(self.stats))]
+        return stats
 
     def memory(self):
         return self.runner.store.stats()
@@ -408,15 +425,19 @@ class Engine:
             tokens = list(token_ids)
         if not tokens:
             raise EmptyInputError("the input is empty")
+        vocab = self.runner.config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in tokens):
+            raise ValueError(f"token ids must be ints in [0, {vocab})")
         limit = self.limits.max_input_tokens
         if limit is not None and len(tokens) > limit:
             raise InputTooLongError(f"{len(tokens)} input tokens exceed the limit of {limit}")
         return tokens
 
-    def _submit(self, work: Work) -> None:
+    def _require_running(self) -> None:
         if not self.running:
-            work.fail(EngineClosedError("the engine is not running: use `async with engine:`"))
             raise EngineClosedError("the engine is not running: use `async with engine:`")
+
+    def _submit(self, work: Work) -> None:
         for b in work.reads:
             self._holds[b.id] += 1
         if not isinstance(work, ProbeWork):
@@ -491,7 +512,14 @@ class Engine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if self._step():
+            try:
+                ran = self._step()
+            except Exception as exc:  # a bug in planning must not kill the loop: fail what is queued
+                log.exception("engine step crashed; failing queued works")
+                for work in list(self._works):
+                    self._fail(work, exc)
+                continue
+            if ran:
                 await asyncio.sleep(0)  # let coroutines stream, cancel and append input between steps
                 continue
             # Nothing could run (all waiting for memory): wait for a release instead of spinning.
@@ -522,7 +550,7 @@ class Engine:
                 else:
                     self._fail(work, exc)
                 continue
-            except CothinkError as exc:
+            except Exception as exc:  # a bad work fails alone; the step goes on without it
                 self._fail(work, exc)
                 continue
             if work.first_scheduled is None:
