@@ -251,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", default=DEMO_PROMPT, help="override the demo prompt")
     add_common(p, 128)
     p.set_defaults(func=_cmd_demo)
+
+    from cothink.eval.cli import add_parser as add_eval_parser
+
+    add_eval_parser(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""The evaluation suite: `cothink eval <suite>|all` (see docs/evaluation.md)."""

@@ -1,0 +1,264 @@
+"""`cothink eval <suite>|all`: run the evaluation suites and write a results folder.
+
+Wiring: `cothink.cli` calls `add_parser(subparsers)`; the parser's `func` is `run(args)`.
+Also runnable as `python -m cothink.eval ...`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUITE_NAMES = ("sync-cost", "latency", "interrupts", "consistency", "soak", "faults", "cost")
+DEFAULT_MODELS = "smollm2,qwen35-random"
+
+
+def _suite_modules() -> dict[str, Any]:
+    from cothink.eval.suites import consistency, cost, faults, interrupts, latency, soak, sync_cost
+
+    mods = (sync_cost, latency, interrupts, consistency, soak, faults, cost)
+    return {m.NAME: m for m in mods}
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "eval",
+        help="run the evaluation suites (sync cost, latency, interrupts, consistency, soak, faults, cost)",
+        description="Run evaluation suites comparing cothink with turn-based / text-passing baselines in "
+        "the same "
+        "process on the same weights, and write a results folder (report.md, PNG plots, raw JSON/CSV, "
+        "config.json).",
+    )
+    p.add_argument("suite", choices=[*SUITE_NAMES, "all"], help="which suite to run, or 'all'")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes (minutes on a 2-core CPU); the report states where quick mode stops",
+    )
+    p.add_argument("--out", default=None, help="results folder (default: results/eval-<timestamp>)")
+    p.add_argument(
+        "--models",
+        default=DEFAULT_MODELS,
+        help=f"comma-separated models: smollm2, qwen35-random or a local folder (default: {DEFAULT_MODELS})",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        help="soak duration in seconds per model (default: 30 with --quick, 600 otherwise)",
+    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    p.add_argument(
+        "--threads",
+        default="auto",
+        help="torch threads: a number, or 'auto' (torch's default, but 1 when the machine is already "
+        "busy: OpenMP spin-waits make 2 threads on a contended 2-core CPU several times slower)",
+    )
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
+    p.set_defaults(func=run)
+    return p
+
+
+@dataclass(frozen=True)
+class Speed:
+    """Measured on the loaded model, to estimate the run's duration."""
+
+    prefill_tps: float
+    step_s: float
+
+
+def _calibrate(model: Any) -> Speed:
+    import asyncio
+
+    async def go() -> Speed:
+        engine = model.engine(kv_tokens=1024)
+        async with engine:
+            block = engine.block("calibration")
+            ids = model.encode("The plant log records readings from every sensor on the floor. " * 20)[:128]
+            t0 = time.perf_counter()
+            await engine.extend(block, token_ids=ids, name="calibration")
+            prefill = 128 / (time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            await engine.generate(block, max_tokens=6, stop_at_eos=False, name="calibration").collect()
+            step = (time.perf_counter() - t0) / 6
+        return Speed(prefill, step)
+
+    return asyncio.run(go())
+
+
+def _threads(choice: str) -> tuple[int, str]:
+    import torch
+
+    if choice != "auto":
+        n = int(choice)
+        torch.set_num_threads(n)
+        return n, "set by --threads"
+    default = torch.get_num_threads()
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    cpus = os.cpu_count() or 1
+    if default > 1 and load >= cpus - 0.5:
+        torch.set_num_threads(1)
+        return 1, f"auto: 1-minute load average {load:.1f} on {cpus} CPUs, so 1 thread instead of {default}"
+    return default, "auto: torch default (machine not busy)"
+
+
+def _command_line() -> str:
+    argv = list(sys.argv)
+    if argv and argv[0].endswith("__main__.py") and "eval" in Path(argv[0]).parts[-2:-1]:
+        return shlex.join(["python", "-m", "cothink.eval", *argv[1:]])
+    if argv and Path(argv[0]).name == "cothink":
+        return shlex.join(["cothink", *argv[1:]])
+    return shlex.join(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import warnings
+
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table as RichTable
+
+    from cothink.eval import models as model_zoo
+    from cothink.eval import report
+    from cothink.eval.common import SuiteContext, SuiteResult
+
+    warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+    except Exception:
+        pass
+    logging.getLogger("cothink").setLevel(logging.ERROR)
+
+    console = Console(stderr=True)
+    if not console.is_terminal:  # a log file: don't wrap at 80 columns
+        console = Console(stderr=True, width=160)
+    t_start = time.perf_counter()
+    modules = _suite_modules()
+    suites = list(SUITE_NAMES) if args.suite == "all" else [args.suite]
+    model_keys = [m.strip() for m in args.models.split(",") if m.strip()]
+    out = Path(args.out) if args.out else Path("results") / time.strftime("eval-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    threads, reason = _threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    command = _command_line()
+    console.print(
+        f"[bold]cothink eval[/bold] {args.suite} ({'quick' if args.quick else 'full'}) on "
+        f"{', '.join(model_keys)}; torch threads {threads} ({reason}); results in {out}"
+    )
+
+    loaded = []
+    with console.status("loading models") as status:
+        for key in model_keys:
+            status.update(f"loading {key}")
+            loaded.append(model_zoo.load(key, dtype))
+            status.update(f"calibrating {key}")
+            speed = _calibrate(loaded[-1])
+            loaded[-1].info["calibration"] = {
+                "prefill_tok_s": speed.prefill_tps,
+                "decode_step_s": speed.step_s,
+            }
+    plans = {name: modules[name].plan(args.quick, args.duration) for name in suites}
+    expected = 0.0
+    for m in loaded:
+        speed = Speed(m.info["calibration"]["prefill_tok_s"], m.info["calibration"]["decode_step_s"])
+        expected += sum(modules[name].estimate_s(plans[name], speed) for name in suites)
+        console.print(
+            f"  {m.key}: prefill {speed.prefill_tps:.0f} tok/s, decode step {speed.step_s * 1000:.0f} ms"
+        )
+    console.print(
+        f"[bold]expected duration: about {expected / 60:.1f} min[/bold] "
+        f"(estimated from the calibration above; load on the machine changes it)"
+    )
+
+    config = report.environment(command, threads, reason, args.dtype, loaded)
+    config.update(quick=args.quick, suites=suites, plans=plans, seed=args.seed, expected_duration_s=expected)
+    results: list[SuiteResult] = []
+    progress = Progress(
+        SpinnerColumn(),
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
+    import asyncio
+
+    with progress:
+        overall = progress.add_task("evaluation", total=len(loaded) * len(suites))
+        for m in loaded:
+            for name in suites:
+                label = f"{m.key} / {name}"
+                progress.update(overall, description=label)
+                ctx = SuiteContext(
+                    m,
+                    args.quick,
+                    out,
+                    args.duration,
+                    seed=args.seed,
+                    progress=lambda msg, label=label: progress.update(overall, description=f"{label}: {msg}"),
+                )
+                t0 = time.perf_counter()
+                try:
+                    result = asyncio.run(modules[name].run(ctx, dict(plans[name])))
+                except Exception as exc:
+                    result = SuiteResult(name, m.key, params=dict(plans[name]))
+                    result.error = "".join(traceback.format_exception(exc)[-3:]).strip()
+                result.elapsed_s = time.perf_counter() - t0
+                results.append(result)
+                progress.console.print(f"  {label}: [bold]{result.status}[/bold] in {result.elapsed_s:.0f} s")
+                progress.advance(overall)
+    elapsed = time.perf_counter() - t_start
+    config["elapsed_s"] = elapsed
+    config["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    import json
+
+    (out / "config.json").write_text(json.dumps(report._jsonable(config), indent=1))
+    report.write_raw(out, results)
+    (out / "report.md").write_text(report.render(results, config, modules, elapsed_s=elapsed))
+
+    table = RichTable(title=f"cothink eval: {elapsed:.0f} s")
+    table.add_column("suite")
+    for m in loaded:
+        table.add_column(m.key)
+    for name in suites:
+        row = [name]
+        for m in loaded:
+            r = next(x for x in results if x.suite == name and x.model == m.key)
+            colour = {"PASS": "green", "WARN": "yellow", "FAIL": "red"}[r.status]
+            row.append(f"[{colour}]{r.status}[/{colour}] ({r.elapsed_s:.0f} s)")
+        table.add_row(*row)
+    console.print(table)
+    for r in results:
+        for c in r.checks:
+            if c.status in ("FAIL", "WARN"):
+                console.print(
+                    f"  {r.suite}/{r.model}: {c.status} {c.name}" + (f" ({c.detail})" if c.detail else "")
+                )
+        if r.error:
+            console.print(f"  {r.suite}/{r.model}: crashed: {r.error.splitlines()[-1]}")
+    console.print(f"report: {out / 'report.md'}")
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cothink.eval")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_parser(sub)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] != "eval":
+        argv = ["eval", *argv]
+    args = parser.parse_args(argv)
+    return args.func(args)
