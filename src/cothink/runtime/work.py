@@ -95,13 +95,33 @@ class Work:
             self.fail(asyncio.CancelledError())
 
 
-class ExtendWork(Work):
+class FutureWork(Work):
+    """A work whose caller awaits one result (extend, probe)."""
+
+    def __init__(self, engine: Engine, name: str, priority: Priority, view: list[Block]):
+        super().__init__(engine, name, priority, view)
+        self.future: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def _resolve(self, value: object) -> None:
+        self.finished, self.outcome = True, "done"
+        if not self.future.done():
+            self.future.set_result(value)
+
+    def fail(self, exc: BaseException) -> None:
+        self.finished, self.outcome = True, _outcome(exc)
+        if not self.future.done():
+            if isinstance(exc, asyncio.CancelledError):
+                self.future.cancel()
+            else:
+                self.future.set_exception(exc)
+
+
+class ExtendWork(FutureWork):
     kind = "extend"
 
     def __init__(self, engine: Engine, name: str, priority: Priority, view: list[Block], tokens: list[int]):
         super().__init__(engine, name, priority, view)
         self.pending = list(tokens)
-        self.future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._chunk = 0
 
     def wanted_tokens(self) -> int:
@@ -118,17 +138,7 @@ class ExtendWork(Work):
     def on_step(self, logits: list[torch.Tensor]) -> None:
         del self.pending[: self._chunk]
         if not self.pending:
-            self.finished, self.outcome = True, "done"
-            if not self.future.done():
-                self.future.set_result(None)
-
-    def fail(self, exc: BaseException) -> None:
-        self.finished, self.outcome = True, _outcome(exc)
-        if not self.future.done():
-            if isinstance(exc, asyncio.CancelledError):
-                self.future.cancel()
-            else:
-                self.future.set_exception(exc)
+            self._resolve(None)
 
 
 class GenerateWork(Work):
@@ -247,7 +257,7 @@ class GenerateWork(Work):
             self.queue.put_nowait(exc)
 
 
-class ProbeWork(Work):
+class ProbeWork(FutureWork):
     """Prefill a question after the view in a scratch block and read the choices' probabilities.
 
     A choice is scored by the log-probability of its whole token sequence. Single-token choices
@@ -272,7 +282,6 @@ class ProbeWork(Work):
         self.choices = choices
         self.scores: dict[str, float] = {}
         self.forks: dict[str, Block] = {}
-        self.future: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
         self._chunk = 0
 
     @property
@@ -317,12 +326,10 @@ class ProbeWork(Work):
                     float(logp[i, t]) for i, t in enumerate(toks[1:])
                 )
         self._release()
-        self.finished, self.outcome = True, "done"
         top = max(self.scores.values())
         weights = {c: math.exp(s - top) for c, s in self.scores.items()}
         total = sum(weights.values())
-        if not self.future.done():
-            self.future.set_result({c: w / total for c, w in weights.items()})
+        self._resolve({c: w / total for c, w in weights.items()})
 
     def _release(self) -> None:
         for fork in self.forks.values():
@@ -334,12 +341,7 @@ class ProbeWork(Work):
 
     def fail(self, exc: BaseException) -> None:
         self._release()
-        self.finished, self.outcome = True, _outcome(exc)
-        if not self.future.done():
-            if isinstance(exc, asyncio.CancelledError):
-                self.future.cancel()
-            else:
-                self.future.set_exception(exc)
+        super().fail(exc)
 
 
 def _outcome(exc: BaseException) -> str:
