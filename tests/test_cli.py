@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from cothink import cli
+from cothink.runtime.text import IncrementalDecoder, chat_prompt_ids, stop_token_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,51 +66,38 @@ def test_incremental_decoder_multibyte(which, smollm2_tokenizer):
     tok = smollm2_tokenizer if which == "smollm2" else _qwen()
     text = "Hello 你好，世界! 🙂🚀 👩‍💻 naïve — ok.\n  indented  line"
     ids = tok.encode(text, add_special_tokens=False)
-    decoder = cli.IncrementalDecoder(tok)
+    decoder = IncrementalDecoder(tok)
     pieces = [decoder.push(i) for i in ids] + [decoder.flush()]
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
     assert not any("\ufffd" in p for p in pieces)
 
 
 def test_stop_ids(smollm2_tokenizer):
-    stops = cli.stop_token_ids(smollm2_tokenizer)
+    stops = stop_token_ids(smollm2_tokenizer)
     assert smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>") in stops
     assert smollm2_tokenizer.convert_tokens_to_ids("<|endoftext|>") in stops
-
-
-class _HFRunner:
-    """The runner contract (new_block / extend / tokenizer) on top of a transformers model."""
-
-    def __init__(self, folder):
-        import torch
-        from transformers import AutoTokenizer, LlamaForCausalLM
-
-        self.model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
-        self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-
-    def new_block(self):
-        return {"cache": None}
-
-    def extend(self, block, token_ids):
-        import torch
-
-        with torch.no_grad():
-            out = self.model(torch.tensor([token_ids]), past_key_values=block["cache"], use_cache=True)
-        block["cache"] = out.past_key_values
-        return out.logits[0].float()
 
 
 def _hf_greedy(runner, prompt, max_tokens):
     import torch
 
-    ids = cli.chat_prompt_ids(runner.tokenizer, prompt)
-    stops = sorted(cli.stop_token_ids(runner.tokenizer))
+    ids = chat_prompt_ids(runner.tokenizer, prompt)
+    stops = sorted(stop_token_ids(runner.tokenizer))
     prompt_ids = torch.tensor([ids])
     out = runner.model.generate(prompt_ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=stops)
     new = out[0, len(ids) :].tolist()
     if new and new[-1] in stops:
         new = new[:-1]
     return runner.tokenizer.decode(new, skip_special_tokens=True)
+
+
+class _HFRunner:
+    def __init__(self, folder):
+        import torch
+        from transformers import AutoTokenizer, LlamaForCausalLM
+
+        self.model = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True)
+        self.tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
 
 
 @pytest.fixture(scope="module")
@@ -122,19 +110,14 @@ def hf_runner():
 def test_stream_generation_matches_transformers_greedy(hf_runner):
     prompt = "Name three colors."
     out, err = io.StringIO(), io.StringIO()
-    count = cli.stream_generation(
-        "smollm2", prompt, max_tokens=16, dtype="float32", out=out, err=err, load=lambda *a, **k: hf_runner
-    )
+    count = cli.stream_generation("smollm2", prompt, max_tokens=16, dtype="float32", out=out, err=err)
     assert 0 < count <= 16
     assert out.getvalue() == _hf_greedy(hf_runner, prompt, 16) + "\n"
     assert "tokens" in err.getvalue()
 
 
 def test_generate_with_cothink_runner(hf_runner, capsys):
-    """End to end through cothink.load_model: same text as transformers' greedy decoding."""
-    cothink = pytest.importorskip("cothink")
-    if not hasattr(cothink, "load_model"):
-        pytest.skip("cothink.load_model not available")
+    """End to end through the engine: same text as transformers' greedy decoding."""
     prompt = "What is the capital of France?"
     assert cli.main(["generate", "--prompt", prompt, "--max-tokens", "16"]) == 0
     got = capsys.readouterr().out

@@ -9,106 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 DEFAULT_MODEL = "smollm2"
-DEMO_PROMPT = "Explain in three short sentences why the sky is blue."
 DTYPES = ("float32", "bfloat16")
-
-
-class IncrementalDecoder:
-    """Turn a growing list of token ids into text pieces, holding back incomplete UTF-8 characters.
-
-    Decodes a short window of recent tokens rather than the whole sequence, so the cost per token
-    stays constant; text is emitted only once it no longer ends in a replacement character (a
-    multi-byte character split across tokens) and it extends the previously emitted text.
-    """
-
-    def __init__(self, tokenizer: Any, *, skip_special_tokens: bool = True) -> None:
-        self._tok = tokenizer
-        self._skip = skip_special_tokens
-        self._ids: list[int] = []
-        self._prefix = 0  # start of the decode window
-        self._read = 0  # tokens up to here have been emitted
-
-    def _decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=self._skip, clean_up_tokenization_spaces=False)
-
-    def push(self, token_id: int) -> str:
-        """Add one token; return the newly completed text (possibly empty)."""
-        self._ids.append(int(token_id))
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        new_text = self._decode(self._ids[self._prefix :])
-        if len(new_text) > len(prefix_text) and not new_text.endswith("\ufffd"):
-            piece = new_text[len(prefix_text) :]
-            self._prefix, self._read = self._read, len(self._ids)
-            return piece
-        return ""
-
-    def flush(self) -> str:
-        """Return whatever is still held back (at end of generation)."""
-        prefix_text = self._decode(self._ids[self._prefix : self._read])
-        new_text = self._decode(self._ids[self._prefix :])
-        self._prefix = self._read = len(self._ids)
-        return new_text[len(prefix_text) :] if len(new_text) > len(prefix_text) else ""
-
-
-def stop_token_ids(tokenizer: Any) -> set[int]:
-    """Token ids that end a chat turn: the tokenizer's eos plus the usual chat end markers."""
-    ids: set[int] = set()
-    eos = getattr(tokenizer, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, Iterable):
-        ids.update(int(i) for i in eos)
-    vocab = tokenizer.get_vocab()
-    for marker in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<end_of_turn>"):
-        token_id = vocab.get(marker)
-        if token_id is not None:
-            ids.add(int(token_id))
-    return ids
-
-
-def chat_prompt_ids(
-    tokenizer: Any, prompt: str, *, system: str | None = None, raw: bool = False
-) -> list[int]:
-    """Token ids for ``prompt``: through the tokenizer's chat template unless ``raw``."""
-    if raw or not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.encode(prompt, add_special_tokens=True))
-    messages = []
-    if system:
-        messages.append({"role": "system", "content": system})
-    messages.append({"role": "user", "content": prompt})
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    # The template writes the special tokens itself; don't let the tokenizer add a BOS twice.
-    return list(tokenizer.encode(text, add_special_tokens=False))
-
-
-def greedy_stream(
-    runner: Any, prompt_ids: Sequence[int], *, max_tokens: int, stop_ids: set[int]
-) -> Iterator[int]:
-    """Yield greedily chosen token ids from ``runner`` (extend/new_block API) until a stop id or the limit.
-
-    Stop tokens are not yielded.
-    """
-    if max_tokens <= 0:
-        return
-    block = runner.new_block()
-    logits = runner.extend(block, list(prompt_ids))
-    for step in range(max_tokens):
-        next_id = int(logits[-1].argmax())
-        if next_id in stop_ids:
-            return
-        yield next_id
-        if step + 1 < max_tokens:
-            logits = runner.extend(block, [next_id])
-
-
-def _write(out: TextIO, text: str) -> None:
-    if text:
-        out.write(text)
-        out.flush()
 
 
 def stream_generation(
@@ -121,39 +26,33 @@ def stream_generation(
     raw: bool = False,
     out: TextIO | None = None,
     err: TextIO | None = None,
-    load: Callable[..., Any] | None = None,
 ) -> int:
-    """Load ``model``, stream a greedy completion of ``prompt`` to ``out``; return the token count.
+    """Load `model` and stream a greedy completion of `prompt` to `out` through the engine.
 
-    ``out``/``err`` default to the current ``sys.stdout``/``sys.stderr``; ``load`` to ``cothink.load_model``.
+    Returns the number of generated tokens; timing goes to `err`.
     """
     import torch
 
+    from cothink.runtime.sync import SyncEngine
+    from cothink.runtime.text import chat_prompt_ids
+
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
-
-    if load is None:
-        from cothink import load_model as load
-
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     t0 = time.perf_counter()
-    runner = load(model, device="cpu", dtype=torch_dtype)
-    tokenizer = runner.tokenizer
-    ids = chat_prompt_ids(tokenizer, prompt, system=system, raw=raw)
-    t_loaded = time.perf_counter()
-
-    decoder = IncrementalDecoder(tokenizer)
-    count = 0
-    t_first: float | None = None
-    for token_id in greedy_stream(runner, ids, max_tokens=max_tokens, stop_ids=stop_token_ids(tokenizer)):
-        if t_first is None:
-            t_first = time.perf_counter()
-        count += 1
-        _write(out, decoder.push(token_id))
-    _write(out, decoder.flush())
-    _write(out, "\n")
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    with SyncEngine.from_pretrained(model, dtype=torch_dtype) as engine:
+        ids = chat_prompt_ids(engine.tokenizer, prompt, system=system, raw=raw)
+        t_loaded = time.perf_counter()
+        prompt_block, answer = engine.block("prompt"), engine.block("answer")
+        engine.extend(prompt_block, token_ids=ids)
+        count, t_first = 0, None
+        for piece in engine.stream([prompt_block, answer], max_tokens=max_tokens, name="generate"):
+            t_first = t_first or time.perf_counter()
+            count += len(piece.token_ids)
+            out.write(piece.text)
+            out.flush()
+        out.write("\n")
     t_end = time.perf_counter()
-
     first = (t_first or t_end) - t_loaded
     decode_s = t_end - (t_first or t_end)
     rate = (count - 1) / decode_s if count > 1 and decode_s > 0 else float("nan")
@@ -184,12 +83,6 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         system=args.system,
         raw=args.raw,
     )
-    return 0
-
-
-def _cmd_demo(args: argparse.Namespace) -> int:
-    print(f"prompt: {args.prompt}", file=sys.stderr)
-    stream_generation(args.model, args.prompt, max_tokens=args.max_tokens, dtype=args.dtype)
     return 0
 
 
@@ -242,16 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_common(p, 256)
     p.set_defaults(func=_cmd_generate)
 
-    p = sub.add_parser(
-        "demo",
-        help="run the demo on the embedded default model",
-        description="Run the demo: a streamed greedy chat completion on the embedded model with a fixed "
-        "prompt.",
-    )
-    p.add_argument("--prompt", default=DEMO_PROMPT, help="override the demo prompt")
-    add_common(p, 128)
-    p.set_defaults(func=_cmd_demo)
+    from cothink.agents import demo
+    from cothink.server import cli as server_cli
 
+    demo.add_parser(sub)
+    server_cli.add_parser(sub)
     from cothink.eval.cli import add_parser as add_eval_parser
 
     add_eval_parser(sub)

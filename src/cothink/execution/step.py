@@ -15,7 +15,7 @@ import torch
 from cothink.execution.linear_state import apply_block, empty_state, run_tokens
 from cothink.memory.block import Block, view_key
 from cothink.memory.store import BlockStore
-from cothink.models.attention import merge_partials, partial_attention
+from cothink.models.attention import merge_grouped, merge_partials, padded_attention, partial_attention
 from cothink.models.rope import Rotary
 from cothink.models.transformer import GatedDeltaNet
 
@@ -53,6 +53,38 @@ class _Plan:
     # Layer-independent, so built once per step.
     runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = field(default_factory=list)
     view_key: tuple = ()  # identity of the view's content before this step (for the GDN state cache)
+
+
+@dataclass
+class _DecodeRuns:
+    """Every key run of the step's single-token items, padded into one batch (layer-independent)."""
+
+    items: torch.Tensor  # [D] the decode items' rows in the flattened batch
+    rows: torch.Tensor  # [R] the query row of each run
+    owner: torch.Tensor  # [R] which decode item (0..D-1) each run belongs to
+    slots: torch.Tensor  # [R, Lmax] pool slots, padded with slot 0
+    valid: torch.Tensor  # [R, Lmax]
+    cos: torch.Tensor  # [R, rotary_dim]
+    sin: torch.Tensor
+
+    @classmethod
+    def build(cls, plans: list[_Plan], device) -> _DecodeRuns:
+        runs = [(p.rows.start, d, r) for d, p in enumerate(plans) for r in p.runs]
+        width = max(r[0].numel() for _, _, r in runs)
+        slots = torch.zeros(len(runs), width, dtype=torch.long, device=device)
+        valid = torch.zeros(len(runs), width, dtype=torch.bool, device=device)
+        for i, (_, _, (run_slots, _, _, _)) in enumerate(runs):
+            slots[i, : run_slots.numel()] = run_slots
+            valid[i, : run_slots.numel()] = True
+        return cls(
+            items=torch.tensor([p.rows.start for p in plans], device=device),
+            rows=torch.tensor([row for row, _, _ in runs], device=device),
+            owner=torch.tensor([d for _, d, _ in runs], device=device),
+            slots=slots,
+            valid=valid,
+            cos=torch.cat([r[1] for _, _, r in runs]),
+            sin=torch.cat([r[2] for _, _, r in runs]),
+        )
 
 
 class ViewBatch:
@@ -95,6 +127,11 @@ class ViewBatch:
             row += n
         self.key_rotation = rotary.cos_sin(torch.cat(local).to(store.device))
         self.write_slots = torch.cat(writes) if writes else None
+        # Several single-token items (decoding coroutines) attend in one padded batch instead of a
+        # Python loop over items and blocks; prefill chunks keep the per-item flash path.
+        decode = [p for p in self.plans if p.rows.stop - p.rows.start == 1] if store.attn_slot else []
+        self.decode = _DecodeRuns.build(decode, store.device) if len(decode) > 1 else None
+        self.looped = [p for p in self.plans if self.decode is None or p not in decode]
         self.new_states: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in items]
 
     # ---- full attention --------------------------------------------------------------------
@@ -104,7 +141,17 @@ class ViewBatch:
         pool.k[slot, self.write_slots] = self.rotary.apply(k, *self.key_rotation)
         pool.v[slot, self.write_slots] = v
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        for plan in self.plans:
+        if self.decode is not None:
+            d = self.decode
+            o, lse = padded_attention(
+                self.rotary.apply(q[d.rows], d.cos, d.sin),
+                pool.k[slot, d.slots],
+                pool.v[slot, d.slots],
+                d.valid,
+                self.scale,
+            )
+            out[d.items] = merge_grouped(o, lse, d.owner, d.items.numel())
+        for plan in self.looped:
             q_item = q[plan.rows]
             outs, lses = [], []
             for slots, cos, sin, causal in plan.runs:

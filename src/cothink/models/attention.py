@@ -54,3 +54,31 @@ def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.
         return outs[0]
     weights = torch.softmax(torch.stack(lses), dim=0)[..., None]  # [runs, T, H, 1]
     return (torch.stack(outs) * weights).sum(dim=0)
+
+
+def padded_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query row per run, runs padded to a common length: the batched decode path.
+
+    q [R, Hq, D]; k, v [R, L, Hkv, D]; valid [R, L] marks real keys. Returns (out [R, Hq, D] fp32,
+    lse [R, Hq] fp32). Every run must have at least one valid key.
+    """
+    r, hq, d = q.shape
+    hkv = k.shape[2]
+    qf = q.float().view(r, hkv, hq // hkv, d)
+    scores = torch.matmul(qf, k.float().permute(0, 2, 3, 1)) * scale  # [R, Hkv, G, L]
+    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.float().permute(0, 2, 1, 3))  # [R, Hkv, G, D]
+    return out.reshape(r, hq, d), lse.reshape(r, hq)
+
+
+def merge_grouped(out: torch.Tensor, lse: torch.Tensor, owner: torch.Tensor, groups: int) -> torch.Tensor:
+    """merge_partials for many rows at once: rows with the same owner index are merged together."""
+    top = torch.full((groups, lse.shape[1]), float("-inf"), device=lse.device)
+    top = top.scatter_reduce(0, owner[:, None].expand_as(lse), lse, reduce="amax")
+    weight = torch.exp(lse - top[owner])  # [R, H]
+    num = torch.zeros(groups, *out.shape[1:], device=out.device).index_add_(0, owner, out * weight[..., None])
+    den = torch.zeros(groups, lse.shape[1], device=lse.device).index_add_(0, owner, weight)
+    return num / den[..., None]

@@ -28,6 +28,7 @@ from cothink.errors import (
 from cothink.execution.runner import ModelRunner, load_model
 from cothink.execution.sampling import Sampler, SamplingParams
 from cothink.memory.block import Block
+from cothink.runtime.text import stop_token_ids as turn_end_ids
 from cothink.runtime.work import (
     CoroutineStats,
     ExtendWork,
@@ -132,7 +133,15 @@ class Generation:
         return self.result
 
     def cancel(self) -> None:
+        """Stop before the next step (also what leaving `async with gen:` does if it is unfinished)."""
         self._work.engine._cancel(self._work)
+
+    async def __aenter__(self) -> Generation:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.result is None:
+            self.cancel()
 
 
 class Engine:
@@ -320,11 +329,11 @@ class Engine:
         self.runner.validate_input(view, [0])
         params = SamplingParams(temperature, top_k, top_p, seed, tuple(banned_token_ids or ()))
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        if stops and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         stop_ids = set(stop_token_ids or ())
         if stop_at_eos:
-            stop_ids |= set(self.runner.config.eos_token_ids)
-            if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-                stop_ids.add(self.tokenizer.eos_token_id)
+            stop_ids |= turn_end_ids(self.tokenizer, self.runner.config.eos_token_ids)
         work = GenerateWork(
             self,
             self._name(name),
@@ -520,7 +529,10 @@ class Engine:
                     self._fail(work, exc)
                 continue
             if ran:
-                await asyncio.sleep(0)  # let coroutines stream, cancel and append input between steps
+                # Let coroutines and HTTP handlers stream, cancel and append input between steps;
+                # a request takes a few loop passes, so yield more than once.
+                for _ in range(3):
+                    await asyncio.sleep(0)
                 continue
             # Nothing could run (all waiting for memory): wait for a release instead of spinning.
             self._wake.clear()

@@ -17,6 +17,7 @@ import torch
 from cothink.execution.sampling import Sampler
 from cothink.execution.step import StepItem
 from cothink.memory.block import Block, view_key
+from cothink.runtime.text import IncrementalDecoder
 from cothink.scheduler.policy import Priority
 
 if TYPE_CHECKING:
@@ -162,8 +163,10 @@ class GenerateWork(Work):
         self.stop, self.stop_token_ids = stop, stop_token_ids
         self.queue: asyncio.Queue[Piece | GenerationResult | BaseException] = asyncio.Queue()
         self.token_ids: list[int] = []
-        self.text = ""  # decoded output, stop strings not yet cut
+        self.text = ""  # decoded output so far
         self.sent = 0  # characters of self.text already streamed
+        tokenizer = engine.tokenizer
+        self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
         self.pending: int | None = None  # sampled, not yet written
         self._peek: Block | None = None
         cached = self._cached_logits()
@@ -217,30 +220,29 @@ class GenerateWork(Work):
             self.engine._stats(self.name).ttft_s.append(ttft)
             self.engine._notify(self, "first_token", ttft)
         if token in self.stop_token_ids:
-            return self._finish("stop")
-        tokenizer = self.engine.tokenizer
-        self.text = tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        cut = min((i for i in (self.text.find(s) for s in self.stop) if i >= 0), default=-1)
-        if cut >= 0:
-            self.text = self.text[:cut]
-            return self._finish("stop")
+            return self._finish("stop", token)
+        if self._decoder is not None:
+            searched = max(0, len(self.text) - max((len(s) for s in self.stop), default=0))
+            self.text += self._decoder.push(token)
+            cut = min((i for i in (self.text.find(s, searched) for s in self.stop) if i >= 0), default=-1)
+            if cut >= 0:
+                self.text = self.text[:cut]
+                return self._finish("stop", token, flush=False)
         if len(self.token_ids) >= self.max_tokens:
-            return self._finish("length")
-        # Hold back an incomplete character and anything that could begin a stop string.
-        hold = max((len(s) - 1 for s in self.stop), default=0)
-        ready = len(self.text) - hold
-        if self.text.endswith("\ufffd"):
-            ready = min(ready, len(self.text) - 1)
-        if ready > self.sent:
-            self.queue.put_nowait(Piece(self.text[self.sent : ready], [token]))
-            self.sent = ready
-        else:
-            self.queue.put_nowait(Piece("", [token]))
+            return self._finish("length", token)
+        # Hold back anything that could be the beginning of a stop string.
+        ready = len(self.text) - max((len(s) - 1 for s in self.stop), default=0)
+        piece = self.text[self.sent : ready] if ready > self.sent else ""
+        self.sent = max(self.sent, ready)
+        self.queue.put_nowait(Piece(piece, [token]))
 
-    def _finish(self, reason: str) -> None:
+    def _finish(self, reason: str, token: int | None = None, flush: bool = True) -> None:
+        """End the generation; the last piece carries the remaining text and the final token."""
         self.finished, self.outcome = True, reason
-        if len(self.text) > self.sent:
-            self.queue.put_nowait(Piece(self.text[self.sent :], []))
+        if flush and self._decoder is not None:
+            self.text += self._decoder.flush()
+        if len(self.text) > self.sent or token is not None:
+            self.queue.put_nowait(Piece(self.text[self.sent :], [token] if token is not None else []))
             self.sent = len(self.text)
         self.queue.put_nowait(GenerationResult(self.text, list(self.token_ids), reason))
 

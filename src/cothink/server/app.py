@@ -1,0 +1,299 @@
+"""The FastAPI app: OpenAI-compatible routes, the session API, health, metrics and the step timeline.
+
+    app = create_app(engine, ServerSettings(model_name="smollm2", api_keys=("secret",)))
+
+The engine's steps run synchronously on the event loop between awaits, so the app starts the engine
+in its lifespan, on the server's own loop. Run it with `cothink.server.runner.serve` (or
+`BackgroundServer` in tests): they end running generations before the server waits for connections,
+so shutdown never hangs on a stream.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import logging
+import secrets
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Query, Request
+from fastapi.responses import JSONResponse, Response
+from opentelemetry import trace
+
+from cothink.observability.logs import request_var
+from cothink.observability.metrics import CONTENT_TYPE
+from cothink.observability.timeline import chrome_trace, render_timeline_png, write_chrome_trace
+from cothink.server import openai_api, session_api
+from cothink.server.errors import ERROR_RESPONSES, APIError, install_error_handlers
+from cothink.server.schemas import Health
+from cothink.server.settings import ServerSettings
+from cothink.server.state import ServerState, get_state
+
+log = logging.getLogger("cothink.server")
+
+OPEN_PATHS = frozenset({"/health"})
+
+DESCRIPTION = """\
+An HTTP front for one cothink engine: one language model whose coroutines share memory.
+
+* **OpenAI-compatible**: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (streaming over SSE).
+  Each request runs in fresh blocks that are released when it ends.
+* **Session API** (`/v1/sessions/...`): blocks you create, extend, fork, truncate and delete; generations
+  over any view (a list of your blocks), streamed over SSE or run in the background; probes; cancellation.
+  A WebSocket at `/v1/sessions/{session_id}/ws` runs the same operations full duplex (send
+  `{"type": "generate" | "extend" | "probe" | "cancel", ...}` while tokens stream back).
+* Ids are unguessable and scoped: another session or API key gets 404.
+* Errors are JSON: `{"error": {"message", "type", "code", "param"}}`.
+
+With an API key configured, every route except `/health` needs `Authorization: Bearer <key>`.
+"""
+
+
+def fingerprint(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+async def _send_error(send, err: APIError) -> None:
+    body = json.dumps(err.body()).encode()
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    for k, v in (err.headers or {}).items():
+        headers.append((k.lower().encode(), v.encode()))
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+class AuthMiddleware:
+    """Bearer-key check for every route but /health; records the caller's key fingerprint in the scope."""
+
+    def __init__(self, app, api_keys: tuple[str, ...]):
+        self.app = app
+        self.keys = [(k.encode(), fingerprint(k)) for k in api_keys]
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        scope["cothink.principal"] = "anonymous"
+        if self.keys and scope.get("path") not in OPEN_PATHS:
+            header = dict(scope.get("headers") or []).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            who = None
+            if scheme.lower() == b"bearer" and token:
+                for key, fp in self.keys:
+                    if hmac.compare_digest(token.strip(), key):
+                        who = fp
+            if who is None:
+                if scope["type"] == "websocket":
+                    await receive()  # the websocket.connect message
+                    await send({"type": "websocket.close", "code": 1008, "reason": "invalid API key"})
+                    return
+                msg = (
+                    "missing API key: send 'Authorization: Bearer <key>'" if not header else "invalid API key"
+                )
+                return await _send_error(
+                    send,
+                    APIError(
+                        401,
+                        msg,
+                        "authentication_error",
+                        "invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"},
+                    ),
+                )
+            scope["cothink.principal"] = who
+        return await self.app(scope, receive, send)
+
+
+class BodyLimitMiddleware:
+    """Read request bodies up front and answer 413 above `limit` bytes (with or without Content-Length)."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope.get("method") in ("GET", "HEAD", "OPTIONS", "DELETE"):
+            return await self.app(scope, receive, send)
+        too_big = APIError(
+            413, f"request body exceeds {self.limit} bytes", "invalid_request_error", "body_too_large"
+        )
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None:
+            try:
+                if int(length) > self.limit:
+                    return await _send_error(send, too_big)
+            except ValueError:
+                return await _send_error(send, APIError(400, "bad Content-Length", "invalid_request_error"))
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.limit:
+                return await _send_error(send, too_big)
+            chunks.append(body)
+            if not message.get("more_body"):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+class ObserveMiddleware:
+    """Per-request id (x-request-id) in the log context, HTTP request metrics, and 503 while draining."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        request_id = f"req_{secrets.token_hex(6)}"
+        token = request_var.set(request_id)
+        start = time.perf_counter()
+        status = [0]
+
+        async def send_wrapped(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
+            await send(message)
+
+        try:
+            if self.state.draining and scope.get("path") not in OPEN_PATHS and scope["type"] == "http":
+                await _send_error(
+                    send_wrapped,
+                    APIError(503, "the server is shutting down", "server_overloaded", "shutting_down"),
+                )
+            else:
+                await self.app(scope, receive, send_wrapped)
+        finally:
+            request_var.reset(token)
+            if scope["type"] == "http":
+                route = scope.get("route")
+                path = getattr(route, "path", None) or "unmatched"
+                method = scope.get("method", "")
+                self.state.http_requests.labels(method, path, str(status[0] or 500)).inc()
+                self.state.http_seconds.labels(method, path).observe(time.perf_counter() - start)
+
+
+def _write_trace(state: ServerState, target: str) -> None:
+    path = Path(target)
+    json_path = path.with_suffix(".json") if path.suffix.lower() == ".png" else path
+    png_path = path if path.suffix.lower() == ".png" else path.with_suffix(".png")
+    records = list(state.engine.timeline)
+    write_chrome_trace(records, json_path)
+    try:
+        render_timeline_png(records, png_path)
+    except Exception:  # the JSON is the essential part
+        log.exception("could not render the timeline PNG")
+        return
+    log.info("wrote step timeline (%d steps) to %s and %s", len(records), json_path, png_path)
+
+
+def create_app(
+    engine, settings: ServerSettings | None = None, *, tracer_provider: trace.TracerProvider | None = None
+) -> FastAPI:
+    """A FastAPI app serving `engine`. The app starts the engine in its lifespan (unless already running)
+    and stops it at shutdown after ending running generations."""
+    settings = settings or ServerSettings()
+    state = ServerState(engine, settings, tracer_provider)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        await state.start()
+        log.info("serving model %r", settings.model_name)
+        try:
+            yield
+        finally:
+            await state.close()
+            if settings.trace_out:
+                _write_trace(state, settings.trace_out)
+
+    from cothink import __version__
+
+    app = FastAPI(
+        title="cothink",
+        version=__version__,
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        openapi_tags=[
+            {"name": "openai", "description": "OpenAI-compatible completions"},
+            {"name": "sessions", "description": "Sessions, blocks and coroutines"},
+            {"name": "system", "description": "Health, metrics and the step timeline"},
+        ],
+    )
+    app.state.cothink = state
+    install_error_handlers(app)
+
+    @app.get(
+        "/health",
+        tags=["system"],
+        response_model=Health,
+        summary="Liveness (no API key needed)",
+        responses={503: {"model": Health, "description": "Draining, or the engine's step loop stopped"}},
+    )
+    async def health(request: Request) -> Response:
+        if state.draining:
+            status = "draining"
+        else:
+            status = "ok" if engine.running else "engine_stopped"
+        body = Health(status=status, engine_running=engine.running, steps=engine.steps)
+        return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)
+
+    @app.get(
+        "/metrics",
+        tags=["system"],
+        summary="Prometheus metrics",
+        responses={
+            200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
+            401: ERROR_RESPONSES[401],
+        },
+    )
+    async def metrics(request: Request) -> Response:
+        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    @app.get(
+        "/v1/timeline",
+        tags=["system"],
+        summary="Recent engine steps as a Chrome/Perfetto trace",
+        responses={
+            200: {
+                "content": {"application/json": {}},
+                "description": "Chrome trace JSON: one track per coroutine, one X event per step item",
+            },
+            401: ERROR_RESPONSES[401],
+        },
+    )
+    async def timeline(
+        state: ServerState = Depends(get_state),
+        steps: int | None = Query(
+            None, ge=1, le=1_000_000, description="How many recent steps (default 10000)"
+        ),
+    ) -> Response:
+        records = list(state.engine.timeline)
+        records = records[-(steps or settings.timeline_default_steps) :]
+        return JSONResponse(chrome_trace(records))
+
+    app.include_router(openai_api.router)
+    app.include_router(session_api.router)
+
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    app.add_middleware(AuthMiddleware, api_keys=tuple(settings.api_keys))
+    app.add_middleware(ObserveMiddleware, state=state)
+    return app
+
+
+def app_state(app: FastAPI) -> ServerState:
+    return app.state.cothink

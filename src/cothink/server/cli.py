@@ -1,0 +1,122 @@
+"""`cothink serve`: run the HTTP server (wired into cothink.cli with add_parser / run)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from pathlib import Path
+
+DEFAULT_MODEL = "smollm2"
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    from cothink.server.settings import ServerSettings
+
+    d = ServerSettings()
+    p = subparsers.add_parser(
+        "serve",
+        help="run the HTTP server (OpenAI-compatible API and the session API)",
+        description="Serve MODEL over HTTP: OpenAI-compatible /v1/completions and /v1/chat/completions, a "
+        "session API for blocks and coroutines (/v1/sessions), /health, /metrics (Prometheus) and "
+        "/v1/timeline. Binds 127.0.0.1 unless told otherwise. See docs/server.md.",
+    )
+    p.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="PATH_OR_NAME",
+        help=f"embedded model name or a Hugging Face model folder (default: {DEFAULT_MODEL})",
+    )
+    p.add_argument(
+        "--model-name",
+        default=None,
+        help="model id clients send and /v1/models lists (default: the model's name)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 = any free port)")
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on every route but /health; repeat for several "
+        "keys (also COTHINK_API_KEY)",
+    )
+    p.add_argument(
+        "--log-format", choices=("human", "json"), default="human", help="log format (default: human)"
+    )
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    p.add_argument(
+        "--trace-out",
+        default=None,
+        metavar="FILE",
+        help="at shutdown, write the step timeline as a Chrome trace (FILE, .json) and a PNG next to it",
+    )
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--kv-tokens", type=_positive, default=None, help="KV pool size in tokens")
+    p.add_argument("--max-tokens-per-request", type=_positive, default=d.max_tokens_per_request)
+    p.add_argument("--max-body-bytes", type=_positive, default=d.max_body_bytes)
+    p.add_argument("--max-sessions", type=_positive, default=d.max_sessions)
+    p.add_argument("--session-max-blocks", type=_positive, default=d.session_max_blocks)
+    p.add_argument("--session-max-tokens", type=_positive, default=d.session_max_tokens)
+    p.add_argument("--session-max-running", type=_positive, default=d.session_max_running)
+    p.set_defaults(func=run)
+    return p
+
+
+def settings_from_args(args: argparse.Namespace):
+    from cothink.server.settings import ServerSettings
+
+    keys = list(args.api_key or [])
+    env_key = os.environ.get("COTHINK_API_KEY")
+    if env_key:
+        keys.append(env_key)
+    name = args.model_name or Path(str(args.model).rstrip("/")).name or str(args.model)
+    return ServerSettings(
+        model_name=name,
+        api_keys=tuple(keys),
+        max_body_bytes=args.max_body_bytes,
+        max_tokens_per_request=args.max_tokens_per_request,
+        max_sessions=args.max_sessions,
+        session_max_blocks=args.session_max_blocks,
+        session_max_tokens=args.session_max_tokens,
+        session_max_running=args.session_max_running,
+        trace_out=args.trace_out,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from cothink.observability import configure_tracing, setup_logging
+    from cothink.runtime.engine import Engine
+    from cothink.server.app import create_app
+    from cothink.server.runner import serve
+
+    setup_logging(args.log_format, args.log_level)
+    log = logging.getLogger("cothink.server")
+    settings = settings_from_args(args)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
+        log.warning(
+            "binding %s without an API key: anyone who can reach this port can use the model", args.host
+        )
+    provider = configure_tracing()
+    limits = {"kv_tokens": args.kv_tokens} if args.kv_tokens else {}
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    log.info("loading model %s", args.model)
+    engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, **limits)
+    app = create_app(engine, settings)
+    try:
+        serve(app, args.host, args.port, log_level=args.log_level)
+    finally:
+        if provider is not None:
+            provider.shutdown()
+    return 0

@@ -1,0 +1,291 @@
+"""Sessions: a key's private namespace of blocks and coroutines, with quotas.
+
+Ids are unguessable (secrets.token_urlsafe) and resolved only inside their session, and a session only
+for the key that created it: anything else is 404, so ids never leak whether they exist elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from cothink.memory.block import Block
+from cothink.observability.logs import bind_owner, forget_owner
+from cothink.server.errors import APIError, not_found
+from cothink.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from cothink.runtime.engine import Engine, Generation
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_urlsafe(16)}"
+
+
+@dataclass(eq=False)
+class BlockEntry:
+    id: str
+    block: Block
+    name: str | None
+    created: int
+
+
+@dataclass(eq=False)
+class CoroutineEntry:
+    id: str
+    kind: str  # extend | generate | probe
+    name: str | None
+    view: list[str]
+    block: str | None
+    created: int
+    max_tokens: int = 0  # generations: tokens reserved against the session quota
+    status: str = "running"  # running | finished | failed
+    finish_reason: str | None = None
+    error: str | None = None
+    generation: Generation | None = None
+    task: asyncio.Task | None = None
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def running(self) -> bool:
+        return self.status == "running"
+
+    def cancel(self) -> bool:
+        """Stop a running generation (finish reason 'cancelled'); False when there is nothing to stop."""
+        if self.generation is not None and self.running:
+            self.generation.cancel()
+            return True
+        return False
+
+
+class Session:
+    def __init__(self, manager: SessionManager, owner: str, name: str | None):
+        self.manager = manager
+        self.id = new_id("sess")
+        self.owner = owner
+        self.name = name
+        self.created = int(time.time())
+        self.blocks: dict[str, BlockEntry] = {}
+        self.coroutines: OrderedDict[str, CoroutineEntry] = OrderedDict()
+        self.closed = False
+
+    @property
+    def engine(self) -> Engine:
+        return self.manager.engine
+
+    @property
+    def settings(self) -> ServerSettings:
+        return self.manager.settings
+
+    # ---- accounting ---------------------------------------------------------------------------
+    def running(self) -> list[CoroutineEntry]:
+        return [c for c in self.coroutines.values() if c.running]
+
+    def tokens_used(self) -> int:
+        held = sum(e.block.length for e in self.blocks.values() if not e.block.freed)
+        reserved = sum(
+            max(c.max_tokens - len(c.token_ids), 0) for c in self.running() if c.kind == "generate"
+        )
+        return held + reserved
+
+    def usage(self) -> dict[str, int]:
+        return {"blocks": len(self.blocks), "tokens": self.tokens_used(), "running": len(self.running())}
+
+    def limits(self) -> dict[str, int]:
+        s = self.settings
+        return {
+            "max_blocks": s.session_max_blocks,
+            "max_tokens": s.session_max_tokens,
+            "max_running": s.session_max_running,
+        }
+
+    def check_tokens(self, more: int) -> None:
+        used, limit = self.tokens_used(), self.settings.session_max_tokens
+        if used + more > limit:
+            raise APIError(
+                429,
+                f"session token quota exceeded: {used} used + {more} requested > {limit}",
+                "quota_error",
+                "session_token_quota",
+            )
+
+    def check_running(self) -> None:
+        if len(self.running()) >= self.settings.session_max_running:
+            raise APIError(
+                429,
+                f"session already runs {self.settings.session_max_running} coroutines",
+                "quota_error",
+                "session_coroutine_quota",
+            )
+
+    # ---- blocks -------------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self.closed:
+            raise not_found("session", self.id, "session_not_found")
+
+    def new_block(self, name: str | None, fork_of: BlockEntry | None = None) -> BlockEntry:
+        self._check_open()
+        if len(self.blocks) >= self.settings.session_max_blocks:
+            raise APIError(
+                429,
+                f"session block quota reached ({self.settings.session_max_blocks} blocks)",
+                "quota_error",
+                "session_block_quota",
+            )
+        block_id = new_id("blk")
+        if fork_of is not None:
+            self.check_tokens(fork_of.block.length)
+            block = self.engine.fork(fork_of.block, name=block_id)
+        else:
+            block = self.engine.block(name=block_id)
+        entry = BlockEntry(block_id, block, name, int(time.time()))
+        self.blocks[block_id] = entry
+        bind_owner(block_id, self.id)
+        return entry
+
+    def block(self, block_id: str) -> BlockEntry:
+        entry = self.blocks.get(block_id)
+        if entry is None or entry.block.freed:
+            raise not_found("block", block_id, "block_not_found")
+        return entry
+
+    def view(self, block_ids: list[str]) -> list[BlockEntry]:
+        if len(block_ids) > self.settings.max_view_blocks:
+            raise APIError(
+                400,
+                f"a view may hold at most {self.settings.max_view_blocks} blocks",
+                "invalid_request_error",
+                "invalid_view",
+                "view",
+            )
+        if len(set(block_ids)) != len(block_ids):
+            raise APIError(
+                400, "a block appears twice in the view", "invalid_request_error", "invalid_view", "view"
+            )
+        return [self.block(b) for b in block_ids]
+
+    def writer(self, entry: BlockEntry) -> CoroutineEntry | None:
+        for c in self.coroutines.values():
+            if c.running and c.block == entry.id:
+                return c
+        return None
+
+    def delete_block(self, block_id: str) -> None:
+        entry = self.block(block_id)
+        del self.blocks[block_id]
+        forget_owner(block_id)
+        self.engine.release(entry.block)  # cancels its writer, if any
+
+    # ---- coroutines ---------------------------------------------------------------------------
+    def new_coroutine(
+        self, kind: str, name: str | None, view: list[str], block: str | None, max_tokens: int = 0
+    ) -> CoroutineEntry:
+        self._check_open()
+        self.check_running()
+        entry = CoroutineEntry(new_id("co"), kind, name, list(view), block, int(time.time()), max_tokens)
+        self.coroutines[entry.id] = entry
+        bind_owner(entry.id, self.id)
+        return entry
+
+    def coroutine(self, coroutine_id: str) -> CoroutineEntry:
+        entry = self.coroutines.get(coroutine_id)
+        if entry is None:
+            raise not_found("coroutine", coroutine_id, "coroutine_not_found")
+        return entry
+
+    def finish(
+        self,
+        entry: CoroutineEntry,
+        status: str = "finished",
+        finish_reason: str | None = None,
+        error: str | None = None,
+    ) -> None:
+        if not entry.running:
+            return
+        entry.status, entry.finish_reason, entry.error = status, finish_reason, error
+        entry.generation = None
+        self.manager.retire_name(entry.id)
+        finished = [k for k, c in self.coroutines.items() if not c.running]
+        for key in finished[: max(len(finished) - self.settings.session_keep_finished, 0)]:
+            forget_owner(key)
+            del self.coroutines[key]
+
+    def close(self) -> None:
+        """Cancel running generations and release every block."""
+        if self.closed:
+            return
+        for c in list(self.coroutines.values()):
+            c.cancel()
+            if c.task is not None and not c.task.done():
+                c.task.cancel()
+        for block_id in list(self.blocks):
+            try:
+                self.delete_block(block_id)
+            except Exception:  # already released
+                pass
+        self.closed = True
+        for key in self.coroutines:
+            forget_owner(key)
+
+
+class SessionManager:
+    def __init__(self, engine: Engine, settings: ServerSettings):
+        self.engine, self.settings = engine, settings
+        self.sessions: dict[str, Session] = {}
+        self._retired: OrderedDict[str, None] = OrderedDict()  # finished coroutine names in engine.stats
+
+    def create(self, owner: str, name: str | None = None) -> Session:
+        if len(self.sessions) >= self.settings.max_sessions:
+            raise APIError(
+                429,
+                f"the server holds its maximum of {self.settings.max_sessions} sessions",
+                "quota_error",
+                "session_limit",
+            )
+        session = Session(self, owner, name)
+        self.sessions[session.id] = session
+        bind_owner(session.id, session.id)
+        return session
+
+    def get(self, session_id: str, owner: str) -> Session:
+        session = self.sessions.get(session_id)
+        if session is None or session.owner != owner or session.closed:
+            raise APIError(404, f"no session {session_id!r}", "not_found_error", "session_not_found")
+        return session
+
+    def delete(self, session_id: str, owner: str) -> None:
+        session = self.get(session_id, owner)
+        session.close()
+        del self.sessions[session_id]
+        forget_owner(session_id)
+
+    def retire_name(self, name: str) -> None:
+        """Bound engine.stats: forget the oldest finished server coroutines beyond engine_stats_keep."""
+        self._retired[name] = None
+        while len(self._retired) > self.settings.engine_stats_keep:
+            old, _ = self._retired.popitem(last=False)
+            self.engine.stats.pop(old, None)
+
+    def cancel_all(self) -> int:
+        n = 0
+        for session in self.sessions.values():
+            for c in session.coroutines.values():
+                n += c.cancel()
+        return n
+
+    def close_all(self) -> None:
+        for session in list(self.sessions.values()):
+            session.close()
+        self.sessions.clear()
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "sessions": len(self.sessions),
+            "blocks": sum(len(s.blocks) for s in self.sessions.values()),
+            "running": sum(len(s.running()) for s in self.sessions.values()),
+        }
