@@ -261,8 +261,6 @@ class Run:
         for gen in self.gens:
             gen.cancel()
             self.state.live.discard(gen)
-            self.state.sessions.retire_name(gen.name)
-        self.state.sessions.retire_name(self.id)
         for block in self.blocks:
             if not block.freed:
                 try:

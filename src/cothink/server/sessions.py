@@ -209,7 +209,6 @@ class Session:
             return
         entry.status, entry.finish_reason, entry.error = status, finish_reason, error
         entry.generation = None
-        self.manager.retire_name(entry.id)
         finished = [k for k, c in self.coroutines.items() if not c.running]
         for key in finished[: max(len(finished) - self.settings.session_keep_finished, 0)]:
             forget_owner(key)
@@ -237,7 +236,6 @@ class SessionManager:
     def __init__(self, engine: Engine, settings: ServerSettings):
         self.engine, self.settings = engine, settings
         self.sessions: dict[str, Session] = {}
-        self._retired: OrderedDict[str, None] = OrderedDict()  # finished coroutine names in engine.stats
 
     def create(self, owner: str, name: str | None = None) -> Session:
         if len(self.sessions) >= self.settings.max_sessions:
@@ -263,13 +261,6 @@ class SessionManager:
         session.close()
         del self.sessions[session_id]
         forget_owner(session_id)
-
-    def retire_name(self, name: str) -> None:
-        """Bound engine.stats: forget the oldest finished server coroutines beyond engine_stats_keep."""
-        self._retired[name] = None
-        while len(self._retired) > self.settings.engine_stats_keep:
-            old, _ = self._retired.popitem(last=False)
-            self.engine.stats.pop(old, None)
 
     def cancel_all(self) -> int:
         n = 0

@@ -24,6 +24,5 @@ class ServerSettings:
     session_keep_finished: int = 64  # finished coroutines a session remembers for GET .../coroutines
     max_view_blocks: int = 64  # blocks per view
     max_probe_choices: int = 32
-    engine_stats_keep: int = 50_000  # engine.stats entries kept for finished server coroutines
     trace_out: str | None = None  # write the step timeline (Chrome JSON + PNG) here at shutdown
     timeline_default_steps: int = 10_000  # GET /v1/timeline returns at most this many recent steps by default
