@@ -50,7 +50,6 @@ def _check_memory(engine, blocks) -> None:
         fresh.free(copy)
 
 
-@pytest.mark.slow
 async def test_cancellation_stress():
     rng = random.Random(20240611)
     engine = make_engine("llama_1l", kv_tokens=16384, page_size=4, max_prefill_chunk=8)

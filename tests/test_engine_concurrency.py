@@ -38,7 +38,6 @@ def _chat(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(prompt, add_special_tokens=False)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("start", ["together", "staggered"])
 async def test_two_coroutines_reading_each_other_smollm2(smol, start):
     """view_A = [prompt, B_out, A_out], view_B = [prompt, A_out, B_out], 16 greedy tokens each."""

@@ -152,7 +152,7 @@ async def _call(case: Case, c) -> None:
         await result
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", list(CASES))
 async def test_bad_call_raises_typed_error_and_changes_nothing(name, reference):
     case = CASES[name]
     engine = make_engine("llama", **LIMITS)

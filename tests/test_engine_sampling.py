@@ -285,12 +285,20 @@ async def test_streamed_pieces_carry_every_token():
     engine = make_engine("llama")
     async with engine:
         ctx = await _ctx(engine)
-        full = await engine.generate([ctx, engine.block("full")], max_tokens=12).collect()
-        for kw in (dict(max_tokens=12), dict(max_tokens=30, stop_token_ids=[full.token_ids[8]])):
+        full = (await engine.generate([ctx, engine.block("full")], max_tokens=30).collect()).token_ids
+        k = next(i for i in range(3, 30) if full[i] not in full[:i])  # a token first seen at position k
+        letters = await engine.generate([ctx, engine.block("letters")], max_tokens=30,
+                                        banned_token_ids=NOT_LETTERS).collect()
+        cases = [
+            (dict(max_tokens=12), "length"),
+            (dict(max_tokens=30, stop_token_ids=[full[k]]), "stop"),
+            (dict(max_tokens=30, banned_token_ids=NOT_LETTERS, stop=letters.text[6:8]), "stop"),
+        ]
+        for kw, reason in cases:
             gen = engine.generate([ctx, engine.block()], **kw)
             streamed = [t for piece in [p async for p in gen] for t in piece.token_ids]
-            assert gen.result.token_ids[:8] == full.token_ids[:8]
-            assert streamed == gen.result.token_ids, (kw, gen.result.finish_reason)
+            assert gen.result.finish_reason == reason, kw
+            assert streamed == gen.result.token_ids, kw
 
 
 async def test_generate_without_tokenizer():

@@ -83,6 +83,7 @@ def test_close_does_not_hang_with_running_generations():
         try:
             for _ in engine.stream([ctx, engine.block("long")], max_tokens=100_000):
                 started.set()
+                time.sleep(0.3)  # a slow reader: pieces pile up, so close() lands while it is still reading
             outcome.append("ended")
         except BaseException as exc:  # noqa: BLE001
             outcome.append(exc)

@@ -22,6 +22,7 @@ from cothink.errors import (
     EmptyInputError,
     EngineClosedError,
     InputTooLongError,
+    InvalidViewError,
     PoolExhaustedError,
     UnknownBlockError,
 )
@@ -270,11 +271,11 @@ class Engine:
     def _check_view(self, view: list[Block] | Block) -> list[Block]:
         view = [view] if isinstance(view, Block) else list(view)
         if not view:
-            raise ValueError("a view needs at least one block")
+            raise InvalidViewError("a view needs at least one block")
         for b in view:
             self._check(b)
         if len({b.id for b in view}) != len(view):
-            raise ValueError("a block appears twice in the view")
+            raise InvalidViewError("a block appears twice in the view")
         return view
 
     # ---- coroutine operations -----------------------------------------------------------------
@@ -292,7 +293,7 @@ class Engine:
         self._require_running()
         view = self._check_view(view if view is not None else [block])
         if view[-1] is not block:
-            raise ValueError(f"the view must end with the written block {block.name!r}")
+            raise InvalidViewError(f"the view must end with the written block {block.name!r}")
         tokens = self._tokens(text, token_ids)
         self._check_not_written(block)
         self.runner.validate_input(view, tokens)
@@ -329,6 +330,8 @@ class Engine:
         self.runner.validate_input(view, [0])
         params = SamplingParams(temperature, top_k, top_p, seed, tuple(banned_token_ids or ()))
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        self._check_ids(list(banned_token_ids or ()), "banned_token_ids")
+        self._check_ids(list(stop_token_ids or ()), "stop_token_ids")
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         stop_ids = set(stop_token_ids or ())
@@ -434,9 +437,7 @@ class Engine:
             tokens = list(token_ids)
         if not tokens:
             raise EmptyInputError("the input is empty")
-        vocab = self.runner.config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in tokens):
-            raise ValueError(f"token ids must be ints in [0, {vocab})")
+        self._check_ids(tokens, "token ids")
         limit = self.limits.max_input_tokens
         if limit is not None and len(tokens) > limit:
             raise InputTooLongError(f"{len(tokens)} input tokens exceed the limit of {limit}")
@@ -445,6 +446,11 @@ class Engine:
     def _require_running(self) -> None:
         if not self.running:
             raise EngineClosedError("the engine is not running: use `async with engine:`")
+
+    def _check_ids(self, ids: list[int], what: str) -> None:
+        vocab = self.runner.config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"{what} must be ints in [0, {vocab})")
 
     def _submit(self, work: Work) -> None:
         for b in work.reads:
@@ -583,14 +589,16 @@ class Engine:
                 self._fail(work, exc)
             return True
         end = time.perf_counter()
-        records, row = [], 0
+        records, row, counted = [], 0, set()
         for work, count in owners:
             mine, row_items = logits[row : row + count], items[row : row + count]
             tokens = sum(len(i.token_ids) for i in row_items)
             view_tokens = sum(read[row : row + count]) + tokens
             row += count
             stats = self._stats(work.name)
-            stats.forward_passes += 1
+            if work.name not in counted:  # one forward pass per coroutine per step, however many works
+                stats.forward_passes += 1
+                counted.add(work.name)
             stats.tokens_written += tokens
             stats.tokens_read += view_tokens
             work.served += tokens

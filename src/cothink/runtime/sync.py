@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import torch
 
+from cothink.errors import EngineClosedError
 from cothink.memory.block import Block
 from cothink.runtime.engine import Engine
 from cothink.runtime.work import GenerationResult, Piece
@@ -22,6 +24,7 @@ class SyncEngine:
         self.engine = engine
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="cothink-sync", daemon=True)
+        self._closed = False
         self._thread.start()
         self._call(engine.start())
 
@@ -32,7 +35,16 @@ class SyncEngine:
         return cls(Engine.from_pretrained(path_or_name, device, dtype, **limits))
 
     def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        if self._closed:
+            coro.close()
+            raise EngineClosedError("the engine is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        while True:  # wake up now and then: a call must not outlive close()
+            try:
+                return future.result(timeout=0.1)
+            except concurrent.futures.TimeoutError:
+                if not self._loop.is_running():
+                    raise EngineClosedError("the engine was closed during the call") from None
 
     def _run(self, fn, *args, **kwargs):
         async def call():
@@ -100,10 +112,13 @@ class SyncEngine:
             future.cancel()
 
     def close(self) -> None:
-        if self._loop.is_running():
-            self._call(self.engine.stop())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+        """Stop the engine (running generations end as 'cancelled') and the loop; later calls raise."""
+        if self._closed:
+            return
+        asyncio.run_coroutine_threadsafe(self.engine.stop(), self._loop).result(timeout=60)
+        self._closed = True
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
 
     def __enter__(self) -> SyncEngine:
         return self

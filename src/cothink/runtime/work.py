@@ -29,7 +29,7 @@ class CoroutineStats:
     """What one coroutine (by name) cost the engine; read by metrics and the evaluation suite."""
 
     name: str
-    forward_passes: int = 0
+    forward_passes: int = 0  # steps this coroutine took part in (several works in one step count once)
     tokens_written: int = 0
     tokens_read: int = 0  # view positions read, summed over the coroutine's step items
     queue_wait_s: float = 0.0  # submit -> first scheduled, summed over its works
