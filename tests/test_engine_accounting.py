@@ -50,7 +50,7 @@ async def test_stats_match_the_timeline():
     assert engine.stats["feed"].tokens_written == 90 and engine.stats["feed"].works == 2
     assert engine.stats["A"].works == 1 and len(engine.stats["A"].ttft_s) == 1
     assert engine.stats["B"].works == 2 and len(engine.stats["B"].ttft_s) == 2
-    assert engine.stats["P"].works == 2 and engine.stats["P"].forward_passes >= 3
+    assert engine.stats["P"].works == 2 and engine.stats["P"].forward_passes >= 2
     assert engine.stats["A"].tokens_written >= 12 and engine.stats["B"].tokens_written >= 10
     kinds = {(it.coroutine, it.kind, it.priority) for r in records for it in r.items}
     assert ("B", "generate", "interactive") in kinds and ("A", "generate", "background") in kinds

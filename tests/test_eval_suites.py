@@ -61,7 +61,9 @@ def test_sync_cost_baseline_really_reencodes(ctx):
 
 
 def test_soak_detects_an_injected_leak(ctx):
-    p = {**soak.plan(True, 2.0), "sample_every_s": 0.05}
+    # A pool large enough that the leak never fills it within the run, however fast the machine:
+    # a full pool would stall the sessions and flatten the very curve the detector reads.
+    p = {**soak.plan(True, 2.0), "sample_every_s": 0.05, "kv_tokens": 1 << 16}
     leaky = asyncio.run(soak.soak(ctx, p, leak_every=2))
     v = soak.verdicts(leaky, p)
     assert leaky["leaked_blocks"] > 0

@@ -22,7 +22,19 @@ _EXPORTS = {
     "SyncEngine": "cothink.runtime.sync",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "Block",
+    "Engine",
+    "Generation",
+    "GenerationResult",
+    "ModelRunner",
+    "Piece",
+    "Priority",
+    "PriorityClass",
+    "StepRecord",
+    "SyncEngine",
+    "load_model",
+]
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
