@@ -117,7 +117,12 @@ async def _fault_cancelled_extend(engine, ctx, p, started):
         await started.wait()
         for _ in range(5):  # a few more steps: does the cancelled prefill keep running?
             await asyncio.sleep(0.05)
-        return {"written_at_cancel": at_cancel, "written_later": len(block), "requested": len(doc)}
+        return {
+            "written_at_cancel": at_cancel,
+            "written_later": len(block),
+            "requested": len(doc),
+            "chunk": engine.limits.scheduler.max_prefill_chunk,
+        }
     finally:
         engine.release(block)
 
@@ -370,12 +375,13 @@ def _analyse(ctx: SuiteContext, res: SuiteResult) -> None:
         )
     ce = next((r["outcome"] for r in res.records if r["fault"].startswith("cancelled extend")), None)
     if ce:
-        stopped = ce["written_later"] == ce["written_at_cancel"]
+        # Cancellation reaches the task at its next await, so one more step (one chunk) may land.
+        stopped = ce["written_later"] - ce["written_at_cancel"] <= ce["chunk"]
         res.check(
-            "a cancelled extend stops writing",
+            "a cancelled extend stops within one step (at most one more prefill chunk)",
             stopped,
             f"{ce['written_at_cancel']} of {ce['requested']} tokens written at cancellation, "
-            f"{ce['written_later']} a few steps later",
+            f"{ce['written_later']} a few steps later (chunk {ce['chunk']})",
             soft=True,
         )
     ol = next((r["outcome"] for r in res.records if r["fault"] == "over-long input"), None)
