@@ -294,6 +294,19 @@ async def _run_or_release(run: Run, prompts: list[list[int]], params: Params, st
         raise
 
 
+async def _collect(run: Run, request) -> list[GenerationResult]:
+    """Wait for every choice of a non-streamed request (cancelled if the client leaves), then release."""
+    completion, reasons = 0, []
+    try:
+        async with cancel_on_disconnect(request, run.cancel):
+            results = await run.results()
+        completion = sum(len(r.token_ids) for r in results)
+        reasons = [r.finish_reason for r in results]
+    finally:
+        run.release(completion, reasons)
+    return results
+
+
 def _stream(run: Run, chunk, include_usage: bool) -> EventStream:
     """SSE: chunk(index, text, finish_reason, first) builds each chunk; usage last; then [DONE]."""
 
@@ -398,14 +411,7 @@ async def completions(request: Request, req: CompletionRequest, state: ServerSta
 
         include = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(run, chunk, include)
-    completion, reasons = 0, []
-    try:
-        async with cancel_on_disconnect(request, run.cancel):
-            results = await run.results()
-        completion = sum(len(r.token_ids) for r in results)
-        reasons = [r.finish_reason for r in results]
-    finally:
-        run.release(completion, reasons)
+    results = await _collect(run, request)
     return Completion(
         id=request_id,
         created=created,
@@ -415,7 +421,7 @@ async def completions(request: Request, req: CompletionRequest, state: ServerSta
             CompletionChoice(index=i, text=echoes[i] + r.text, finish_reason=r.finish_reason)
             for i, r in enumerate(results)
         ],
-        usage=Usage(**_usage(run.prompt_tokens, completion)),
+        usage=Usage(**_usage(run.prompt_tokens, sum(len(r.token_ids) for r in results))),
     )
 
 
@@ -533,14 +539,7 @@ async def chat_completions(
             return out
 
         return _stream(run, chunk, include)
-    completion, reasons = 0, []
-    try:
-        async with cancel_on_disconnect(request, run.cancel):
-            results = await run.results()
-        completion = sum(len(r.token_ids) for r in results)
-        reasons = [r.finish_reason for r in results]
-    finally:
-        run.release(completion, reasons)
+    results = await _collect(run, request)
     return ChatCompletion(
         id=request_id,
         created=created,
@@ -550,5 +549,5 @@ async def chat_completions(
             ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason)
             for i, r in enumerate(results)
         ],
-        usage=Usage(**_usage(run.prompt_tokens, completion)),
+        usage=Usage(**_usage(run.prompt_tokens, sum(len(r.token_ids) for r in results))),
     )
