@@ -51,17 +51,36 @@ class _Plan:
     # to their positions relative to the run's block. Every block before the writer is one wholly
     # visible run; the writer block is its old tokens (visible) plus this step's tokens (causal).
     # Layer-independent, so built once per step.
-    runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]] = field(default_factory=list)
+    # The fifth element names a run another item may read too: (block id, length); None for the writer's.
+    runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, tuple | None]] = field(
+        default_factory=list
+    )
     view_key: tuple = ()  # identity of the view's content before this step (for the GDN state cache)
 
 
 @dataclass
+class _SharedRun:
+    """A key run several decode items read (a shared block): its keys are gathered once per layer."""
+
+    slots: torch.Tensor  # [L]
+    rows: torch.Tensor  # [k] the readers' query rows
+    owner: torch.Tensor  # [k] the readers' decode-item indices
+    cos: torch.Tensor  # [k, rotary_dim]: each reader's own position relative to the block
+    sin: torch.Tensor
+
+
+@dataclass
 class _DecodeRuns:
-    """Every key run of the step's single-token items, padded into one batch (layer-independent)."""
+    """Every key run of the step's single-token items, batched (layer-independent).
+
+    Runs read by several items are attended once per run with all readers' queries; the rest
+    (mostly each item's own block) are padded into one batch.
+    """
 
     items: torch.Tensor  # [D] the decode items' rows in the flattened batch
-    rows: torch.Tensor  # [R] the query row of each run
-    owner: torch.Tensor  # [R] which decode item (0..D-1) each run belongs to
+    shared: list[_SharedRun]
+    rows: torch.Tensor  # [R] the query row of each padded run
+    owner: torch.Tensor  # [R] which decode item (0..D-1) each padded run belongs to
     slots: torch.Tensor  # [R, Lmax] pool slots, padded with slot 0
     valid: torch.Tensor  # [R, Lmax]
     cos: torch.Tensor  # [R, rotary_dim]
@@ -69,17 +88,35 @@ class _DecodeRuns:
 
     @classmethod
     def build(cls, plans: list[_Plan], device) -> _DecodeRuns:
-        runs = [(p.rows.start, d, r) for d, p in enumerate(plans) for r in p.runs]
-        width = max(r[0].numel() for _, _, r in runs)
+        readers: dict[tuple, list] = {}
+        for d, p in enumerate(plans):
+            for run in p.runs:
+                if run[4] is not None:
+                    readers.setdefault(run[4], []).append((p.rows.start, d, run))
+        shared = [
+            _SharedRun(
+                slots=group[0][2][0],
+                rows=torch.tensor([row for row, _, _ in group], device=device),
+                owner=torch.tensor([d for _, d, _ in group], device=device),
+                cos=torch.cat([r[1] for _, _, r in group]),
+                sin=torch.cat([r[2] for _, _, r in group]),
+            )
+            for group in readers.values()
+            if len(group) > 1
+        ]
+        shared_keys = {key for key, group in readers.items() if len(group) > 1}
+        runs = [(p.rows.start, d, r) for d, p in enumerate(plans) for r in p.runs if r[4] not in shared_keys]
+        width = max((r[0].numel() for _, _, r in runs), default=0)
         slots = torch.zeros(len(runs), width, dtype=torch.long, device=device)
         valid = torch.zeros(len(runs), width, dtype=torch.bool, device=device)
-        for i, (_, _, (run_slots, _, _, _)) in enumerate(runs):
-            slots[i, : run_slots.numel()] = run_slots
-            valid[i, : run_slots.numel()] = True
+        for i, (_, _, run) in enumerate(runs):
+            slots[i, : run[0].numel()] = run[0]
+            valid[i, : run[0].numel()] = True
         return cls(
             items=torch.tensor([p.rows.start for p in plans], device=device),
-            rows=torch.tensor([row for row, _, _ in runs], device=device),
-            owner=torch.tensor([d for _, d, _ in runs], device=device),
+            shared=shared,
+            rows=torch.tensor([row for row, _, _ in runs], dtype=torch.long, device=device),
+            owner=torch.tensor([d for _, d, _ in runs], dtype=torch.long, device=device),
             slots=slots,
             valid=valid,
             cos=torch.cat([r[1] for _, _, r in runs]),
@@ -114,13 +151,13 @@ class ViewBatch:
                     cos, sin = rotary.cos_sin(writer_pos - offset)  # positions relative to block j
                     slots = store.slots(block, 0, length)
                     if j < len(offsets) - 1 and length:
-                        plan.runs.append((slots, cos, sin, False))
+                        plan.runs.append((slots, cos, sin, False, (block.id, length)))
                 if n == 1:  # a single new token sees its whole block: one run
-                    plan.runs.append((slots, cos, sin, False))
+                    plan.runs.append((slots, cos, sin, False, None))
                 else:
                     if start:
-                        plan.runs.append((slots[:start], cos, sin, False))
-                    plan.runs.append((slots[start:], cos, sin, True))
+                        plan.runs.append((slots[:start], cos, sin, False, None))
+                    plan.runs.append((slots[start:], cos, sin, True, None))
                 writes.append(slots[start:])
             local.append(torch.arange(start, start + n))
             self.plans.append(plan)
@@ -143,18 +180,33 @@ class ViewBatch:
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if self.decode is not None:
             d = self.decode
-            o, lse = padded_attention(
-                self.rotary.apply(q[d.rows], d.cos, d.sin),
-                pool.k[slot, d.slots],
-                pool.v[slot, d.slots],
-                d.valid,
-                self.scale,
-            )
-            out[d.items] = merge_grouped(o, lse, d.owner, d.items.numel())
+            outs, lses, owners = [], [], []
+            for run in d.shared:
+                o, lse = partial_attention(
+                    self.rotary.apply(q[run.rows], run.cos, run.sin),
+                    pool.k[slot, run.slots],
+                    pool.v[slot, run.slots],
+                    self.scale,
+                )
+                outs.append(o)
+                lses.append(lse)
+                owners.append(run.owner)
+            if d.rows.numel():
+                o, lse = padded_attention(
+                    self.rotary.apply(q[d.rows], d.cos, d.sin),
+                    pool.k[slot, d.slots],
+                    pool.v[slot, d.slots],
+                    d.valid,
+                    self.scale,
+                )
+                outs.append(o)
+                lses.append(lse)
+                owners.append(d.owner)
+            out[d.items] = merge_grouped(torch.cat(outs), torch.cat(lses), torch.cat(owners), d.items.numel())
         for plan in self.looped:
             q_item = q[plan.rows]
             outs, lses = [], []
-            for slots, cos, sin, causal in plan.runs:
+            for slots, cos, sin, causal, _ in plan.runs:
                 keys, values = pool.k[slot, slots], pool.v[slot, slots]
                 o, lse = partial_attention(
                     self.rotary.apply(q_item, cos, sin), keys, values, self.scale, causal
