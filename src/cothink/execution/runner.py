@@ -75,45 +75,46 @@ class ModelRunner:
         """
         return self.step([StepItem(block, list(token_ids), view, logits)])[0]
 
-    def validate_input(self, view: list[Block], token_ids: list[int], writer_in_view: bool = True) -> None:
-        """Check that `token_ids` can be appended after `view` (blocks live, distinct, within context)."""
+    def check_token_ids(self, ids: list[int], what: str = "token ids") -> None:
+        vocab = self.config.vocab_size
+        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
+            raise ValueError(f"{what} must be ints in [0, {vocab})")
+
+    def _check_view(self, view: list[Block], new_tokens: int, read_lengths: list[int] | None = None) -> None:
+        """Blocks live and distinct, and the view (read up to `read_lengths` before its last block)
+        plus the new tokens within the context."""
         for b in view:
             self.store.check(b)
         if len({b.id for b in view}) != len(view):
             raise InvalidViewError("a block appears twice in the view")
-        total = sum(b.position_span for b in view) + len(token_ids)
+        spans = [b.position_span for b in view]
+        if read_lengths is not None:
+            if len(read_lengths) != len(spans) - 1 or any(
+                not 0 <= n <= s for n, s in zip(read_lengths, spans)
+            ):
+                raise InvalidViewError(
+                    "read_lengths must give, for each block before the writer, 0..len(block)"
+                )
+            spans[:-1] = read_lengths
+        total = sum(spans) + new_tokens
         if total > self.max_context:
             raise InputTooLongError(f"view would span {total} positions; the model allows {self.max_context}")
+
+    def validate_input(self, view: list[Block], token_ids: list[int]) -> None:
+        """Check that `token_ids` can be appended after `view` (blocks live, distinct, within context)."""
+        self._check_view(view, len(token_ids))
 
     def validate(self, item: StepItem) -> None:
         """Raise a typed error, changing nothing, unless the item can run."""
         if item.logits not in _LOGITS_MODES:
             raise ValueError(f"logits must be one of {_LOGITS_MODES}, got {item.logits!r}")
         self.store.check(item.block)
-        view = item.view
-        if not view or view[-1] is not item.block:
+        if not item.view or item.view[-1] is not item.block:
             raise InvalidViewError(f"the view must end with the written block {item.block.name!r}")
-        for b in view:
-            self.store.check(b)
-        if len({b.id for b in view}) != len(view):
-            raise InvalidViewError("a block appears twice in the view")
-        spans = [b.position_span for b in view[:-1]]
-        if item.read_lengths is not None:
-            if len(item.read_lengths) != len(spans) or any(
-                not 0 <= n <= s for n, s in zip(item.read_lengths, spans)
-            ):
-                raise InvalidViewError(
-                    "read_lengths must give, for each block before the writer, 0..len(block)"
-                )
-            spans = list(item.read_lengths)
+        self._check_view(item.view, len(item.token_ids), item.read_lengths)
         if not item.token_ids:
             raise EmptyInputError(f"no tokens to append to block {item.block.name!r}")
-        vocab = self.config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in item.token_ids):
-            raise ValueError(f"token ids must be ints in [0, {vocab})")
-        total = sum(spans) + item.block.position_span + len(item.token_ids)
-        if total > self.max_context:
-            raise InputTooLongError(f"view would span {total} positions; the model allows {self.max_context}")
+        self.check_token_ids(item.token_ids)
 
     def step(self, items: list[StepItem]) -> list[torch.Tensor]:
         """One forward pass over all items; returns each item's logits (see `extend`)."""

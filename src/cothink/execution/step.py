@@ -46,7 +46,6 @@ class _Plan:
     rows: slice  # the item's tokens in the flattened batch
     start: int  # the writer block's length at step start
     lengths: list[int]  # snapshot length of each view block (writer: start + new tokens)
-    offsets: list[int]  # view position of each block's first token
     # Key runs the item attends to: (pool slots, cos, sin, causal). cos/sin rotate the item's queries
     # to their positions relative to the run's block. Every block before the writer is one wholly
     # visible run; the writer block is its old tokens (visible) plus this step's tokens (causal).
@@ -143,7 +142,7 @@ class ViewBatch:
             offsets = [0]
             for span in before:  # text tokens: a block's position span is its length
                 offsets.append(offsets[-1] + span)
-            plan = _Plan(slice(row, row + n), start, lengths, offsets)
+            plan = _Plan(slice(row, row + n), start, lengths)
             plan.view_key = view_key(item.view, [*before, start])
             if store.attn_slot:
                 writer_pos = offsets[-1] + torch.arange(start, start + n, device=store.device)
@@ -168,7 +167,8 @@ class ViewBatch:
         # Python loop over items and blocks; prefill chunks keep the per-item flash path.
         decode = [p for p in self.plans if p.rows.stop - p.rows.start == 1] if store.attn_slot else []
         self.decode = _DecodeRuns.build(decode, store.device) if len(decode) > 1 else None
-        self.looped = [p for p in self.plans if self.decode is None or p not in decode]
+        batched = {id(p) for p in decode} if self.decode is not None else set()
+        self.looped = [p for p in self.plans if id(p) not in batched]
         self.new_states: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in items]
 
     # ---- full attention --------------------------------------------------------------------

@@ -330,8 +330,8 @@ class Engine:
         self.runner.validate_input(view, [0])
         params = SamplingParams(temperature, top_k, top_p, seed, tuple(banned_token_ids or ()))
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        self._check_ids(list(banned_token_ids or ()), "banned_token_ids")
-        self._check_ids(list(stop_token_ids or ()), "stop_token_ids")
+        self.runner.check_token_ids(list(banned_token_ids or ()), "banned_token_ids")
+        self.runner.check_token_ids(list(stop_token_ids or ()), "stop_token_ids")
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         stop_ids = set(stop_token_ids or ())
@@ -370,9 +370,7 @@ class Engine:
         if len(set(choices)) != len(choices) or not choices:
             raise ValueError("choices must be distinct and non-empty")
         encoded = {c: self._tokens(c, None) for c in choices}
-        self.runner.validate_input(
-            view, q + [0] * max(len(t) - 1 for t in encoded.values()), writer_in_view=False
-        )
+        self.runner.validate_input(view, q + [0] * max(len(t) - 1 for t in encoded.values()))
         work = ProbeWork(
             self, self._name(name), Priority.parse(priority, PriorityClass.INTERACTIVE), view, q, encoded
         )
@@ -437,7 +435,7 @@ class Engine:
             tokens = list(token_ids)
         if not tokens:
             raise EmptyInputError("the input is empty")
-        self._check_ids(tokens, "token ids")
+        self.runner.check_token_ids(tokens)
         limit = self.limits.max_input_tokens
         if limit is not None and len(tokens) > limit:
             raise InputTooLongError(f"{len(tokens)} input tokens exceed the limit of {limit}")
@@ -446,11 +444,6 @@ class Engine:
     def _require_running(self) -> None:
         if not self.running:
             raise EngineClosedError("the engine is not running: use `async with engine:`")
-
-    def _check_ids(self, ids: list[int], what: str) -> None:
-        vocab = self.runner.config.vocab_size
-        if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"{what} must be ints in [0, {vocab})")
 
     def _submit(self, work: Work) -> None:
         for b in work.reads:

@@ -173,14 +173,16 @@ class GenerateWork(Work):
         if cached is not None:
             self.pending = sampler(cached)
 
+    def _prefix(self) -> list[Block]:
+        """The view up to its last non-empty block: whose last token the next token follows."""
+        last = max((i for i, b in enumerate(self.view) if b.length), default=-1)
+        return self.view[: last + 1]
+
     def _cached_logits(self) -> torch.Tensor | None:
         """Logits after the view's last token, if the last write computed them under this same view."""
-        nonempty = [i for i, b in enumerate(self.view) if b.length]
-        if not nonempty:
-            return None
-        last = self.view[nonempty[-1]]
-        cached = last.last_logits
-        if cached is not None and cached[0] == view_key(self.view[: nonempty[-1] + 1]):
+        prefix = self._prefix()
+        cached = prefix[-1].last_logits if prefix else None
+        if cached is not None and cached[0] == view_key(prefix):
             return cached[1]
         return None
 
@@ -196,8 +198,7 @@ class GenerateWork(Work):
             return [StepItem(self.block, [self.pending], self.view, logits="last")]
         # Recompute the logits after the view's last token in a scratch block that reads the view
         # without that token; nothing in the view is written.
-        nonempty = [i for i, b in enumerate(self.view) if b.length]
-        prefix = self.view[: nonempty[-1] + 1]
+        prefix = self._prefix()
         self._peek = self.engine.runner.new_block(f"{self.name}-peek")
         lengths = [b.length for b in prefix]
         lengths[-1] -= 1
