@@ -13,8 +13,8 @@ _EXPORTS = {
     "Engine": "cothink.runtime.engine",
     "Generation": "cothink.runtime.engine",
     "StepRecord": "cothink.runtime.engine",
-    "GenerationResult": "cothink.runtime.work",
-    "Piece": "cothink.runtime.work",
+    "GenerationResult": "cothink.runtime.engine",
+    "Piece": "cothink.runtime.engine",
     "ModelRunner": "cothink.execution.runner",
     "load_model": "cothink.execution.runner",
     "Priority": "cothink.scheduler.policy",
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from cothink.memory.block import Block
     from cothink.runtime.engine import Engine, Generation, StepRecord
     from cothink.runtime.sync import SyncEngine
-    from cothink.runtime.work import GenerationResult, Piece
+    from cothink.runtime.engine import GenerationResult, Piece
     from cothink.scheduler.policy import Priority, PriorityClass
 
 

@@ -34,7 +34,7 @@ def stream_generation(
     import torch
 
     from cothink.runtime.sync import SyncEngine
-    from cothink.runtime.text import chat_prompt_ids
+    from cothink.models.text import chat_prompt_ids
 
     out = sys.stdout if out is None else out
     err = sys.stderr if err is None else err
@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     from cothink.eval.cli import add_parser as add_eval_parser
 
     add_eval_parser(sub)
+    from cothink.experiments.harness import add_parser as add_experiment_parser
+    from cothink.layouts.cli import add_parser as add_layout_parser
+
+    add_experiment_parser(sub)
+    add_layout_parser(sub)
     return parser
 
 

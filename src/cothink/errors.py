@@ -18,11 +18,20 @@ __all__ = [
     "BlockBusyError",
     "PoolExhaustedError",
     "EngineClosedError",
+    "InvalidParameterError",
 ]
 
 
 class CothinkError(Exception):
-    """Base class of every error raised by cothink."""
+    """Base class of every error raised by cothink.
+
+    `param`, when set, names the caller's parameter that was wrong (for example "token_ids",
+    "view", "max_tokens"); the server reports it as the error's `param` field.
+    """
+
+    def __init__(self, *args: object, param: str | None = None):
+        super().__init__(*args)
+        self.param = param
 
 
 class ModelNotFoundError(CothinkError, FileNotFoundError):
@@ -43,6 +52,10 @@ class BlockFreedError(CothinkError, ValueError):
 
 class UnknownBlockError(CothinkError, KeyError):
     """Raised when a block id does not belong to this runner or pool."""
+
+
+class InvalidParameterError(CothinkError, ValueError):
+    """Raised when a call's parameter is out of range or of the wrong kind (`param` names it)."""
 
 
 class EmptyInputError(CothinkError, ValueError):

@@ -31,6 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from cothink.agents.base import AgentEvent
+from cothink.agents.think_narrate import NarratorSync, Reaction, ThinkNarrate
+
 DEFAULT_MODEL = "smollm2"
 SYSTEM = "You are a careful math tutor. Solve the problem step by step and end with 'Answer: <number>'."
 PROBLEM = (
@@ -52,24 +55,8 @@ PROBE_CHOICES = ("Yes", "No")
 # ------------------------------------------------------------------------------------------ records
 
 
-@dataclass
-class Sync:
-    """One narrator sync: what it read, what it cost, what a text-passing design would have cost."""
-
-    index: int
-    thinker_tokens: int  # tokens the thinker had generated when the sync began
-    ctx_len: int  # ctx block length (tokens) at the sync
-    thinker_len: int  # thinker block length (tokens) at the sync
-    p_yes: float | None  # probe answer; None when the probe was skipped (final sync)
-    spoke: bool
-    text: str = ""
-    prefilled: int = 0  # tokens the narrator prefilled for this sync (probe question + instruction)
-    generated: int = 0
-
-    @property
-    def text_passing_reencode(self) -> int:
-        """Tokens a text-passing narrator would have re-encoded: ctx + the thinker's text so far."""
-        return self.ctx_len + self.thinker_len
+# One narrator sync (what it read, what it cost, what text passing would have cost).
+Sync = NarratorSync
 
 
 @dataclass
@@ -243,206 +230,83 @@ async def run_demo(
     max_quiet: int = 1,
     seed: int = 0,
 ) -> DemoResult:
-    """Run the thinker, the narrator and the scripted user on `engine` (already started)."""
-    tok = engine.tokenizer
-    if tok is None:
+    """Run the thinker, the narrator and the scripted user on `engine` (already started): a thin use of
+    the think-while-narrating pattern (:class:`cothink.agents.ThinkNarrate`) with a scripted interjection."""
+    if engine.tokenizer is None:
         raise ValueError("the demo needs a model with a tokenizer and chat template")
     if interject_at is None:
         interject_at = max(1, min(max_tokens // 2, 48))
 
-    def encode(text: str) -> list[int]:
-        return tok.encode(text, add_special_tokens=False)
+    def show(event: AgentEvent) -> None:
+        if event.kind == "thought":
+            display.thinker(event.text)
+        elif event.kind == "said":
+            display.narrator(event.text)
+        elif event.kind == "probe":
+            display.probe(agent.syncs[-1])
+        elif event.kind == "input":
+            display.user(event.text)
 
-    ctx_text = tok.apply_chat_template(
-        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": PROBLEM}], tokenize=False
+    agent = ThinkNarrate(
+        engine,
+        task=PROBLEM,
+        system=SYSTEM,
+        max_tokens=max_tokens,
+        narrate_every=narrate_every,
+        probe_question=PROBE_QUESTION,
+        probe_choices=PROBE_CHOICES,
+        threshold=probe_threshold,
+        max_quiet=max_quiet,
+        instruction=NARRATOR_INSTRUCTION,
+        prefix=NARRATOR_PREFIX,
+        final_instruction=FINAL_INSTRUCTION,
+        final_prefix=FINAL_PREFIX,
+        narration_tokens=narration_tokens,
+        reaction=Reaction(note=THINKER_NOTE, resume=THINKER_RESUME),
+        wait_for_input=True,
+        on_event=show,
+        seed=seed,
     )
-    turn_end = "<|im_end|>\n" if "<|im_end|>" in ctx_text else "\n"
-
-    def user_turn(text: str) -> str:
-        if "<|im_start|>" in ctx_text:
-            return f"<|im_start|>user\n{text}<|im_end|>\n"
-        return f"User: {text}\n"
-
-    assistant_start = "<|im_start|>assistant\n" if "<|im_start|>" in ctx_text else "Assistant: "
-    probe_q = encode(turn_end + user_turn(PROBE_QUESTION) + assistant_start)
-    instruction = encode(turn_end + user_turn(NARRATOR_INSTRUCTION) + assistant_start + NARRATOR_PREFIX)
-    final_instruction = encode(turn_end + user_turn(FINAL_INSTRUCTION) + assistant_start + FINAL_PREFIX)
-
-    t0 = time.perf_counter()
-    ctx = engine.block("ctx")
-    thinker_block = engine.block("thinker")
-    await engine.extend(ctx, ctx_text, name="user", priority="interactive")
-
-    progress = asyncio.Condition()
-    state: dict[str, Any] = {"generated": 0, "done": False, "interjected": None, "text": ""}
-    interjection = asyncio.Event()
-
-    async def notify() -> None:
-        async with progress:
-            progress.notify_all()
-
-    async def wait_for(pred) -> None:
-        async with progress:
-            await progress.wait_for(pred)
-
-    async def stream(max_new: int, stop: list[str] | None = None, interruptible: bool = True) -> str:
-        """Generate into the thinker's block, showing it live; returns the finish reason ('interrupted'
-        when new user input arrived and the generation was paused)."""
-        gen = engine.generate([ctx, thinker_block], max_tokens=max_new, stop=stop, name="thinker", seed=seed)
-        counted = 0
-        async for piece in gen:
-            counted += len(piece.token_ids)
-            state["generated"] += len(piece.token_ids)
-            state["text"] += piece.text
-            display.thinker(piece.text)
-            await notify()
-            if interruptible and interjection.is_set():
-                # Pause. Cancel explicitly: leaving `async for` closes the iterator only when it is
-                # finalized, later; the tokens already emitted stay in the block.
-                gen.cancel()
-                return "interrupted"
-        assert gen.result is not None
-        # The token that ended the generation (end of turn, or the one holding a stop string) is in the
-        # block and in the result but in no piece.
-        state["generated"] += len(gen.result.token_ids) - counted
-        return gen.result.finish_reason
-
-    async def write(text: str, reaction: bool = True) -> None:
-        """Append the thinker's own scripted text to its block (a few tokens; nothing is re-encoded)."""
-        ids = encode(text)
-        await engine.extend(thinker_block, token_ids=ids, view=[ctx, thinker_block], name="thinker")
-        state["reaction_tokens"] += len(ids) if reaction else 0
-
-    async def thinker() -> None:
-        state["reaction_tokens"] = 0
-        try:
-            await write(assistant_start, reaction=False)
-            reason = await stream(max_tokens)
-            left = max_tokens - state["generated"]
-            if reason == "stop" and left > 0 and not interjection.is_set():
-                # Finished before the user spoke: wait for the interjection, then answer again.
-                state["waiting"] = True
-                await notify()
-                await interjection.wait()
-            if not interjection.is_set() or left <= 0:
-                return
-            # React to the correction without a restart: note it (the model completes the note by reading
-            # the new message in ctx's memory), then carry on from there.
-            note = THINKER_NOTE if reason != "stop" else "\n" + assistant_start + THINKER_NOTE.lstrip()
-            display.thinker(THINKER_NOTE if reason != "stop" else "\n" + THINKER_NOTE.lstrip())
-            state["text"] += THINKER_NOTE
-            await write(note)
-            reason = await stream(min(16, left), stop=["\n"], interruptible=False)
-            resume = THINKER_RESUME if reason == "stop" else "\n" + THINKER_RESUME
-            display.thinker("\n" + THINKER_RESUME)
-            state["text"] += "\n" + THINKER_RESUME
-            await write(resume)
-            left = max_tokens - state["generated"]
-            if left > 0:
-                await stream(left, interruptible=False)
-        finally:
-            state["done"] = True
-            await notify()
 
     async def user() -> None:
-        await wait_for(lambda: state["generated"] >= interject_at or state["done"] or state.get("waiting"))
-        if state["done"]:
+        await agent.wait_progress(interject_at)
+        if agent.done:
+            agent.end_input()
             return
-        display.user(INTERJECTION)
-        await engine.extend(ctx, user_turn(INTERJECTION), view=[ctx], name="user", priority="interactive")
-        state["interjected"] = state["generated"]
-        state["restart_reencode"] = len(ctx) + len(thinker_block)
-        interjection.set()
-        await notify()
+        await agent.tell(INTERJECTION)
+        agent.end_input()
 
-    syncs: list[Sync] = []
-
-    async def narrate(sync: Sync, final: bool) -> None:
-        block = engine.block(f"narration-{sync.index}")
-        prompt, prefix = (final_instruction, FINAL_PREFIX) if final else (instruction, NARRATOR_PREFIX)
-        try:
-            await engine.extend(
-                block,
-                token_ids=prompt,
-                view=[ctx, thinker_block, block],
-                name="narrator",
-                priority="interactive",
-            )
-            sync.prefilled += len(prompt)
-            gen = engine.generate(
-                [ctx, thinker_block, block],
-                max_tokens=narration_tokens,
-                stop=["\n", "."],
-                name="narrator",
-                priority="interactive",
-                seed=seed,
-            )
-            result = await gen.collect()
-            sync.generated = len(result.token_ids)
-            sync.text = (prefix + result.text).strip() + "."
-        finally:
-            engine.release(block)
-
-    async def narrator() -> None:
-        quiet = 0
-        next_at = narrate_every
-        while True:
-            await wait_for(lambda: state["generated"] >= next_at or state["done"])
-            final = state["done"]
-            sync = Sync(len(syncs) + 1, state["generated"], len(ctx), len(thinker_block), None, True)
-            syncs.append(sync)
-            if not final:
-                answer = await engine.probe(
-                    [ctx, thinker_block],
-                    probe_q,
-                    choices=PROBE_CHOICES,
-                    name="narrator",
-                    priority="interactive",
-                )
-                sync.prefilled += len(probe_q)
-                sync.p_yes = answer[PROBE_CHOICES[0]]
-                sync.spoke = sync.p_yes >= probe_threshold or quiet >= max_quiet
-                display.probe(sync)
-            if sync.spoke:
-                quiet = 0
-                await narrate(sync, final)
-                display.narrator(sync.text)
-            else:
-                quiet += 1
-            if final:
-                return
-            next_at = state["generated"] + narrate_every
+    t0 = time.perf_counter()
 
     def on_step(record: Any) -> None:
         elapsed = time.perf_counter() - t0
         who = ", ".join(sorted({i.coroutine for i in record.items}))
-        display.status(f"step {record.index}  [{who}]  thinker tokens {state['generated']}  {elapsed:.1f}s")
+        display.status(f"step {record.index}  [{who}]  thinker tokens {agent.generated}  {elapsed:.1f}s")
 
     engine.step_listeners.append(on_step)
     try:
-        await asyncio.gather(thinker(), narrator(), user())
+        out, _ = await asyncio.gather(agent.run(), user())
     finally:
         engine.step_listeners.remove(on_step)
     wall = time.perf_counter() - t0
     mem = engine.memory()
-    result = DemoResult(
-        thinker_text=state["text"],
-        thinker_generated=state["generated"],
-        narrator_generated=sum(s.generated for s in syncs),
-        syncs=syncs,
-        interjected_at=state["interjected"],
-        restart_reencode=state.get("restart_reencode", 0),
-        thinker_reaction_tokens=state["reaction_tokens"],
+    return DemoResult(
+        thinker_text=out.thinker_text,
+        thinker_generated=out.thinker_generated,
+        narrator_generated=out.narrator_generated,
+        syncs=out.syncs,
+        interjected_at=out.inputs_at[0] if out.inputs_at else None,
+        restart_reencode=out.restart_reencode,
+        thinker_reaction_tokens=out.thinker_reaction_tokens,
         steps=engine.steps,
         wall_s=wall,
         stats=dict(engine.stats),
         kv_bytes_used=mem.kv_bytes_used,
         live_blocks=mem.live_blocks,
-        ctx_tokens=list(ctx.tokens),
-        thinker_block_len=len(thinker_block),
+        ctx_tokens=out.ctx_tokens,
+        thinker_block_len=out.thinker_block_len,
         engine=engine,
     )
-    return result
 
 
 def summary_tables(result: DemoResult) -> list[Any]:

@@ -170,7 +170,7 @@ class ModelHandle:
 
     def chat(self, user: str, system: str | None = None) -> list[int]:
         """Token ids of a chat prompt ending with the assistant's turn opener."""
-        from cothink.runtime.text import chat_prompt_ids
+        from cothink.models.text import chat_prompt_ids
 
         return chat_prompt_ids(self.tokenizer, user, system=system)
 

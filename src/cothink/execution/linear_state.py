@@ -1,4 +1,6 @@
-"""Gated DeltaNet state of a view, composed block by block (BRIEF §3.2, research note §2.3).
+"""Gated DeltaNet state of a view, composed block by block.
+
+See docs/architecture.md, "Memory choices for Gated DeltaNet blocks".
 
 For each block in view order: its first W-1 tokens (the head) are recomputed against the conv tail
 of what precedes it in this view, then its body is applied either as a cached dense summary
@@ -7,18 +9,29 @@ of what precedes it in this view, then its body is applied either as a cached de
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from cothink.memory.block import LinearRecords
-from cothink.models.gdn_ops import affine_summary, apply_summary, causal_conv, compose, delta_rule
+from cothink.ops.gdn import affine_summary, apply_summary, causal_conv, compose, delta_rule
 from cothink.models.transformer import GatedDeltaNet
 
 
-def empty_state(mixer: GatedDeltaNet, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+@dataclass(frozen=True, slots=True)
+class LinearState:
+    """Gated DeltaNet state [HV, K, V] (fp32) and conv tail [W-1, conv_dim] (the last W-1 pre-conv
+    rows) at one point of a view."""
+
+    state: torch.Tensor
+    tail: torch.Tensor
+
+
+def empty_state(mixer: GatedDeltaNet, dtype: torch.dtype, device) -> LinearState:
     g = mixer.cfg
     state = torch.zeros(g.num_v_heads, g.k_dim, g.v_dim, dtype=torch.float32, device=device)
     tail = torch.zeros(g.conv_kernel - 1, g.conv_dim, dtype=dtype, device=device)
-    return state, tail
+    return LinearState(state, tail)
 
 
 def run_tokens(
@@ -47,15 +60,11 @@ def _body_summary(mixer: GatedDeltaNet, rec: LinearRecords, length: int) -> torc
 
 
 def apply_block(
-    mixer: GatedDeltaNet,
-    rec: LinearRecords,
-    length: int,
-    state: torch.Tensor,
-    tail: torch.Tensor,
-    dense_min_tokens: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    mixer: GatedDeltaNet, rec: LinearRecords, length: int, before: LinearState, dense_min_tokens: int
+) -> LinearState:
     """Advance (state, conv tail) over the first `length` tokens of a block."""
     w = mixer.cfg.conv_kernel - 1
+    state, tail = before.state, before.tail
     rows, g, beta = rec.rows.data[:length], rec.g.data[:length], rec.beta.data[:length]
     head = min(w, length)
     _, state = run_tokens(mixer, tail, rows[:head], g[:head], beta[:head], state)
@@ -67,4 +76,4 @@ def apply_block(
         else:
             _, state = run_tokens(mixer, rows[:w], rows[w:], g[w:], beta[w:], state)
     new_tail = torch.cat((tail, rows), dim=0)[-w:] if w else tail
-    return state, new_tail
+    return LinearState(state, new_tail)

@@ -6,21 +6,32 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cothink.errors import EmptyInputError, InputTooLongError, InvalidViewError
-from cothink.execution.step import StepItem, ViewBatch
+from cothink.errors import EmptyInputError, InputTooLongError, InvalidParameterError, InvalidViewError
+from cothink.execution.attention_backends import AttentionBackend, select_backend
+from cothink.execution.cache import ExecutionCache
+from cothink.execution.step import StepItem, ViewBatch, undo
 from cothink.memory.block import Block
 from cothink.memory.store import BlockStore
 from cothink.models.config import ModelConfig, load_config
-from cothink.models.rope import Rotary
+from cothink.ops.rope import Rotary
 from cothink.models.transformer import CausalLM
 from cothink.models.weights import load_weights
 
 _LOGITS_MODES = ("all", "last", "none")
+
+
+@dataclass
+class ForwardResult:
+    """A step's forward pass before it is published (see `ModelRunner.forward`)."""
+
+    batch: ViewBatch
+    logits: list[torch.Tensor]  # per item
 
 
 class ModelRunner:
@@ -33,6 +44,7 @@ class ModelRunner:
         page_size: int = 16,
         max_context: int | None = None,
         dense_summary_min_tokens: int | None = None,
+        attention_backend: str | AttentionBackend = "auto",
     ):
         cfg = model.config
         self.model, self.config, self.tokenizer = model, cfg, tokenizer
@@ -47,6 +59,10 @@ class ModelRunner:
         if dense_summary_min_tokens is None:
             dense_summary_min_tokens = 4 * cfg.gdn.k_dim if cfg.gdn else 0
         self.dense_summary_min_tokens = dense_summary_min_tokens
+        # chosen once: "torch" (CPU flash + padded decode), "reference" (plain math, for tests), "auto"
+        self.attention = select_backend(attention_backend, self.device)
+        # writer states and last logits of this runner's blocks (entries dropped on truncate and free)
+        self.cache = ExecutionCache()
 
     # ---- blocks -------------------------------------------------------------------------------
     def new_block(self, name: str | None = None) -> Block:
@@ -56,6 +72,7 @@ class ModelRunner:
 
     def free(self, block: Block) -> None:
         self.store.free(block)
+        self.cache.drop(block)
 
     def fork(self, block: Block, name: str | None = None) -> Block:
         child = self.store.fork(block, name)
@@ -64,6 +81,7 @@ class ModelRunner:
 
     def truncate(self, block: Block, n: int) -> None:
         self.store.truncate(block, n)
+        self.cache.drop(block)
 
     # ---- forward ------------------------------------------------------------------------------
     def extend(
@@ -75,34 +93,37 @@ class ModelRunner:
         """
         return self.step([StepItem(block, list(token_ids), view, logits)])[0]
 
-    def check_token_ids(self, ids: list[int], what: str = "token ids") -> None:
+    # ---- the rules every caller's input is checked against (once, at the boundary) -------------
+    def check_token_ids(self, ids: list[int], param: str = "token_ids") -> None:
+        """The token-id rule: plain ints in [0, vocab)."""
         vocab = self.config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"{what} must be ints in [0, {vocab})")
+            raise InvalidParameterError(f"{param} must be ints in [0, {vocab})", param=param)
 
-    def _check_view(self, view: list[Block], new_tokens: int, read_lengths: list[int] | None = None) -> None:
-        """Blocks live and distinct, and the view (read up to `read_lengths` before its last block)
-        plus the new tokens within the context."""
+    def check_view(self, view: list[Block], new_tokens: int, read_lengths: list[int] | None = None) -> None:
+        """The view rule: blocks live and distinct, and the view (read up to `read_lengths` before
+        its last block) plus `new_tokens` within the model's context."""
+        if not view:
+            raise InvalidViewError("a view needs at least one block", param="view")
         for b in view:
             self.store.check(b)
         if len({b.id for b in view}) != len(view):
-            raise InvalidViewError("a block appears twice in the view")
+            raise InvalidViewError("a block appears twice in the view", param="view")
         spans = [b.position_span for b in view]
         if read_lengths is not None:
             if len(read_lengths) != len(spans) - 1 or any(
                 not 0 <= n <= s for n, s in zip(read_lengths, spans)
             ):
                 raise InvalidViewError(
-                    "read_lengths must give, for each block before the writer, 0..len(block)"
+                    "read_lengths must give, for each block before the writer, 0..len(block)",
+                    param="read_lengths",
                 )
             spans[:-1] = read_lengths
         total = sum(spans) + new_tokens
         if total > self.max_context:
-            raise InputTooLongError(f"view would span {total} positions; the model allows {self.max_context}")
-
-    def validate_input(self, view: list[Block], token_ids: list[int]) -> None:
-        """Check that `token_ids` can be appended after `view` (blocks live, distinct, within context)."""
-        self._check_view(view, len(token_ids))
+            raise InputTooLongError(
+                f"view would span {total} positions; the model allows {self.max_context}", param="view"
+            )
 
     def validate(self, item: StepItem) -> None:
         """Raise a typed error, changing nothing, unless the item can run."""
@@ -111,41 +132,78 @@ class ModelRunner:
         self.store.check(item.block)
         if not item.view or item.view[-1] is not item.block:
             raise InvalidViewError(f"the view must end with the written block {item.block.name!r}")
-        self._check_view(item.view, len(item.token_ids), item.read_lengths)
+        self.check_view(item.view, len(item.token_ids), item.read_lengths)
         if not item.token_ids:
             raise EmptyInputError(f"no tokens to append to block {item.block.name!r}")
         self.check_token_ids(item.token_ids)
 
-    def step(self, items: list[StepItem]) -> list[torch.Tensor]:
-        """One forward pass over all items; returns each item's logits (see `extend`)."""
-        for item in items:
-            self.validate(item)
+    def cached_logits(self, prefix: list[Block]) -> torch.Tensor | None:
+        """Logits after the last token of `prefix` (a view ending with a non-empty block), if the
+        last write of that block computed them under this same view; else None."""
+        return self.cache.last_logits(prefix)
+
+    def step(self, items: list[StepItem], *, validate: bool = True) -> list[torch.Tensor]:
+        """One forward pass over all items, committed; returns each item's logits (see `extend`).
+
+        `validate=False` is for callers (the engine's scheduler) that already checked every item
+        against the same rules at their own boundary; the runner then only asserts.
+        """
+        batch = self.prepare(items, validate=validate)
+        try:
+            result = self.forward(batch)
+        except BaseException:
+            self.abort(items)  # a failed step changes nothing
+            raise
+        return self.commit(result)
+
+    # A step in three phases, so the engine can run the middle one off its event loop:
+    # prepare (reserve pages, plan the batch) -> forward (compute only) -> commit (publish).
+    def prepare(self, items: list[StepItem], *, validate: bool = True) -> ViewBatch:
+        """Reserve memory for the items and plan the batch; nothing is visible until `commit`."""
+        if validate:
+            for item in items:
+                self.validate(item)
+        else:
+            assert all(item.view and item.view[-1] is item.block and item.token_ids for item in items)
         if len({item.block.id for item in items}) != len(items):
             raise InvalidViewError("two items in one step write the same block")
         self.store.reserve([(item.block, item.block.length + len(item.token_ids)) for item in items])
         try:
-            batch = ViewBatch(self.store, self.rotary, items, self.dense_summary_min_tokens)
-            ids = [t for item in items for t in item.token_ids]
-            with torch.inference_mode():
-                logits = self.model(
-                    torch.tensor(ids, device=self.device), batch, batch.logit_rows().to(self.device)
-                )
+            return ViewBatch(
+                self.store, self.rotary, items, self.dense_summary_min_tokens, self.attention, self.cache
+            )
         except BaseException:
-            # Undo the failed step: lengths were not committed; drop appended GDN records and pages.
-            for item in items:
-                for rec in item.block.linear:
-                    rec.truncate(item.block.length)
-                self.store.unreserve(item.block)
+            self.abort(items)
             raise
-        batch.commit()
+
+    def forward(self, batch: ViewBatch) -> ForwardResult:
+        """The forward pass of a prepared step. It writes keys into the reserved pages and changes
+        nothing else that anyone can see (GDN records and lengths are published by `commit`)."""
+        ids = [t for item in batch.items for t in item.token_ids]
+        with torch.inference_mode():
+            logits = self.model(
+                torch.tensor(ids, device=self.device), batch, batch.logit_rows().to(self.device)
+            )
         out, row = [], 0
-        for i, item in enumerate(items):
+        for item in batch.items:
             n = {"all": len(item.token_ids), "last": 1, "none": 0}[item.logits]
             out.append(logits[row : row + n])
             row += n
-            if n:
-                item.block.last_logits = (batch.key_after(i), out[-1][-1].clone())
-        return out
+        return ForwardResult(batch, out)
+
+    def abort(self, items: list[StepItem]) -> None:
+        """Undo a prepared step that will not be committed (pages reserved beyond each block)."""
+        for item in items:
+            undo(self.store, item)
+
+    def commit(self, result: ForwardResult, keep: list[bool] | None = None) -> list[torch.Tensor]:
+        """Publish a forward pass (items with keep[i] False are dropped instead); returns the logits."""
+        batch = result.batch
+        batch.commit(keep)
+        for i, (item, logits) in enumerate(zip(batch.items, result.logits)):
+            if len(logits) and (keep is None or keep[i]):
+                batch.remember_logits(i, logits[-1].clone())
+        return result.logits
 
 
 def load_model(
@@ -156,7 +214,8 @@ def load_model(
 ) -> ModelRunner:
     """Load a local Hugging Face folder (or the embedded name 'smollm2') as a ModelRunner.
 
-    `limits` go to ModelRunner: kv_tokens (pool size), page_size, max_context, dense_summary_min_tokens.
+    `limits` go to ModelRunner: kv_tokens (pool size), page_size, max_context, dense_summary_min_tokens,
+    attention_backend ("auto", "torch" or "reference").
     """
     from transformers import AutoTokenizer
 

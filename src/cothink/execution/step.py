@@ -1,9 +1,9 @@
 """One forward pass over many items, each writing its own block while reading its own view.
 
-Step semantics (BRIEF §2): every item reads each view block as it was at the start of the step,
-plus the tokens the item itself writes in this step. Block lengths are snapshotted before the
-forward and committed after it, so what other items write in the same step is invisible until the
-next step, and an item's result does not depend on who shares its batch.
+Step semantics (docs/runtime.md, "Semantics"): every item reads each view block as it was at the
+start of the step, plus the tokens the item itself writes in this step. Block lengths are snapshotted
+before the forward and committed after it, so what other items write in the same step is invisible
+until the next step, and an item's result does not depend on who shares its batch.
 """
 
 from __future__ import annotations
@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cothink.execution.linear_state import apply_block, empty_state, run_tokens
+from cothink.execution.attention_backends import AttentionBackend, TorchAttention
+from cothink.execution.cache import ExecutionCache, LastLogits, ViewKey, WriterState
+from cothink.execution.linear_state import LinearState, apply_block, empty_state, run_tokens
 from cothink.memory.block import Block, view_key
 from cothink.memory.store import BlockStore
-from cothink.models.attention import merge_grouped, merge_partials, padded_attention, partial_attention
-from cothink.models.rope import Rotary
 from cothink.models.transformer import GatedDeltaNet
+from cothink.ops.rope import Rotary
 
 
 @dataclass
@@ -39,22 +40,43 @@ class StepItem:
             self.view = [self.block]
 
 
+@dataclass(frozen=True, slots=True)
+class RunKey:
+    """Identity of a key run other items may read too: a block read up to `length` tokens."""
+
+    block_id: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRun:
+    """Keys an item's queries attend to as one unit, merged with the item's other runs by LSE.
+
+    Every block before the writer is one wholly visible run; the writer block is its old tokens
+    (visible) plus this step's tokens (causal). Layer-independent, so built once per step.
+    """
+
+    slots: torch.Tensor  # [L] flat pool slots of the run's keys
+    cos: torch.Tensor  # [T, rotary_dim]: rotate the item's queries to positions relative to the run's block
+    sin: torch.Tensor
+    causal: bool  # T == L and query row t sees keys 0..t (the tokens the item writes in this step)
+    shared: RunKey | None  # set for a block before the writer (another item may read it); None: the writer's
+
+
 @dataclass
-class _Plan:
+class ItemPlan:
     """Per-item geometry of one step, shared by every layer."""
 
     rows: slice  # the item's tokens in the flattened batch
     start: int  # the writer block's length at step start
     lengths: list[int]  # snapshot length of each view block (writer: start + new tokens)
-    # Key runs the item attends to: (pool slots, cos, sin, causal). cos/sin rotate the item's queries
-    # to their positions relative to the run's block. Every block before the writer is one wholly
-    # visible run; the writer block is its old tokens (visible) plus this step's tokens (causal).
-    # Layer-independent, so built once per step.
-    # The fifth element names a run another item may read too: (block id, length); None for the writer's.
-    runs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool, tuple | None]] = field(
-        default_factory=list
-    )
-    view_key: tuple = ()  # identity of the view's content before this step (for the GDN state cache)
+    view_key: ViewKey  # identity of the view's content before this step (for the writer-state cache)
+    runs: list[KeyRun] = field(default_factory=list)
+    new_slots: torch.Tensor | None = None  # [n] pool slots this step's keys are written to
+
+    @property
+    def size(self) -> int:
+        return self.rows.stop - self.rows.start
 
 
 @dataclass
@@ -66,6 +88,15 @@ class _SharedRun:
     owner: torch.Tensor  # [k] the readers' decode-item indices
     cos: torch.Tensor  # [k, rotary_dim]: each reader's own position relative to the block
     sin: torch.Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _Reader:
+    """One decode item's use of one key run."""
+
+    row: int  # the item's query row in the flattened batch
+    item: int  # the decode item's index (0..D-1)
+    run: KeyRun
 
 
 @dataclass
@@ -86,95 +117,127 @@ class _DecodeRuns:
     sin: torch.Tensor
 
     @classmethod
-    def build(cls, plans: list[_Plan], device) -> _DecodeRuns:
-        readers: dict[tuple, list] = {}
+    def build(cls, plans: list[ItemPlan], device) -> _DecodeRuns:
+        readers: dict[RunKey, list[_Reader]] = {}
         for d, p in enumerate(plans):
             for run in p.runs:
-                if run[4] is not None:
-                    readers.setdefault(run[4], []).append((p.rows.start, d, run))
+                if run.shared is not None:
+                    readers.setdefault(run.shared, []).append(_Reader(p.rows.start, d, run))
+        groups = [group for group in readers.values() if len(group) > 1]  # in first-reader order
+        shared_keys = {group[0].run.shared for group in groups}
         shared = [
             _SharedRun(
-                slots=group[0][2][0],
-                rows=torch.tensor([row for row, _, _ in group], device=device),
-                owner=torch.tensor([d for _, d, _ in group], device=device),
-                cos=torch.cat([r[1] for _, _, r in group]),
-                sin=torch.cat([r[2] for _, _, r in group]),
+                slots=group[0].run.slots,
+                rows=torch.tensor([r.row for r in group], device=device),
+                owner=torch.tensor([r.item for r in group], device=device),
+                cos=torch.cat([r.run.cos for r in group]),
+                sin=torch.cat([r.run.sin for r in group]),
             )
-            for group in readers.values()
-            if len(group) > 1
+            for group in groups
         ]
-        shared_keys = {key for key, group in readers.items() if len(group) > 1}
-        runs = [(p.rows.start, d, r) for d, p in enumerate(plans) for r in p.runs if r[4] not in shared_keys]
-        width = max((r[0].numel() for _, _, r in runs), default=0)
-        slots = torch.zeros(len(runs), width, dtype=torch.long, device=device)
-        valid = torch.zeros(len(runs), width, dtype=torch.bool, device=device)
-        for i, (_, _, run) in enumerate(runs):
-            slots[i, : run[0].numel()] = run[0]
-            valid[i, : run[0].numel()] = True
+        padded = [
+            _Reader(p.rows.start, d, run)
+            for d, p in enumerate(plans)
+            for run in p.runs
+            if run.shared not in shared_keys
+        ]
+        width = max((r.run.slots.numel() for r in padded), default=0)
+        slots = torch.zeros(len(padded), width, dtype=torch.long, device=device)
+        valid = torch.zeros(len(padded), width, dtype=torch.bool, device=device)
+        for i, r in enumerate(padded):
+            slots[i, : r.run.slots.numel()] = r.run.slots
+            valid[i, : r.run.slots.numel()] = True
         return cls(
             items=torch.tensor([p.rows.start for p in plans], device=device),
             shared=shared,
-            rows=torch.tensor([row for row, _, _ in runs], dtype=torch.long, device=device),
-            owner=torch.tensor([d for _, d, _ in runs], dtype=torch.long, device=device),
+            rows=torch.tensor([r.row for r in padded], dtype=torch.long, device=device),
+            owner=torch.tensor([r.item for r in padded], dtype=torch.long, device=device),
             slots=slots,
             valid=valid,
-            cos=torch.cat([r[1] for _, _, r in runs]),
-            sin=torch.cat([r[2] for _, _, r in runs]),
+            cos=torch.cat([r.run.cos for r in padded]),
+            sin=torch.cat([r.run.sin for r in padded]),
         )
 
 
 class ViewBatch:
-    """Implements the model's ForwardContext for one step over blocks and views."""
+    """Implements the model's ForwardContext for one step over blocks and views.
 
-    def __init__(self, store: BlockStore, rotary: Rotary, items: list[StepItem], dense_min_tokens: int):
+    `backend` attends queries over key runs (execution/attention_backends.py); `cache` holds the
+    writer states this step starts from and receives the ones it ends with (execution/cache.py).
+    """
+
+    def __init__(
+        self,
+        store: BlockStore,
+        rotary: Rotary,
+        items: list[StepItem],
+        dense_min_tokens: int,
+        backend: AttentionBackend | None = None,
+        cache: ExecutionCache | None = None,
+    ):
         self.store, self.rotary, self.items = store, rotary, items
         self.dense_min_tokens = dense_min_tokens
+        self.backend = backend if backend is not None else TorchAttention()
+        self.cache = cache if cache is not None else ExecutionCache()
         self.scale = store.cfg.head_dim**-0.5
-        self.plans: list[_Plan] = []
-        local, writes = [], []
-        row = 0
-        for item in items:
-            n, start = len(item.token_ids), item.block.length
-            before = (
-                item.read_lengths if item.read_lengths is not None else [b.length for b in item.view[:-1]]
-            )
-            lengths = [*before, start + n]
-            offsets = [0]
-            for span in before:  # text tokens: a block's position span is its length
-                offsets.append(offsets[-1] + span)
-            plan = _Plan(slice(row, row + n), start, lengths)
-            plan.view_key = view_key(item.view, [*before, start])
-            if store.attn_slot:
-                writer_pos = offsets[-1] + torch.arange(start, start + n, device=store.device)
-                for j, (block, length, offset) in enumerate(zip(item.view, lengths, offsets)):
-                    cos, sin = rotary.cos_sin(writer_pos - offset)  # positions relative to block j
-                    slots = store.slots(block, 0, length)
-                    if j < len(offsets) - 1 and length:
-                        plan.runs.append((slots, cos, sin, False, (block.id, length)))
-                if n == 1:  # a single new token sees its whole block: one run
-                    plan.runs.append((slots, cos, sin, False, None))
-                else:
-                    if start:
-                        plan.runs.append((slots[:start], cos, sin, False, None))
-                    plan.runs.append((slots[start:], cos, sin, True, None))
-                writes.append(slots[start:])
-            local.append(torch.arange(start, start + n))
-            self.plans.append(plan)
-            row += n
-        self.key_rotation = rotary.cos_sin(torch.cat(local).to(store.device))
-        self.write_slots = torch.cat(writes) if writes else None
+        self.plans = [self._plan(item, row) for item, row in zip(items, self._starts(items))]
+        self.key_rotation = rotary.cos_sin(
+            torch.cat([torch.arange(p.start, p.start + p.size) for p in self.plans]).to(store.device)
+        )
+        # this step's keys go to the slots after each writer's old tokens
+        self.write_slots = torch.cat([p.new_slots for p in self.plans]) if store.attn_slot else None
         # Several single-token items (decoding coroutines) attend in one padded batch instead of a
-        # Python loop over items and blocks; prefill chunks keep the per-item flash path.
-        decode = [p for p in self.plans if p.rows.stop - p.rows.start == 1] if store.attn_slot else []
+        # Python loop over items and blocks; prefill chunks keep the per-item path.
+        decode = [p for p in self.plans if p.size == 1] if store.attn_slot else []
         self.decode = _DecodeRuns.build(decode, store.device) if len(decode) > 1 else None
         batched = {id(p) for p in decode} if self.decode is not None else set()
         self.looped = [p for p in self.plans if id(p) not in batched]
-        self.new_states: list[dict[int, tuple[torch.Tensor, torch.Tensor]]] = [{} for _ in items]
+        # per item, per linear slot: the state after the item's tokens (published by commit)
+        self.new_states: list[dict[int, LinearState]] = [{} for _ in items]
+        # per item, per linear slot: the tokens' GDN records (pre-conv rows, g, beta), appended by commit
+        self.new_records: list[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
+            {} for _ in items
+        ]
+
+    @staticmethod
+    def _starts(items: list[StepItem]) -> list[int]:
+        starts, row = [], 0
+        for item in items:
+            starts.append(row)
+            row += len(item.token_ids)
+        return starts
+
+    def _plan(self, item: StepItem, row: int) -> ItemPlan:
+        store, n, start = self.store, len(item.token_ids), item.block.length
+        before = item.read_lengths if item.read_lengths is not None else [b.length for b in item.view[:-1]]
+        key = view_key(item.view, [*before, start])
+        plan = ItemPlan(slice(row, row + n), start, [*before, start + n], key)
+        if not store.attn_slot:
+            return plan
+        # text tokens: a block's position span is its length, so block j starts at sum(before[:j])
+        writer_pos = sum(before) + torch.arange(start, start + n, device=store.device)
+        offset = 0
+        for block, length in zip(item.view[:-1], before):
+            if length:
+                cos, sin = self.rotary.cos_sin(writer_pos - offset)  # positions relative to this block
+                run = KeyRun(store.slots(block, 0, length), cos, sin, False, RunKey(block.id, length))
+                plan.runs.append(run)
+            offset += length
+        cos, sin = self.rotary.cos_sin(writer_pos - offset)  # positions relative to the writer block
+        slots = store.slots(item.block, 0, start + n)
+        plan.new_slots = slots[start:]
+        if n == 1:  # a single new token sees its whole block: one run
+            plan.runs.append(KeyRun(slots, cos, sin, False, None))
+        else:
+            if start:
+                plan.runs.append(KeyRun(slots[:start], cos, sin, False, None))
+            plan.runs.append(KeyRun(slots[start:], cos, sin, True, None))
+        return plan
 
     # ---- full attention --------------------------------------------------------------------
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         slot = self.store.attn_slot[layer]
-        pool = self.store.pool
+        pool, backend = self.store.pool, self.backend
         pool.k[slot, self.write_slots] = self.rotary.apply(k, *self.key_rotation)
         pool.v[slot, self.write_slots] = v
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -182,7 +245,7 @@ class ViewBatch:
             d = self.decode
             outs, lses, owners = [], [], []
             for run in d.shared:
-                o, lse = partial_attention(
+                o, lse = backend.run(
                     self.rotary.apply(q[run.rows], run.cos, run.sin),
                     pool.k[slot, run.slots],
                     pool.v[slot, run.slots],
@@ -192,7 +255,7 @@ class ViewBatch:
                 lses.append(lse)
                 owners.append(run.owner)
             if d.rows.numel():
-                o, lse = padded_attention(
+                o, lse = backend.padded(
                     self.rotary.apply(q[d.rows], d.cos, d.sin),
                     pool.k[slot, d.slots],
                     pool.v[slot, d.slots],
@@ -202,18 +265,23 @@ class ViewBatch:
                 outs.append(o)
                 lses.append(lse)
                 owners.append(d.owner)
-            out[d.items] = merge_grouped(torch.cat(outs), torch.cat(lses), torch.cat(owners), d.items.numel())
+            out[d.items] = backend.merge_grouped(
+                torch.cat(outs), torch.cat(lses), torch.cat(owners), d.items.numel()
+            )
         for plan in self.looped:
             q_item = q[plan.rows]
             outs, lses = [], []
-            for slots, cos, sin, causal, _ in plan.runs:
-                keys, values = pool.k[slot, slots], pool.v[slot, slots]
-                o, lse = partial_attention(
-                    self.rotary.apply(q_item, cos, sin), keys, values, self.scale, causal
+            for run in plan.runs:
+                o, lse = backend.run(
+                    self.rotary.apply(q_item, run.cos, run.sin),
+                    pool.k[slot, run.slots],
+                    pool.v[slot, run.slots],
+                    self.scale,
+                    run.causal,
                 )
                 outs.append(o)
                 lses.append(lse)
-            out[plan.rows] = merge_partials(outs, lses)
+            out[plan.rows] = outs[0] if len(outs) == 1 else backend.merge(outs, lses)
         return out
 
     # ---- Gated DeltaNet ---------------------------------------------------------------------
@@ -225,38 +293,51 @@ class ViewBatch:
             rows.shape[0], mixer.cfg.num_v_heads, mixer.cfg.v_dim, dtype=torch.float32, device=rows.device
         )
         for i, (item, plan) in enumerate(zip(self.items, self.plans)):
-            state, tail = self._state_before(item, plan, slot, mixer, rows.dtype, rows.device)
+            before = self._state_before(item, plan, slot, mixer, rows.dtype, rows.device)
             r = plan.rows
-            out[r], state = run_tokens(mixer, tail, rows[r], g[r], beta[r], state)
+            out[r], state = run_tokens(mixer, before.tail, rows[r], g[r], beta[r], before.state)
             w = mixer.cfg.conv_kernel - 1
-            self.new_states[i][slot] = (state, torch.cat((tail, rows[r]), dim=0)[-w:] if w else tail)
-            rec = item.block.linear[slot]
-            rec.rows.append(rows[r])
-            rec.g.append(g[r])
-            rec.beta.append(beta[r])
+            tail = torch.cat((before.tail, rows[r]), dim=0)[-w:] if w else before.tail
+            self.new_states[i][slot] = LinearState(state, tail)
+            self.new_records[i][slot] = (rows[r], g[r], beta[r])
         return out
 
-    def _state_before(self, item: StepItem, plan: _Plan, slot: int, mixer: GatedDeltaNet, dtype, device):
-        cached = item.block.writer_state
-        if cached is not None and cached[0] == plan.view_key:
-            return cached[1][slot]
-        state, tail = empty_state(mixer, dtype, device)
+    def _state_before(
+        self, item: StepItem, plan: ItemPlan, slot: int, mixer: GatedDeltaNet, dtype, device
+    ) -> LinearState:
+        cached = self.cache.writer_state(item.block, plan.view_key)
+        if cached is not None:
+            return cached.layers[slot]
+        state = empty_state(mixer, dtype, device)
         for block, length in zip(item.view, plan.lengths[:-1] + [plan.start]):
             if length:
-                state, tail = apply_block(
-                    mixer, block.linear[slot], length, state, tail, self.dense_min_tokens
-                )
-        return state, tail
+                state = apply_block(mixer, block.linear[slot], length, state, self.dense_min_tokens)
+        return state
 
-    def commit(self) -> None:
-        """Publish the step: lengths grow and each writer remembers its GDN state for the next step."""
+    def commit(self, keep: list[bool] | None = None) -> None:
+        """Publish the step: lengths grow and each writer's GDN state is cached for its next step.
+
+        Items with keep[i] False are dropped instead (`undo`): their blocks stay as they were."""
         for i, (item, plan, states) in enumerate(zip(self.items, self.plans, self.new_states)):
+            if keep is not None and not keep[i]:
+                undo(self.store, item)
+                continue
+            for slot, (rows, g, beta) in sorted(self.new_records[i].items()):
+                rec = item.block.linear[slot]
+                rec.rows.append(rows)
+                rec.g.append(g)
+                rec.beta.append(beta)
             item.block.length = plan.start + len(item.token_ids)
             item.block.tokens.extend(item.token_ids)
             if states:
-                item.block.writer_state = (self.key_after(i), [states[s] for s in range(len(states))])
+                layers = [states[s] for s in range(len(states))]
+                self.cache.set_writer_state(item.block, WriterState(self.key_after(i), layers))
 
-    def key_after(self, i: int) -> tuple:
+    def remember_logits(self, i: int, logits: torch.Tensor) -> None:
+        """Cache item i's logits after its last token (call after commit)."""
+        self.cache.set_last_logits(self.items[i].block, LastLogits(self.key_after(i), logits))
+
+    def key_after(self, i: int) -> ViewKey:
         """The view key of item i once the step is committed."""
         block = self.items[i].block
         return self.plans[i].view_key[:-1] + ((block.id, block.version, block.length),)
@@ -269,3 +350,11 @@ class ViewBatch:
             elif item.logits == "last":
                 rows.append(plan.rows.stop - 1)
         return torch.tensor(rows, dtype=torch.long)
+
+
+def undo(store: BlockStore, item: StepItem) -> None:
+    """Drop what an uncommitted step appended for `item`: GDN records past the block's committed
+    length and pages reserved beyond it (keys written into those slots are never read)."""
+    for rec in item.block.linear:
+        rec.truncate(item.block.length)
+    store.unreserve(item.block)

@@ -35,9 +35,10 @@ class GrowingTensor:
     def truncate(self, n: int) -> None:
         self.length = min(self.length, n)
 
-    def clone(self) -> GrowingTensor:
+    def clone(self, n: int | None = None) -> GrowingTensor:
+        """A copy of the first n rows (all by default)."""
         copy = GrowingTensor(tuple(self._buf.shape[1:]), self._buf.dtype, self._buf.device)
-        copy.append(self.data)
+        copy.append(self.data[:n])
         return copy
 
 
@@ -63,9 +64,15 @@ class LinearRecords:
         if self.summary_covers > n:
             self.summary, self.summary_covers = None, 0
 
-    def clone(self) -> LinearRecords:
+    def clone(self, n: int) -> LinearRecords:
+        """A copy of the records of the first n tokens (the summary only if it covers no more)."""
+        keep = self.summary_covers <= n
         return LinearRecords(
-            self.rows.clone(), self.g.clone(), self.beta.clone(), self.summary, self.summary_covers
+            self.rows.clone(n),
+            self.g.clone(n),
+            self.beta.clone(n),
+            self.summary if keep else None,
+            self.summary_covers if keep else 0,
         )
 
 
@@ -86,12 +93,8 @@ class Block:
     tokens: list[int] = field(default_factory=list, repr=False)  # the token ids, for rewinds and replays
     pages: list[int] = field(default_factory=list, repr=False)
     linear: list[LinearRecords] = field(default_factory=list, repr=False)
-    # Gated DeltaNet state after this block under the view it was last written with: view key -> states
-    writer_state: tuple[tuple, list[tuple[torch.Tensor, torch.Tensor]]] | None = field(
-        default=None, repr=False
-    )
-    # logits after the block's last token, under the view key they were computed with
-    last_logits: tuple[tuple, torch.Tensor] | None = field(default=None, repr=False)
+    # (what forward passes computed about the block, e.g. its writer state, lives in the execution
+    # layer's cache: cothink.execution.cache)
     owner: Any = field(default=None, repr=False, compare=False)  # the runner or engine that made it
 
     def truncate(self, n: int) -> None:

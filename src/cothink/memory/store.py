@@ -77,7 +77,6 @@ class BlockStore:
         for page in block.pages:
             self.pool.release(page)
         block.pages, block.linear, block.tokens = [], [], []
-        block.writer_state = block.last_logits = None
         block.freed = True
         del self.blocks[block.id]
 
@@ -85,12 +84,15 @@ class BlockStore:
         """A copy-on-write copy: pages are shared until either side writes into a shared page."""
         self.check(block)
         child = self.new_block(name or f"{block.name}-fork")
-        child.length = block.length
-        child.tokens = list(block.tokens)
-        child.pages = list(block.pages)
+        # Only the committed content: a running step may have reserved pages and appended records
+        # beyond block.length that it has not published yet.
+        n = block.length
+        child.length = n
+        child.tokens = list(block.tokens[:n])
+        child.pages = block.pages[: -(-n // self.page_size)]
         for page in child.pages:
             self.pool.retain(page)
-        child.linear = [rec.clone() for rec in block.linear]
+        child.linear = [rec.clone(n) for rec in block.linear]
         return child
 
     def truncate(self, block: Block, n: int) -> None:
@@ -105,7 +107,6 @@ class BlockStore:
             rec.truncate(n)
         del block.tokens[n:]
         block.length, block.version = n, block.version + 1
-        block.writer_state = block.last_logits = None
 
     def _drop_pages_after(self, block: Block, n: int) -> None:
         keep = -(-n // self.page_size)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cothink.models.config import FULL_ATTENTION, ModelConfig
-from cothink.models.gdn_ops import l2norm
+from cothink.ops.gdn import l2norm
 
 
 class ForwardContext(Protocol):

@@ -14,7 +14,7 @@ import torch
 from cothink.errors import EngineClosedError
 from cothink.memory.block import Block
 from cothink.runtime.engine import Engine
-from cothink.runtime.work import GenerationResult, Piece
+from cothink.runtime.engine import GenerationResult, Piece
 
 
 class SyncEngine:

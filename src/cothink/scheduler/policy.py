@@ -4,18 +4,26 @@ Order of service (network flow control in spirit):
 1. priority class, strictly: interactive before background, except that background work waiting
    for service is guaranteed `background_min_tokens` of every step so it never starves;
 2. within a class, decode (one token each) before prefill chunks;
-3. within those, weighted fair sharing: lowest virtual time (tokens served / weight) first.
+3. within those, weighted fair sharing between *coroutines* (not works): lowest virtual time
+   (tokens served to the coroutine / weight) first, so a coroutine that submits many short works
+   gets the same share as one that submits one long work.
 
-Bound: an interactive item of q tokens, behind d interactive decoders and no other interactive
-prefill, is fully served within ceil(q / min(max_prefill_chunk, max_batch_tokens - background_min_tokens - d))
+Latency bound: while an interactive generation is decoding, background work fills a step only up
+to `interactive_step_tokens` tokens in all (or its `background_min_tokens` reserve, if larger):
+background prefill chunks shrink or wait, so each interactive token costs about one small step.
+An interactive item of q tokens, behind d interactive decoders and no other interactive prefill,
+is fully served within ceil(q / min(max_prefill_chunk, max_batch_tokens - background_min_tokens - d))
 steps, however much background work is queued.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from enum import IntEnum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
 from typing import Protocol
+
+from cothink.errors import InvalidParameterError
 
 
 class PriorityClass(IntEnum):
@@ -37,13 +45,13 @@ class Priority:
         try:
             return Priority(PriorityClass[str(value).upper()])
         except KeyError:
-            raise ValueError(
-                f"priority must be 'interactive', 'background' or a Priority, got {value!r}"
+            raise InvalidParameterError(
+                f"priority must be 'interactive', 'background' or a Priority, got {value!r}", param="priority"
             ) from None
 
     def __post_init__(self) -> None:
         if not self.weight > 0:
-            raise ValueError("priority weight must be > 0")
+            raise InvalidParameterError("priority weight must be > 0", param="priority")
 
 
 @dataclass(frozen=True)
@@ -52,18 +60,25 @@ class SchedulerConfig:
     max_batch_items: int = 64
     max_prefill_chunk: int = 128
     background_min_tokens: int = 16
+    interactive_step_tokens: int = 32  # step size cap while an interactive generation decodes
 
     def __post_init__(self) -> None:
-        if self.max_batch_tokens < 1 or self.max_batch_items < 1 or self.max_prefill_chunk < 1:
-            raise ValueError("scheduler limits must be >= 1")
+        if min(self.max_batch_tokens, self.max_batch_items, self.max_prefill_chunk) < 1:
+            raise InvalidParameterError("scheduler limits must be >= 1", param="max_batch_tokens")
         if not 0 <= self.background_min_tokens < self.max_batch_tokens:
-            raise ValueError("background_min_tokens must be in [0, max_batch_tokens)")
+            raise InvalidParameterError(
+                "background_min_tokens must be in [0, max_batch_tokens)", param="background_min_tokens"
+            )
+        if self.interactive_step_tokens < 1:
+            raise InvalidParameterError(
+                "interactive_step_tokens must be >= 1", param="interactive_step_tokens"
+            )
 
 
 class Schedulable(Protocol):
+    coroutine: str
     priority: Priority
     seq: int
-    served: int
 
     @property
     def is_decode(self) -> bool: ...
@@ -71,26 +86,83 @@ class Schedulable(Protocol):
     def wanted_tokens(self) -> int: ...
 
 
-def _key(work: Schedulable) -> tuple:
-    return (work.priority.klass, not work.is_decode, work.served / work.priority.weight, work.seq)
+class Admission(Enum):
+    ADMIT = "admit"
+    WAIT = "wait"  # not now: memory may free up
+    FAIL = "fail"  # never, or waited too long
 
 
-def plan_step(works: list[Schedulable], cfg: SchedulerConfig, fits) -> list[tuple[Schedulable, int]]:
-    """Choose (work, tokens) pairs for one step. `fits(work, n)` admits n tokens of work against memory."""
-    chosen: list[tuple[Schedulable, int]] = []
+@dataclass
+class FairShares:
+    """Weighted virtual time per (class, coroutine): tokens served / weight.
+
+    Only coroutines with runnable work have an entry. A coroutine that becomes runnable starts at
+    the smallest virtual time of its class (no credit for having been idle, no debt either), so
+    shares follow weights over any window of steps.
+    """
+
+    vtime: dict[tuple[PriorityClass, str], float] = field(default_factory=dict)
+
+    def refresh(self, works: Iterable[Schedulable]) -> None:
+        active = {(w.priority.klass, w.coroutine) for w in works}
+        for key in [k for k in self.vtime if k not in active]:
+            del self.vtime[key]
+        for key in active - self.vtime.keys():
+            same_class = [v for (klass, _), v in self.vtime.items() if klass == key[0]]
+            self.vtime[key] = min(same_class, default=0.0)
+
+    def of(self, work: Schedulable) -> float:
+        return self.vtime.get((work.priority.klass, work.coroutine), 0.0)
+
+    def charge(self, work: Schedulable, tokens: int) -> None:
+        key = (work.priority.klass, work.coroutine)
+        self.vtime[key] = self.vtime.get(key, 0.0) + tokens / work.priority.weight
+
+
+@dataclass
+class StepChoice:
+    chosen: list[tuple[Schedulable, int]] = field(default_factory=list)  # (work, tokens this step)
+    refused: list[Schedulable] = field(default_factory=list)  # admission said FAIL
+
+
+def plan_step(
+    works: list[Schedulable],
+    cfg: SchedulerConfig,
+    shares: FairShares,
+    admit: Callable[[Schedulable, int], Admission],
+) -> StepChoice:
+    """Choose (work, tokens) pairs for one step; `admit(work, n)` answers for memory.
+
+    Pure apart from calling `admit`: it neither changes the works nor fails them.
+    """
+    choice = StepChoice()
+    shares.refresh(works)
+    interactive_decode = any(w.is_decode and w.priority.klass == PriorityClass.INTERACTIVE for w in works)
+    # While an interactive generation decodes, background work fills the step only up to this size.
+    background_cap = cfg.interactive_step_tokens if interactive_decode else cfg.max_batch_tokens
     budget = cfg.max_batch_tokens
     waiting_background = any(w.priority.klass == PriorityClass.BACKGROUND for w in works)
     reserve = cfg.background_min_tokens if waiting_background else 0
-    for work in sorted(works, key=_key):
-        if len(chosen) == cfg.max_batch_items:
+    order = sorted(works, key=lambda w: (w.priority.klass, not w.is_decode, shares.of(w), w.seq))
+    for work in order:
+        if len(choice.chosen) == cfg.max_batch_items:
             break
-        room = budget if work.priority.klass == PriorityClass.BACKGROUND else budget - reserve
-        wanted = work.wanted_tokens()
-        n = 1 if work.is_decode else min(wanted, cfg.max_prefill_chunk, room)
-        if n < 1 or n > room or not fits(work, n):
+        used = cfg.max_batch_tokens - budget
+        if work.priority.klass == PriorityClass.BACKGROUND:
+            room = min(budget, max(reserve, background_cap - used))
+        else:
+            room = budget - reserve
+        n = 1 if work.is_decode else min(work.wanted_tokens(), cfg.max_prefill_chunk, room)
+        if n < 1 or n > room:
             continue
-        chosen.append((work, n))
+        verdict = admit(work, n)
+        if verdict is Admission.FAIL:
+            choice.refused.append(work)
+            continue
+        if verdict is Admission.WAIT:
+            continue
+        choice.chosen.append((work, n))
         budget -= n
         if work.priority.klass == PriorityClass.BACKGROUND:
             reserve = max(0, reserve - n)
-    return chosen
+    return choice

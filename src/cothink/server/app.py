@@ -17,7 +17,9 @@ import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, Response
@@ -31,6 +33,9 @@ from cothink.server.errors import ERROR_RESPONSES, APIError, install_error_handl
 from cothink.server.schemas import Health
 from cothink.server.settings import ServerSettings
 from cothink.server.state import ServerState, get_state
+
+if TYPE_CHECKING:
+    from cothink.runtime.engine import StepRecord
 
 log = logging.getLogger("cothink.server")
 
@@ -68,9 +73,10 @@ async def _send_error(send, err: APIError) -> None:
 class AuthMiddleware:
     """Bearer-key check for every route but /health; records the caller's key fingerprint in the scope."""
 
-    def __init__(self, app, api_keys: tuple[str, ...]):
+    def __init__(self, app, api_keys: tuple[str, ...], admin_keys: tuple[str, ...] = ()):
         self.app = app
         self.keys = [(k.encode(), fingerprint(k)) for k in api_keys]
+        self.admins = frozenset(fingerprint(k) for k in admin_keys)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
@@ -103,7 +109,65 @@ class AuthMiddleware:
                     ),
                 )
             scope["cothink.principal"] = who
+            scope["cothink.admin"] = who in self.admins
         return await self.app(scope, receive, send)
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def _is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def allowed_host_names(settings: ServerSettings) -> frozenset[str] | None:
+    """Host header names to accept; None accepts any (a non-loopback bind without --allowed-hosts)."""
+    if settings.allowed_hosts is not None:
+        return frozenset(h.lower() for h in settings.allowed_hosts)
+    if _is_loopback(settings.bind_host):
+        return frozenset(LOOPBACK_HOSTS) | {settings.bind_host}
+    return None
+
+
+def _host_name(header: str) -> str:
+    """'example.com:8000' -> 'example.com'; '[::1]:8000' -> '::1'."""
+    header = header.strip().lower()
+    if header.startswith("["):
+        return header[1 : header.find("]")] if "]" in header else header
+    return header.rsplit(":", 1)[0] if header.count(":") == 1 else header
+
+
+class HostOriginMiddleware:
+    """DNS-rebinding and cross-site defences: the Host header must name this server (loopback names when
+    bound to loopback, unless --allowed-hosts says otherwise) and a browser's Origin must be allowed
+    explicitly (--allowed-origins); WebSocket handshakes included."""
+
+    def __init__(self, app, settings: ServerSettings):
+        self.app = app
+        self.hosts = allowed_host_names(settings)
+        self.origins = frozenset(o.rstrip("/").lower() for o in settings.allowed_origins)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        problem = None
+        if self.hosts is not None:
+            host = _host_name(headers.get(b"host", b"").decode("latin-1"))
+            if host not in self.hosts:
+                problem = ("host_not_allowed", "the Host header does not name this server")
+        origin = headers.get(b"origin")
+        if problem is None and origin is not None:
+            value = origin.decode("latin-1").rstrip("/").lower()
+            if value not in self.origins and "*" not in self.origins:
+                problem = ("origin_not_allowed", "requests from this browser origin are not allowed")
+        if problem is None:
+            return await self.app(scope, receive, send)
+        if scope["type"] == "websocket":
+            await receive()
+            await send({"type": "websocket.close", "code": 1008, "reason": problem[1]})
+            return
+        return await _send_error(send, APIError(403, problem[1], "permission_error", problem[0]))
 
 
 class BodyLimitMiddleware:
@@ -249,8 +313,12 @@ def create_app(
             status = "draining"
         else:
             status = "ok" if engine.running else "engine_stopped"
-        body = Health(status=status, engine_running=engine.running, steps=engine.steps)
-        return JSONResponse(body.model_dump(), status_code=200 if status == "ok" else 503)
+        memory = state.memory() if engine.running else None
+        if status == "ok" and memory is not None and memory["pressure"]:
+            status = "memory_pressure"
+        body = Health(status=status, engine_running=engine.running, steps=engine.steps, memory=memory)
+        code = 200 if status in ("ok", "memory_pressure") else 503
+        return JSONResponse(body.model_dump(), status_code=code)
 
     @app.get(
         "/metrics",
@@ -277,6 +345,7 @@ def create_app(
         },
     )
     async def timeline(
+        request: Request,
         state: ServerState = Depends(get_state),
         steps: int | None = Query(
             None, ge=1, le=1_000_000, description="How many recent steps (default 10000)"
@@ -284,15 +353,40 @@ def create_app(
     ) -> Response:
         records = list(state.engine.timeline)
         records = records[-(steps or settings.timeline_default_steps) :]
+        if request.scope.get("cothink.admin") is not True:
+            records = own_items(records, state, request.scope.get("cothink.principal", "anonymous"))
         return JSONResponse(chrome_trace(records))
 
     app.include_router(openai_api.router)
     app.include_router(session_api.router)
 
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
-    app.add_middleware(AuthMiddleware, api_keys=tuple(settings.api_keys))
+    app.add_middleware(AuthMiddleware, api_keys=settings.keys(), admin_keys=tuple(settings.admin_keys))
+    if settings.allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    app.add_middleware(HostOriginMiddleware, settings=settings)
     app.add_middleware(ObserveMiddleware, state=state)
     return app
+
+
+def own_items(records: list[StepRecord], state: ServerState, me: str) -> list[StepRecord]:
+    """The timeline a non-admin caller sees: its own coroutines by name; everyone else's items are
+    kept (load is not a secret) under the one lane 'others', with no ids."""
+    out = []
+    for record in records:
+        items = tuple(
+            item if state.owners.get(item.coroutine) == me else replace(item, coroutine="others")
+            for item in record.items
+        )
+        out.append(replace(record, items=items))
+    return out
 
 
 def app_state(app: FastAPI) -> ServerState:

@@ -68,6 +68,44 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--session-max-blocks", type=_positive, default=d.session_max_blocks)
     p.add_argument("--session-max-tokens", type=_positive, default=d.session_max_tokens)
     p.add_argument("--session-max-running", type=_positive, default=d.session_max_running)
+    p.add_argument(
+        "--admin-key",
+        action="append",
+        default=None,
+        metavar="KEY",
+        help="a key that also sees every coroutine in /v1/timeline (repeatable)",
+    )
+    p.add_argument(
+        "--allowed-hosts",
+        default=None,
+        metavar="NAMES",
+        help="comma-separated Host names to accept (default: loopback names when bound to loopback)",
+    )
+    p.add_argument(
+        "--allowed-origins",
+        default="",
+        metavar="ORIGINS",
+        help="comma-separated browser origins allowed (CORS), e.g. http://localhost:3000; others get 403",
+    )
+    p.add_argument(
+        "--key-memory-share",
+        type=float,
+        default=None,
+        help="share of the KV pool one API key may hold (default: 1 with one key, 0.5 with several)",
+    )
+    p.add_argument("--key-max-sessions", type=_positive, default=None, help="live sessions per key")
+    p.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=d.session_idle_s,
+        help=f"delete sessions unused this long, in seconds (default {d.session_idle_s:g}; 0 = never)",
+    )
+    p.add_argument(
+        "--block-idle-s",
+        type=float,
+        default=None,
+        help="release blocks unused this long, in seconds (default: as sessions)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -90,7 +128,19 @@ def settings_from_args(args: argparse.Namespace):
         session_max_tokens=args.session_max_tokens,
         session_max_running=args.session_max_running,
         trace_out=args.trace_out,
+        bind_host=args.host,
+        admin_keys=tuple(args.admin_key or ()),
+        allowed_hosts=_names(args.allowed_hosts) if args.allowed_hosts is not None else None,
+        allowed_origins=_names(args.allowed_origins),
+        key_memory_share=args.key_memory_share,
+        key_max_sessions=args.key_max_sessions,
+        session_idle_s=args.session_idle_s or None,
+        block_idle_s=args.block_idle_s or None,
     )
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -104,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_format, args.log_level)
     log = logging.getLogger("cothink.server")
     settings = settings_from_args(args)
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.api_keys:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.keys():
         log.warning(
             "binding %s without an API key: anyone who can reach this port can use the model", args.host
         )

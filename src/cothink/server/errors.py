@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,14 +52,26 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "code": self.code, "param": self.param}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return SafeJSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: an error message may quote user input, which may hold lone surrogates
+    (valid in JSON escapes, not encodable as UTF-8)."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+class ClientGone(Exception):
+    """The client disconnected while its request was being worked on: nobody reads the reply."""
 
 
 def not_found(what: str, ident: str, code: str) -> APIError:
     return APIError(404, f"no {what} {ident!r} in this session", "not_found_error", code)
 
 
-# cothink error -> (status, type, code)
+# cothink error -> (status, type, code): the one place engine errors become HTTP
 _MAP: list[tuple[type[BaseException], int, str, str]] = [
     (ce.BlockBusyError, 409, "conflict_error", "block_busy"),
     (ce.PoolExhaustedError, 503, "server_overloaded", "pool_exhausted"),
@@ -69,6 +83,7 @@ _MAP: list[tuple[type[BaseException], int, str, str]] = [
     (ce.EngineClosedError, 503, "server_overloaded", "engine_closed"),
     (ce.ModelNotFoundError, 404, "not_found_error", "model_not_found"),
     (ce.UnsupportedModelError, 400, "invalid_request_error", "unsupported"),
+    (ce.InvalidParameterError, 400, "invalid_request_error", "invalid_value"),  # param names the field
 ]
 
 
@@ -76,10 +91,12 @@ def from_exception(exc: BaseException) -> APIError:
     """The APIError for an exception an engine call raised (ValueError: a bad request)."""
     if isinstance(exc, APIError):
         return exc
+    param = getattr(exc, "param", None)  # engine errors name the offending parameter when they know it
     for cls, status, kind, code in _MAP:
         if isinstance(exc, cls):
             headers = {"Retry-After": "1"} if status == 503 else None
-            return APIError(status, str(exc).strip("'\"") or cls.__name__, kind, code, headers=headers)
+            message = str(exc).strip("'\"") or cls.__name__
+            return APIError(status, message, kind, code, param, headers=headers)
     if isinstance(exc, asyncio.CancelledError):
         return APIError(
             503,
@@ -87,21 +104,46 @@ def from_exception(exc: BaseException) -> APIError:
             "server_overloaded",
             "cancelled",
         )
+    if isinstance(exc, UnicodeError):
+        return APIError(400, "the text is not valid Unicode", "invalid_request_error", "invalid_text", param)
     if isinstance(exc, (ValueError, TypeError)):
-        return APIError(400, str(exc) or type(exc).__name__, "invalid_request_error", "invalid_value")
+        return APIError(400, str(exc) or type(exc).__name__, "invalid_request_error", "invalid_value", param)
     return APIError(500, "internal server error", "server_error", "internal_error")
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    errs = exc.errors()
-    if not errs:
-        return "invalid request", None
-    first = errs[0]
-    loc = [str(p) for p in first.get("loc", ()) if p not in ("body", "query", "path", "header")]
-    where = ".".join(loc)
+_FIELD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "none", "list", "dict"})  # pydantic union members
+
+
+def field_path(loc: tuple | list) -> str | None:
+    """The request field a pydantic error location names: 'messages.0.content', never a union tag like
+    'stop.constrained-str' or a byte offset. None when the location is not a field."""
+    parts: list[str] = []
+    for p in loc:
+        if p in ("body", "query", "path", "header") and not parts:
+            continue
+        if isinstance(p, int) and parts:
+            parts.append(str(p))
+        elif isinstance(p, str) and _FIELD.match(p) and p not in _TYPE_TAGS:
+            parts.append(p)
+        else:
+            break  # a union member, a validator name or an offset: the field is what came before
+    return ".".join(parts) or None
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """One 400 for pydantic errors (HTTP bodies and WebSocket messages alike)."""
+    if not errors:
+        return APIError(400, "invalid request", "invalid_request_error", "invalid_request")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return APIError(400, "the body is not valid JSON", "invalid_request_error", "invalid_json")
+    ctx_error = (first.get("ctx") or {}).get("error")
+    param = getattr(ctx_error, "param", None) or field_path(first.get("loc", ()))
     msg = first.get("msg", "invalid value")
-    more = f" (and {len(errs) - 1} more problems)" if len(errs) > 1 else ""
-    return (f"{where}: {msg}{more}" if where else f"{msg}{more}"), (where or None)
+    more = f" (and {len(errors) - 1} more problems)" if len(errors) > 1 else ""
+    message = f"{param}: {msg}{more}" if param else f"{msg}{more}"
+    return APIError(400, message, "invalid_request_error", "invalid_request", param)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -111,11 +153,11 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
+        err = validation_error(list(exc.errors()))
         content_type = request.headers.get("content-type", "")
         if request.method in ("POST", "PUT", "PATCH") and "json" not in content_type:
-            message += " (send the body as JSON with 'Content-Type: application/json')"
-        return APIError(400, message, "invalid_request_error", "invalid_request", param).response()
+            err.message += " (send the body as JSON with 'Content-Type: application/json')"
+        return err.response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -134,6 +176,11 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _cothink(request: Request, exc: ce.CothinkError) -> JSONResponse:
         return from_exception(exc).response()
 
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> JSONResponse:
+        err = APIError(499, "the client closed the request", "invalid_request_error", "client_gone")
+        return err.response()
+
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error in %s %s", request.method, request.url.path)
@@ -146,6 +193,7 @@ ERROR_RESPONSES = {
     404: {"model": ErrorResponse, "description": "Unknown session, block, coroutine or model"},
     409: {"model": ErrorResponse, "description": "The block is being written by another coroutine"},
     413: {"model": ErrorResponse, "description": "Request body too large"},
-    429: {"model": ErrorResponse, "description": "Session quota or server session limit reached"},
+    403: {"model": ErrorResponse, "description": "Host or Origin not allowed, or the listing needs a key"},
+    429: {"model": ErrorResponse, "description": "Quota (memory, sessions, blocks, coroutines) reached"},
     503: {"model": ErrorResponse, "description": "Memory pool exhausted or server shutting down"},
 }

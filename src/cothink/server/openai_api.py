@@ -13,13 +13,14 @@ import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 
 from fastapi import APIRouter, Depends, Request
 from opentelemetry import trace
 
 from cothink.memory.block import Block
 from cothink.observability.logs import coroutine_var
-from cothink.runtime.work import GenerationResult, Piece
+from cothink.runtime.engine import GenerationResult, Piece
 from cothink.server.errors import ERROR_RESPONSES, APIError, from_exception
 from cothink.server.schemas import (
     AssistantMessage,
@@ -33,8 +34,19 @@ from cothink.server.schemas import (
     ModelList,
     Usage,
 )
-from cothink.server.streaming import EventStream, cancel_on_disconnect
-from cothink.server.state import ServerState, get_state
+from cothink.server.openai_features import (
+    Structured,
+    chat_logprobs,
+    completion_logprobs,
+    parse_tool_call,
+    render_messages,
+    structured_for,
+    template_has_tools,
+    validate_tools,
+)
+from cothink.server.quota import Hold
+from cothink.server.streaming import EventStream, abort_on_disconnect, cancel_on_disconnect
+from cothink.server.state import ServerState, get_state, principal
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 _STARTED = int(time.time())
@@ -93,6 +105,8 @@ class Params:
     stop: list[str]
     banned: list[int]
     n: int
+    logprobs: int | None = None  # tokens' log-probabilities with this many alternatives
+    structured: Structured = dataclass_field(default_factory=Structured)
 
 
 def _common_params(state: ServerState, req, max_tokens: int | None, default_max: int) -> Params:
@@ -157,14 +171,22 @@ def _common_params(state: ServerState, req, max_tokens: int | None, default_max:
     return Params(max_tokens, temperature, top_p, req.seed, [x for x in stop if x], banned, n)
 
 
+@dataclass
+class Outcome:
+    result: GenerationResult
+    logprobs: list  # TokenLogprob per output token, when asked for
+
+
 class Run:
     """The blocks and generations of one request; release() gives every block back."""
 
-    def __init__(self, state: ServerState, request_id: str):
-        self.state, self.id = state, request_id
+    def __init__(self, state: ServerState, request_id: str, account: str):
+        self.state, self.id, self.account = state, request_id, account
         self.blocks: list[Block] = []
         self.gens: list = []
         self.prompt_tokens = 0
+        self.cached_tokens = 0  # prompt tokens reused from the prefix cache
+        self.hold: Hold | None = None
         self.span = state.tracer.start_span(
             "cothink.openai.request", attributes={"cothink.request": request_id}
         )
@@ -179,19 +201,46 @@ class Run:
                 "too_many_choices",
                 "n",
             )
+        param = "messages" if self.id.startswith("chatcmpl") else "prompt"
+        for ids in prompts:
+            if state.max_context is not None and len(ids) > state.max_context:
+                state.check_context(len(ids), 0, param)
+            state.check_context(len(ids), p.max_tokens)
         self.prompt_tokens = sum(len(ids) for ids in prompts)
         self.span.set_attribute("cothink.prompt_tokens", self.prompt_tokens)
+        # every prompt and choice is admitted as one unit, or the request is refused before any prefill
+        g = state.ledger.geometry
+        pages = sum(
+            g.pages_for(len(ids) + p.max_tokens)
+            + (p.n - 1) * (g.pages_for(len(ids) + p.max_tokens) - len(ids) // g.page_size)
+            for ids in prompts
+        )
+        what = (
+            f"{len(prompts)} prompt(s) of {self.prompt_tokens} tokens x n={p.n} "
+            f"with max_tokens={p.max_tokens}"
+        )
+        self.hold = state.ledger.admit(self.account, pages, what)
+        state.own(self.id, self.account)
         with trace.use_span(self.span, end_on_exit=False):
-            bases = [state.call(state.engine.block, f"{self.id}-p{i}") for i in range(len(prompts))]
-            self.blocks.extend(bases)
+            cache = state.prefix_cache
+            cache.make_room(pages)  # cached prefixes give their pages back before a request waits
+            bases, cached = [], []
+            for i, ids in enumerate(prompts):
+                base, hit = state.call(cache.start, self.account, ids, f"{self.id}-p{i}")
+                bases.append(base)
+                cached.append(hit)
+                self.blocks.append(base)
+            self.cached_tokens = sum(cached)
             await state.wait(
                 asyncio.gather(
                     *(
-                        state.engine.extend(b, token_ids=ids, priority="interactive", name=self.id)
-                        for b, ids in zip(bases, prompts)
+                        state.engine.extend(b, token_ids=ids[hit:], priority="interactive", name=self.id)
+                        for b, ids, hit in zip(bases, prompts, cached)
                     )
                 )
             )
+            for base, ids in zip(bases, prompts):
+                state.call(cache.insert, self.account, ids, base)
             targets = []
             for i, base in enumerate(bases):
                 forks = [state.call(state.engine.fork, base, f"{self.id}-p{i}-{j}") for j in range(1, p.n)]
@@ -211,9 +260,12 @@ class Run:
                     banned_token_ids=p.banned or None,
                     priority="interactive",
                     name=f"{self.id}/{index}",
+                    logprobs=p.logprobs,
+                    constraint=p.structured.make_constraint() if p.structured.make_constraint else None,
                 )
                 self.gens.append(gen)
                 state.live.add(gen)
+                state.own(gen.name, self.account)
 
     async def events(self) -> AsyncIterator[tuple[int, Piece | GenerationResult]]:
         """(choice index, piece or final result) from every generation, as they come."""
@@ -251,13 +303,21 @@ class Run:
         for gen in self.gens:
             gen.cancel()
 
-    async def results(self) -> list[GenerationResult]:
+    async def results(self) -> list[Outcome]:
+        async def one(gen) -> Outcome:
+            logprobs = []
+            async for piece in gen:
+                logprobs.extend(piece.logprobs or ())
+            return Outcome(gen.result, logprobs)
+
         try:
-            return await asyncio.gather(*(g.collect() for g in self.gens))
+            return await asyncio.gather(*(one(g) for g in self.gens))
         except Exception as exc:
             raise from_exception(exc) from exc
 
     def release(self, completion_tokens: int | None = None, finish: list[str] | None = None) -> None:
+        if self.hold is not None:
+            self.hold.release()
         for gen in self.gens:
             gen.cancel()
             self.state.live.discard(gen)
@@ -275,33 +335,42 @@ class Run:
         self.span.end()
 
 
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+def _usage(prompt: int, completion: int, cached: int = 0) -> dict:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _stop_ids(state: ServerState) -> set[int]:
-    from cothink.runtime.text import stop_token_ids
+    from cothink.models.text import stop_token_ids
 
     tok = state.tokenizer
     return stop_token_ids(tok) if tok is not None else set()
 
 
-async def _run_or_release(run: Run, prompts: list[list[int]], params: Params, stop_ids: set[int]) -> None:
+async def _run_or_release(
+    request: Request, run: Run, prompts: list[list[int]], params: Params, stop_ids: set[int]
+) -> None:
+    """Admit and prefill the request; a client leaving during the prefill stops it within a step."""
     try:
-        await run.start(prompts, params, stop_ids)
+        async with abort_on_disconnect(request):
+            await run.start(prompts, params, stop_ids)
     except BaseException:
         run.release()
         raise
 
 
-async def _collect(run: Run, request) -> list[GenerationResult]:
+async def _collect(run: Run, request) -> list[Outcome]:
     """Wait for every choice of a non-streamed request (cancelled if the client leaves), then release."""
     completion, reasons = 0, []
     try:
         async with cancel_on_disconnect(request, run.cancel):
             results = await run.results()
-        completion = sum(len(r.token_ids) for r in results)
-        reasons = [r.finish_reason for r in results]
+        completion = sum(len(o.result.token_ids) for o in results)
+        reasons = [o.result.finish_reason for o in results]
     finally:
         run.release(completion, reasons)
     return results
@@ -323,13 +392,18 @@ def _stream(run: Run, chunk, include_usage: bool) -> EventStream:
                 if isinstance(event, GenerationResult):
                     completion += len(event.token_ids)
                     reasons.append(event.finish_reason)
-                    yield sse(chunk(i, None, event.finish_reason, False))
-                elif event.text:
-                    yield sse(chunk(i, event.text, None, False))
+                    out = chunk(i, None, event.finish_reason, False)
+                elif event.text or event.logprobs:
+                    out = chunk(i, event.text, None, False, event.logprobs)
+                else:
+                    out = None
+                if out is not None:
+                    yield sse(out)
             if include_usage:
                 final = chunk(0, None, None, False)
+                final.pop("usage", None)
                 final["choices"] = []
-                final["usage"] = _usage(run.prompt_tokens, completion)
+                final["usage"] = _usage(run.prompt_tokens, completion, run.cached_tokens)
                 yield sse(final)
         except Exception as exc:  # after the headers: report in-band, as OpenAI does
             yield sse(from_exception(exc).body())
@@ -344,7 +418,7 @@ def _stream(run: Run, chunk, include_usage: bool) -> EventStream:
 # ---------------------------------------------------------------------------------------- completions
 
 
-def _prompts(state: ServerState, prompt) -> list[list[int]]:
+async def _prompts(state: ServerState, prompt) -> list[list[int]]:
     if isinstance(prompt, str):
         items: list = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -364,7 +438,7 @@ def _prompts(state: ServerState, prompt) -> list[list[int]]:
                     "no_tokenizer",
                     "prompt",
                 )
-            ids = list(state.tokenizer.encode(item, add_special_tokens=True))
+            ids = await state.encode(item, "prompt", special=True)
         else:
             ids = list(item)
             state.check_token_ids(ids, "prompt")
@@ -384,30 +458,34 @@ async def completions(request: Request, req: CompletionRequest, state: ServerSta
     params = _common_params(state, req, req.max_tokens, state.settings.default_completion_max_tokens)
     if req.suffix:
         raise APIError(400, "suffix is not supported", "invalid_request_error", "unsupported", "suffix")
-    if req.logprobs is not None:
-        raise APIError(400, "logprobs is not supported", "invalid_request_error", "unsupported", "logprobs")
+    params.logprobs = req.logprobs
     if req.best_of is not None and req.best_of > 1:
         raise APIError(400, "best_of is not supported", "invalid_request_error", "unsupported", "best_of")
-    prompts = _prompts(state, req.prompt)
+    prompts = await _prompts(state, req.prompt)
     request_id = f"cmpl-{secrets.token_urlsafe(18)}"
     coroutine_var.set(request_id)
     created, model = int(time.time()), state.settings.model_name
-    run = Run(state, request_id)
-    await _run_or_release(run, prompts, params, _stop_ids(state))
+    run = Run(state, request_id, principal(request))
+    await _run_or_release(request, run, prompts, params, _stop_ids(state))
     echoes = [
         state.decode(ids, skip_special=True) if req.echo else "" for ids in prompts for _ in range(params.n)
     ]
 
     if req.stream:
 
-        def chunk(i, text, finish, first):
+        def chunk(i, text, finish, first, logprobs=None):
             if first:
                 return (
                     None
                     if not echoes[i]
                     else _completion_chunk(request_id, created, model, i, echoes[i], None)
                 )
-            return _completion_chunk(request_id, created, model, i, text or "", finish)
+            out = _completion_chunk(request_id, created, model, i, text or "", finish)
+            if logprobs:
+                out["choices"][0]["logprobs"] = completion_logprobs(state, logprobs)
+            if include:
+                out["usage"] = None  # as OpenAI: null on every chunk but the last
+            return out
 
         include = bool(req.stream_options and req.stream_options.include_usage)
         return _stream(run, chunk, include)
@@ -418,10 +496,19 @@ async def completions(request: Request, req: CompletionRequest, state: ServerSta
         model=model,
         system_fingerprint=fingerprint(),
         choices=[
-            CompletionChoice(index=i, text=echoes[i] + r.text, finish_reason=r.finish_reason)
-            for i, r in enumerate(results)
+            CompletionChoice(
+                index=i,
+                text=echoes[i] + o.result.text,
+                finish_reason=o.result.finish_reason,
+                logprobs=completion_logprobs(state, o.logprobs, len(echoes[i]))
+                if params.logprobs is not None
+                else None,
+            )
+            for i, o in enumerate(results)
         ],
-        usage=Usage(**_usage(run.prompt_tokens, sum(len(r.token_ids) for r in results))),
+        usage=Usage(
+            **_usage(run.prompt_tokens, sum(len(o.result.token_ids) for o in results), run.cached_tokens)
+        ),
     )
 
 
@@ -439,7 +526,9 @@ def _completion_chunk(request_id, created, model, index, text, finish) -> dict:
 # ---------------------------------------------------------------------------------------- chat
 
 
-def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+async def _chat_prompt(
+    state: ServerState, req: ChatCompletionRequest, tools: list[dict] | None = None
+) -> list[int]:
     tok = state.tokenizer
     if tok is None:
         raise APIError(
@@ -466,10 +555,22 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
             content = "".join(parts)
         else:
             content = m.content or ""
-        messages.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+        if m.tool_calls:
+            message["tool_calls"] = m.tool_calls
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        messages.append(message)
+    native = template_has_tools(tok)
+    messages = render_messages(messages, tools or [], native)
+    extra = {"tools": tools} if tools and native else {}
+    size = sum(len(m["content"]) for m in messages)
+    state.check_text_size("".join(m["content"] for m in messages), "messages")
     if getattr(tok, "chat_template", None):
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = await state.off_loop(
+                size, tok.apply_chat_template, messages, add_generation_prompt=True, tokenize=False, **extra
+            )
         except Exception as exc:  # jinja raises for conversations the template refuses
             raise APIError(
                 400,
@@ -480,7 +581,7 @@ def _chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
             ) from None
     else:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-    ids = list(tok.encode(text, add_special_tokens=False))
+    ids = await state.encode(text, "messages")
     if not ids:
         raise APIError(400, "the conversation is empty", "invalid_request_error", "empty_input", "messages")
     return ids
@@ -498,30 +599,32 @@ async def chat_completions(
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     params = _common_params(state, req, max_tokens, state.settings.default_chat_max_tokens)
     if req.logprobs:
-        raise APIError(400, "logprobs is not supported", "invalid_request_error", "unsupported", "logprobs")
-    if req.tools:
-        raise APIError(400, "tools are not supported", "invalid_request_error", "unsupported", "tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(
-            400,
-            "only response_format type 'text' is supported",
-            "invalid_request_error",
-            "unsupported",
-            "response_format",
-        )
-    prompt = _chat_prompt(state, req)
+        params.logprobs = req.top_logprobs or 0
+    top = req.top_logprobs or 0
+    tools = validate_tools(req.tools)
+    params.structured = structured_for(state, req.response_format, tools, req.tool_choice)
+    calls = params.structured.tool_calls
+    prompt = await _chat_prompt(state, req, tools if req.tool_choice != "none" else None)
     request_id = f"chatcmpl-{secrets.token_urlsafe(18)}"
     coroutine_var.set(request_id)
     created, model = int(time.time()), state.settings.model_name
-    run = Run(state, request_id)
-    await _run_or_release(run, [prompt], params, _stop_ids(state))
+    run = Run(state, request_id, principal(request))
+    await _run_or_release(request, run, [prompt], params, _stop_ids(state))
     include = bool(req.stream_options and req.stream_options.include_usage)
 
     if req.stream:
+        held: dict[int, str] = {}  # with tools, a choice's text is held until it is known to be a call
 
-        def chunk(i, text, finish, first):
+        def chunk(i, text, finish, first, logprobs=None):
             if first:
                 delta = {"role": "assistant", "content": ""}
+            elif calls != "never" and finish is None:
+                held[i] = held.get(i, "") + (text or "")
+                return None
+            elif calls != "never":
+                call = parse_tool_call(held.get(i, ""), calls)
+                delta = {"tool_calls": [{"index": 0, **call}]} if call else {"content": held.get(i, "")}
+                finish = "tool_calls" if call else finish
             elif text is not None:
                 delta = {"content": text}
             else:
@@ -532,7 +635,14 @@ async def chat_completions(
                 "created": created,
                 "model": model,
                 "system_fingerprint": fingerprint(),
-                "choices": [{"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": delta,
+                        "logprobs": chat_logprobs(state, logprobs, top) if logprobs else None,
+                        "finish_reason": finish,
+                    }
+                ],
             }
             if include:
                 out["usage"] = None
@@ -546,8 +656,25 @@ async def chat_completions(
         model=model,
         system_fingerprint=fingerprint(),
         choices=[
-            ChatChoice(index=i, message=AssistantMessage(content=r.text), finish_reason=r.finish_reason)
-            for i, r in enumerate(results)
+            _chat_choice(state, i, o, calls, top if params.logprobs is not None else None)
+            for i, o in enumerate(results)
         ],
-        usage=Usage(**_usage(run.prompt_tokens, sum(len(r.token_ids) for r in results))),
+        usage=Usage(
+            **_usage(run.prompt_tokens, sum(len(o.result.token_ids) for o in results), run.cached_tokens)
+        ),
+    )
+
+
+def _chat_choice(state: ServerState, index: int, outcome: Outcome, calls: str, top: int | None) -> ChatChoice:
+    result = outcome.result
+    call = parse_tool_call(result.text, calls)
+    if call:
+        message = AssistantMessage(content=None, tool_calls=[call])
+    else:
+        message = AssistantMessage(content=result.text)
+    return ChatChoice(
+        index=index,
+        message=message,
+        finish_reason="tool_calls" if call else result.finish_reason,
+        logprobs=chat_logprobs(state, outcome.logprobs, top) if top is not None else None,
     )

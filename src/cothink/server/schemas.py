@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
+import re
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TokenId = Annotated[int, Field(strict=True, ge=0, le=2**31 - 1)]  # strict: no bools or floats
@@ -17,14 +19,56 @@ StopList = Union[
 ]
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
-class Lenient(BaseModel):
+class InvalidText(ValueError):
+    """A string holding a lone surrogate (e.g. JSON "\\ud800"): not Unicode text; `param` is its field."""
+
+    def __init__(self, param: str):
+        super().__init__("the text holds a lone surrogate (not valid Unicode)")
+        self.param = param
+
+
+def _find_surrogate(value: Any, path: str) -> str | None:
+    if isinstance(value, str):
+        return path if _SURROGATE.search(value) else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            where = _find_surrogate(k, path) or _find_surrogate(v, f"{path}.{k}" if path else str(k))
+            if where:
+                return where
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            where = _find_surrogate(v, f"{path}.{i}" if path else str(i))
+            if where:
+                return where
+    return None
+
+
+class Request(BaseModel):
+    """Request bodies: types are strict as in the OpenAI API ("10" is not an integer, "yes" not a
+    boolean), and text must be valid Unicode (a lone surrogate is a 400 naming the field, not a 500)."""
+
+    model_config = ConfigDict(strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        where = _find_surrogate(data, "")
+        if where is not None:
+            raise InvalidText(where)
+        return data
+
+
+class Strict(Request):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Lenient(Request):
     """OpenAI requests: unknown fields are ignored, as OpenAI clients send many optional ones."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 # ================================================================================ OpenAI-compatible
@@ -50,7 +94,9 @@ class CompletionRequest(Lenient):
     stop: StopList = None
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
     echo: bool | None = False
-    logprobs: int | None = Field(None, description="Not supported (must be null)")
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Log-probabilities of each token and this many alternatives"
+    )
     best_of: int | None = Field(None, description="Not supported above 1")
     suffix: str | None = Field(None, description="Not supported (must be null)")
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="Only 0 is supported")
@@ -68,6 +114,8 @@ class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[ContentPart], None] = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = Field(None, description="An assistant turn's tool calls")
+    tool_call_id: str | None = Field(None, description="A tool result's call id")
 
 
 class ChatCompletionRequest(Lenient):
@@ -87,10 +135,14 @@ class ChatCompletionRequest(Lenient):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
-    logprobs: bool | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    logprobs: bool | None = Field(None, description="Return each output token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="Alternatives per token (with logprobs)")
+    tools: list[dict[str, Any]] | None = Field(None, description="Functions the model may call")
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    parallel_tool_calls: bool | None = Field(None, description="Accepted; one call per choice is made")
+    response_format: dict[str, Any] | None = Field(
+        None, description="{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': {...}}"
+    )
     user: str | None = None
 
 
@@ -98,12 +150,13 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = Field(description="stop, length or cancelled")
 
 
@@ -120,12 +173,13 @@ class Completion(BaseModel):
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = Field(description="stop, length or cancelled")
 
 
@@ -160,11 +214,13 @@ class Limits(BaseModel):
         description="Tokens in the session's blocks plus the max_tokens its running generations may still add"
     )
     max_running: int = Field(description="Coroutines a session may run at once")
+    key_max_pages: int | None = Field(None, description="KV pages the session's API key may hold in all")
 
 
 class SessionUsage(BaseModel):
     blocks: int = Field(description="Live blocks")
     tokens: int = Field(description="Tokens in live blocks plus reserved by running generations")
+    pages: int = Field(0, description="KV pages charged: at least one per block, plus reservations")
     running: int = Field(description="Running coroutines")
 
 
@@ -214,7 +270,9 @@ class ExtendRequest(Strict):
     text: str | None = Field(None, description="Text to append (tokenized without special tokens)")
     token_ids: list[TokenId] | None = Field(None, description="Token ids to append")
     view: list[BlockId] | None = Field(
-        None, description="Blocks the new tokens attend to, ending with this block (default: just this block)"
+        None,
+        min_length=1,
+        description="Blocks the new tokens attend to, ending with this block (default: just this block)",
     )
     priority: Priority | None = Field(None, description="Scheduling class (default background)")
     name: Label | None = Field(None, description="Optional coroutine label")
@@ -249,6 +307,14 @@ class GenerateRequest(Strict):
     stop_at_eos: bool = Field(True, description="Stop at the model's end-of-sequence tokens")
     priority: Priority | None = Field(None, description="Scheduling class (default background)")
     name: Label | None = Field(None, description="Optional coroutine label")
+    response_format: dict[str, Any] | None = Field(
+        None,
+        description="Constrain the output: {'type': 'json_object'} or {'type': 'json_schema', "
+        "'json_schema': {'schema': {...}}} (grammar-constrained: a finished output parses)",
+    )
+    logprobs: int | None = Field(
+        None, ge=0, le=20, description="Token events carry log-probabilities with this many alternatives"
+    )
     stream: bool = Field(True, description="Stream events over SSE (start, token..., end)")
     background: bool = Field(False, description="Return 202 at once; follow it with GET .../coroutines/{id}")
 
@@ -307,12 +373,25 @@ class Deleted(BaseModel):
     deleted: bool = True
 
 
+class MemoryHealth(BaseModel):
+    total_pages: int = Field(description="KV pages in the pool")
+    used_pages: int = Field(description="Pages in use now")
+    free_pages: int
+    reserved_pages: int = Field(description="Pages charged to quotas: held by blocks plus reserved by works")
+    page_size: int = Field(description="Tokens per page")
+    bytes_per_page: int
+    used_share: float = Field(description="used_pages / total_pages")
+    pressure: bool = Field(description="used_share is at or above the server's memory_pressure threshold")
+
+
 class Health(BaseModel):
-    status: Literal["ok", "draining", "engine_stopped"] = Field(
-        description="ok; draining (shutting down); engine_stopped (the step loop is not running: 503)"
+    status: Literal["ok", "memory_pressure", "draining", "engine_stopped"] = Field(
+        description="ok; memory_pressure (200: serving, but the KV pool is nearly full); draining "
+        "(shutting down: 503); engine_stopped (the step loop is not running: 503)"
     )
     engine_running: bool
     steps: int
+    memory: MemoryHealth | None = None
 
 
 # ---- WebSocket messages (client -> server) ------------------------------------------------------

@@ -14,7 +14,8 @@ from opentelemetry import trace
 from pydantic import TypeAdapter, ValidationError
 
 from cothink.observability.logs import coroutine_var, session_var
-from cothink.server.errors import ERROR_RESPONSES, APIError, from_exception
+from cothink.server.openai_features import structured_for
+from cothink.server.errors import ERROR_RESPONSES, APIError, from_exception, validation_error
 from cothink.server.schemas import (
     BlockCreate,
     BlockInfo,
@@ -38,7 +39,7 @@ from cothink.server.schemas import (
     WsProbe,
 )
 from cothink.server.sessions import BlockEntry, CoroutineEntry, Session
-from cothink.server.streaming import EventStream, cancel_on_disconnect
+from cothink.server.streaming import EventStream, abort_on_disconnect, cancel_on_disconnect
 from cothink.server.state import ServerState, get_state, get_ws_state, principal
 
 log = logging.getLogger("cothink.server")
@@ -107,19 +108,27 @@ def coroutine_info(co: CoroutineEntry) -> CoroutineInfo:
 # ---------------------------------------------------------------------------------------- operations
 
 
-async def do_extend(state: ServerState, session: Session, entry: BlockEntry, req: ExtendRequest) -> None:
-    state.check_open()
-    ids = state.encode(req.text) if req.text is not None else list(req.token_ids or [])
+async def input_ids(state: ServerState, text: str | None, token_ids: list[int] | None) -> list[int]:
+    """The tokens of an extend's input (text tokenized off the event loop when large)."""
+    param = "text" if text is not None else "token_ids"
+    ids = await state.encode(text, "text") if text is not None else list(token_ids or [])
     if not ids:
-        raise APIError(
-            400,
-            "the input is empty",
-            "invalid_request_error",
-            "empty_input",
-            "text" if req.text is not None else "token_ids",
-        )
-    state.check_token_ids(ids, "token_ids")
-    view = session.view(req.view) if req.view is not None else [entry]
+        raise APIError(400, "the input is empty", "invalid_request_error", "empty_input", param)
+    state.check_token_ids(ids, param)
+    return ids
+
+
+async def do_extend(
+    state: ServerState,
+    session: Session,
+    entry: BlockEntry,
+    ids: list[int],
+    view_ids: list[str] | None = None,
+    priority: str | None = None,
+    name: str | None = None,
+) -> None:
+    state.check_open()
+    view = session.view(view_ids) if view_ids is not None else [entry]
     if view[-1] is not entry:
         raise APIError(
             400,
@@ -128,8 +137,14 @@ async def do_extend(state: ServerState, session: Session, entry: BlockEntry, req
             "invalid_view",
             "view",
         )
-    session.check_tokens(len(ids))
-    co = session.new_coroutine("extend", req.name, [v.id for v in view], entry.id)
+    reservation = session.reserve(entry, len(ids))
+    try:
+        co = session.new_coroutine("extend", name, [v.id for v in view], entry.id)
+    except BaseException:
+        reservation.release()
+        raise
+    co.reservation = reservation
+    state.own(co.id, session.account)
     coroutine_var.set(co.id)
     span = state.tracer.start_span(
         "cothink.session.extend",
@@ -148,7 +163,7 @@ async def do_extend(state: ServerState, session: Session, entry: BlockEntry, req
                     entry.block,
                     token_ids=ids,
                     view=[v.block for v in view],
-                    priority=req.priority,
+                    priority=priority,
                     name=co.id,
                 )
             )
@@ -199,12 +214,18 @@ class Running:
                     tail += piece.text
                     continue
                 co.token_ids.extend(piece.token_ids)
-                yield {
+                event = {
                     "type": "token",
                     "coroutine": co.id,
                     "text": piece.text,
                     "token_ids": list(piece.token_ids),
                 }
+                if piece.logprobs:
+                    event["logprobs"] = [
+                        {"token_id": lp.token_id, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
+                        for lp in piece.logprobs
+                    ]
+                yield event
             result = self.gen.result
             # The token that ended the generation (the last one, or a stop token) comes with the result,
             # not in a piece: send it with the flushed text, so token events add up to the result.
@@ -260,8 +281,15 @@ def start_generation(state: ServerState, session: Session, req: GenerateRequest)
     stops = _stop_list(state, req.stop)
     state.check_token_ids(req.stop_token_ids or [], "stop_token_ids")
     state.check_token_ids(req.banned_token_ids or [], "banned_token_ids")
-    session.check_tokens(req.max_tokens)
-    co = session.new_coroutine("generate", req.name, [v.id for v in view], view[-1].id, req.max_tokens)
+    state.check_context(sum(v.block.length for v in view), req.max_tokens)
+    reservation = session.reserve(view[-1], req.max_tokens)
+    try:
+        co = session.new_coroutine("generate", req.name, [v.id for v in view], view[-1].id, req.max_tokens)
+    except BaseException:
+        reservation.release()
+        raise
+    co.reservation = reservation
+    state.own(co.id, session.account)
     coroutine_var.set(co.id)
     span = state.tracer.start_span(
         "cothink.session.generate",
@@ -274,6 +302,7 @@ def start_generation(state: ServerState, session: Session, req: GenerateRequest)
         },
     )
     try:
+        structured = structured_for(state, req.response_format, [], None)
         with trace.use_span(span, end_on_exit=False):
             gen = state.call(
                 state.engine.generate,
@@ -289,6 +318,8 @@ def start_generation(state: ServerState, session: Session, req: GenerateRequest)
                 priority=req.priority,
                 name=co.id,
                 stop_at_eos=req.stop_at_eos,
+                logprobs=req.logprobs,
+                constraint=structured.make_constraint() if structured.make_constraint else None,
             )
     except APIError as exc:
         session.finish(co, "failed", "error", exc.message)
@@ -302,7 +333,7 @@ async def do_probe(state: ServerState, session: Session, req: ProbeRequest) -> P
     state.check_open()
     view = session.view(req.view)
     if isinstance(req.question, str):
-        question: list[int] = state.encode(req.question, "question")
+        question: list[int] = await state.encode(req.question, "question")
         if not question:
             raise APIError(400, "the question is empty", "invalid_request_error", "empty_input", "question")
     else:
@@ -319,6 +350,7 @@ async def do_probe(state: ServerState, session: Session, req: ProbeRequest) -> P
             "choices",
         )
     co = session.new_coroutine("probe", req.name, [v.id for v in view], None)
+    state.own(co.id, session.account)
     coroutine_var.set(co.id)
     span = state.tracer.start_span(
         "cothink.session.probe",
@@ -371,8 +403,23 @@ async def create_session(
     return session_info(session)
 
 
-@router.get("", response_model=list[SessionInfo], summary="Your sessions", responses=_errors())
+@router.get(
+    "",
+    response_model=list[SessionInfo],
+    summary="Your sessions",
+    description="Needs an API key: without keys every caller is the same anonymous principal, so a list "
+    "would show other clients' sessions (403 unless the server allows it).",
+    responses=_errors(403),
+)
 async def list_sessions(request: Request, state: ServerState = Depends(get_state)) -> list[SessionInfo]:
+    if not state.settings.keys() and not state.settings.list_sessions_without_key:
+        raise APIError(
+            403,
+            "listing sessions needs an API key: without keys a session is reachable only through the "
+            "id returned when it was created",
+            "permission_error",
+            "listing_disabled",
+        )
     me = principal(request)
     return [session_info(s) for s in state.sessions.sessions.values() if s.owner == me and not s.closed]
 
@@ -414,26 +461,21 @@ async def delete_session(
     responses=_errors(409, 413, 429, 503),
 )
 async def create_block(
+    request: Request,
     body: BlockCreate | None = Body(None),
     session: Session = Depends(get_session),
     state: ServerState = Depends(get_state),
 ) -> BlockInfo:
     body = body or BlockCreate()
     state.check_open()
-    if body.text is not None or body.token_ids is not None:
-        ids = state.encode(body.text) if body.text is not None else list(body.token_ids or [])
-        if ids:
-            state.check_token_ids(ids, "token_ids")
-            session.check_tokens(len(ids))
-    entry = state.call(session.new_block, body.name)
+    ids = None
     if body.text or body.token_ids:
+        ids = await input_ids(state, body.text, body.token_ids)
+    entry = state.call(session.new_block, body.name)
+    if ids:
         try:
-            await do_extend(
-                state,
-                session,
-                entry,
-                ExtendRequest(text=body.text, token_ids=body.token_ids, priority=body.priority),
-            )
+            async with abort_on_disconnect(request):
+                await do_extend(state, session, entry, ids, priority=body.priority)
         except BaseException:
             try:
                 session.delete_block(entry.id)
@@ -502,13 +544,16 @@ async def delete_block(
     responses=_errors(409, 413, 429, 503),
 )
 async def extend_block(
+    request: Request,
     body: ExtendRequest,
     block_id: str = BlockIdPath,
     session: Session = Depends(get_session),
     state: ServerState = Depends(get_state),
 ) -> BlockInfo:
     entry = session.block(block_id)
-    await do_extend(state, session, entry, body)
+    async with abort_on_disconnect(request):
+        ids = await input_ids(state, body.text, body.token_ids)
+        await do_extend(state, session, entry, ids, body.view, body.priority, body.name)
     return block_info(state, session, entry)
 
 
@@ -622,9 +667,13 @@ async def generate(
     responses=_errors(413, 429, 503),
 )
 async def probe(
-    body: ProbeRequest, session: Session = Depends(get_session), state: ServerState = Depends(get_state)
+    request: Request,
+    body: ProbeRequest,
+    session: Session = Depends(get_session),
+    state: ServerState = Depends(get_state),
 ) -> ProbeResult:
-    return await do_probe(state, session, body)
+    async with abort_on_disconnect(request):
+        return await do_probe(state, session, body)
 
 
 @router.get(
@@ -685,6 +734,19 @@ async def cancel_coroutine(
 # ---------------------------------------------------------------------------------------- websocket
 
 _WS_MESSAGE = TypeAdapter(WsMessage)
+_WS_TYPES = ("generate", "extend", "probe", "cancel")
+
+
+def ws_validation_error(exc: ValidationError) -> APIError:
+    """validation_error for a WebSocket message: the message type tag is not part of the field."""
+    errors = []
+    for e in exc.errors():
+        loc = tuple(e.get("loc", ()))
+        errors.append({**e, "loc": loc[1:] if loc and loc[0] in _WS_TYPES else loc})
+    err = validation_error(errors)
+    err.code = "invalid_message" if err.code == "invalid_request" else err.code
+    return err
+
 
 
 @router.websocket("/{session_id}/ws")
@@ -729,18 +791,8 @@ async def session_socket(websocket: WebSocket, session_id: str) -> None:
     async def run_extend(msg: WsExtend) -> None:
         try:
             entry = session.block(msg.block)
-            await do_extend(
-                state,
-                session,
-                entry,
-                ExtendRequest(
-                    text=msg.text,
-                    token_ids=msg.token_ids,
-                    view=msg.view,
-                    priority=msg.priority,
-                    name=msg.name,
-                ),
-            )
+            ids = await input_ids(state, msg.text, msg.token_ids)
+            await do_extend(state, session, entry, ids, msg.view, msg.priority, msg.name)
             await send({"type": "extended", "block": entry.id, "length": entry.block.length}, msg.id)
         except Exception as exc:
             await send_error(exc, msg.id)
@@ -769,28 +821,33 @@ async def session_socket(websocket: WebSocket, session_id: str) -> None:
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
+    limit = state.settings.max_body_bytes
+    session.sockets += 1
     try:
         while True:
-            raw = await websocket.receive_text()
-            try:
-                msg = _WS_MESSAGE.validate_json(raw)
-            except ValidationError as exc:
-                first = exc.errors()[0] if exc.errors() else {}
-                where = ".".join(str(p) for p in first.get("loc", ()))
-                await send(
-                    {
-                        "type": "error",
-                        "error": {
-                            "message": f"{where}: {first.get('msg', 'invalid message')}"
-                            if where
-                            else "invalid message",
-                            "type": "invalid_request_error",
-                            "code": "invalid_message",
-                            "param": where or None,
-                        },
-                    },
-                    None,
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            raw = message.get("text")
+            if raw is None:
+                err = APIError(
+                    400, "binary frames are not supported: send JSON as text", code="invalid_message"
                 )
+                await send({"type": "error", **err.body()}, None)
+                continue
+            # the same size limit as HTTP bodies, checked before parsing or tokenizing anything
+            if len(raw) > limit and len(raw.encode("utf-8", "surrogatepass")) > limit:
+                err = APIError(413, f"message exceeds {limit} bytes", code="body_too_large")
+                await send({"type": "error", **err.body()}, None)
+                continue
+            try:  # json.loads, as for HTTP bodies: a lone surrogate escape is then a 400 naming its field
+                msg = _WS_MESSAGE.validate_python(json.loads(raw))
+            except json.JSONDecodeError:
+                err = APIError(400, "the message is not valid JSON", code="invalid_json")
+                await send({"type": "error", **err.body()}, None)
+                continue
+            except ValidationError as exc:
+                await send({"type": "error", **ws_validation_error(exc).body()}, None)
                 continue
             if isinstance(msg, WsGenerate):
                 spawn(run_generate(msg))
@@ -805,6 +862,7 @@ async def session_socket(websocket: WebSocket, session_id: str) -> None:
     except RuntimeError:  # the socket closed under us (server shutdown)
         pass
     finally:
+        session.sockets -= 1
         for running in list(mine.values()):
             running.co.cancel()
         for task in list(tasks):

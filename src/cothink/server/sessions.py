@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from cothink.memory.block import Block
 from cothink.observability.logs import bind_owner, forget_owner
 from cothink.server.errors import APIError, not_found
+from cothink.server.quota import MemoryLedger, Reservation
 from cothink.server.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -32,6 +33,7 @@ class BlockEntry:
     block: Block
     name: str | None
     created: int
+    last_used: float = field(default_factory=time.monotonic)
 
 
 @dataclass(eq=False)
@@ -50,6 +52,7 @@ class CoroutineEntry:
     task: asyncio.Task | None = None
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    reservation: Reservation | None = None  # the memory it may still add, against the quotas
 
     @property
     def running(self) -> bool:
@@ -68,8 +71,12 @@ class Session:
         self.manager = manager
         self.id = new_id("sess")
         self.owner = owner
+        # the memory account: the key; without keys every session is its own account
+        self.account = owner if manager.settings.keys() else self.id
         self.name = name
         self.created = int(time.time())
+        self.last_used = time.monotonic()
+        self.sockets = 0  # open WebSockets keep a session alive
         self.blocks: dict[str, BlockEntry] = {}
         self.coroutines: OrderedDict[str, CoroutineEntry] = OrderedDict()
         self.closed = False
@@ -86,33 +93,36 @@ class Session:
     def running(self) -> list[CoroutineEntry]:
         return [c for c in self.coroutines.values() if c.running]
 
+    @property
+    def ledger(self) -> MemoryLedger:
+        return self.manager.ledger
+
     def tokens_used(self) -> int:
-        held = sum(e.block.length for e in self.blocks.values() if not e.block.freed)
-        reserved = sum(
-            max(c.max_tokens - len(c.token_ids), 0) for c in self.running() if c.kind == "generate"
-        )
-        return held + reserved
+        return self.ledger.usage(session=self.id).tokens
 
     def usage(self) -> dict[str, int]:
-        return {"blocks": len(self.blocks), "tokens": self.tokens_used(), "running": len(self.running())}
+        memory = self.ledger.usage(session=self.id)
+        return {
+            "blocks": len(self.blocks),
+            "tokens": memory.tokens,
+            "pages": memory.pages,
+            "running": len(self.running()),
+        }
 
-    def limits(self) -> dict[str, int]:
+    def limits(self) -> dict[str, int | None]:
         s = self.settings
         return {
             "max_blocks": s.session_max_blocks,
             "max_tokens": s.session_max_tokens,
             "max_running": s.session_max_running,
+            "key_max_pages": self.ledger.account_max_pages,
         }
 
-    def check_tokens(self, more: int) -> None:
-        used, limit = self.tokens_used(), self.settings.session_max_tokens
-        if used + more > limit:
-            raise APIError(
-                429,
-                f"session token quota exceeded: {used} used + {more} requested > {limit}",
-                "quota_error",
-                "session_token_quota",
-            )
+    def reserve(self, entry: BlockEntry, tokens: int) -> Reservation:
+        """Reserve what a work will add to `entry` against the session's and the key's quotas (atomic:
+        no await between the check and the reservation)."""
+        self._check_open()
+        return self.ledger.reserve(entry.block, tokens)
 
     def check_running(self) -> None:
         if len(self.running()) >= self.settings.session_max_running:
@@ -139,10 +149,14 @@ class Session:
             )
         block_id = new_id("blk")
         if fork_of is not None:
-            self.check_tokens(fork_of.block.length)
             block = self.engine.fork(fork_of.block, name=block_id)
         else:
             block = self.engine.block(name=block_id)
+        try:
+            self.ledger.add_block(block, self.account, self.id, fork_of.block if fork_of else None)
+        except BaseException:
+            self.engine.release(block)
+            raise
         entry = BlockEntry(block_id, block, name, int(time.time()))
         self.blocks[block_id] = entry
         bind_owner(block_id, self.id)
@@ -152,6 +166,7 @@ class Session:
         entry = self.blocks.get(block_id)
         if entry is None or entry.block.freed:
             raise not_found("block", block_id, "block_not_found")
+        entry.last_used = time.monotonic()
         return entry
 
     def view(self, block_ids: list[str]) -> list[BlockEntry]:
@@ -179,6 +194,7 @@ class Session:
         entry = self.block(block_id)
         del self.blocks[block_id]
         forget_owner(block_id)
+        self.ledger.drop_block(entry.block)
         self.engine.release(entry.block)  # cancels its writer, if any
 
     # ---- coroutines ---------------------------------------------------------------------------
@@ -209,6 +225,13 @@ class Session:
             return
         entry.status, entry.finish_reason, entry.error = status, finish_reason, error
         entry.generation = None
+        if entry.reservation is not None:
+            entry.reservation.release()
+        now = time.monotonic()
+        self.last_used = now
+        for block_id in {*entry.view, entry.block}:
+            if block_id in self.blocks:
+                self.blocks[block_id].last_used = now
         finished = [k for k, c in self.coroutines.items() if not c.running]
         for key in finished[: max(len(finished) - self.settings.session_keep_finished, 0)]:
             forget_owner(key)
@@ -231,10 +254,24 @@ class Session:
         for key in self.coroutines:
             forget_owner(key)
 
+    def busy(self) -> set[str]:
+        """Blocks that running coroutines read or write."""
+        return {b for c in self.running() for b in (*c.view, c.block) if b}
+
+    def expire_blocks(self, now: float, idle_s: float) -> int:
+        busy = self.busy()
+        stale = [b for b, e in self.blocks.items() if b not in busy and now - e.last_used > idle_s]
+        for block_id in stale:
+            self.delete_block(block_id)
+        return len(stale)
+
+    def idle(self, now: float, idle_s: float) -> bool:
+        return not self.sockets and not self.running() and now - self.last_used > idle_s
+
 
 class SessionManager:
-    def __init__(self, engine: Engine, settings: ServerSettings):
-        self.engine, self.settings = engine, settings
+    def __init__(self, engine: Engine, settings: ServerSettings, ledger: MemoryLedger):
+        self.engine, self.settings, self.ledger = engine, settings, ledger
         self.sessions: dict[str, Session] = {}
 
     def create(self, owner: str, name: str | None = None) -> Session:
@@ -245,6 +282,14 @@ class SessionManager:
                 "quota_error",
                 "session_limit",
             )
+        per_key = self.settings.sessions_per_key()
+        if self.settings.keys() and sum(s.owner == owner for s in self.sessions.values()) >= per_key:
+            raise APIError(
+                429,
+                f"this API key holds its maximum of {per_key} sessions; delete some (idle ones expire)",
+                "quota_error",
+                "key_session_limit",
+            )
         session = Session(self, owner, name)
         self.sessions[session.id] = session
         bind_owner(session.id, session.id)
@@ -254,7 +299,19 @@ class SessionManager:
         session = self.sessions.get(session_id)
         if session is None or session.owner != owner or session.closed:
             raise APIError(404, f"no session {session_id!r}", "not_found_error", "session_not_found")
+        session.last_used = time.monotonic()
         return session
+
+    def expire(self, now: float) -> int:
+        """Delete idle sessions and release idle blocks; returns how many went."""
+        s, n = self.settings, 0
+        for session in list(self.sessions.values()):
+            if s.session_idle_s is not None and session.idle(now, s.session_idle_s):
+                self.delete(session.id, session.owner)
+                n += 1
+            elif s.block_expiry_s() is not None:
+                n += session.expire_blocks(now, s.block_expiry_s())
+        return n
 
     def delete(self, session_id: str, owner: str) -> None:
         session = self.get(session_id, owner)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 @dataclass
 class ServerSettings:
-    """What the HTTP server allows. Quotas are per session; limits are per request."""
+    """What the HTTP server allows: limits per request, quotas per session and per API key."""
 
     model_name: str = "cothink"  # the id /v1/models lists and requests must name
     api_keys: tuple[str, ...] = ()  # empty: no auth. Otherwise every route but /health needs a Bearer key
@@ -24,5 +24,36 @@ class ServerSettings:
     session_keep_finished: int = 64  # finished coroutines a session remembers for GET .../coroutines
     max_view_blocks: int = 64  # blocks per view
     max_probe_choices: int = 32
+    # ---- exposure (docs/server.md, "Threat model") ----
+    bind_host: str = "127.0.0.1"  # where the server listens; loopback restricts the accepted Host names
+    allowed_hosts: tuple[str, ...] | None = None  # Host names accepted; None: loopback names when bound there
+    allowed_origins: tuple[str, ...] = ()  # browser Origins allowed (CORS); others get 403
+    admin_keys: tuple[str, ...] = ()  # keys that also see every coroutine in /v1/timeline (also valid keys)
+    list_sessions_without_key: bool = False  # without keys, GET /v1/sessions is refused unless this is set
+    # ---- memory quotas, counted in KV pages (a block costs at least one page) ----
+    key_memory_share: float | None = None  # share of the KV pool one key may hold; None: 1 key -> 1, else 1/2
+    key_max_sessions: int | None = None  # live sessions per key; None: max_sessions / number of keys
+    session_idle_s: float | None = 1800.0  # a session unused this long is deleted (None: never)
+    block_idle_s: float | None = None  # a block unused this long is released (None: same as sessions)
+    memory_pressure: float = 0.9  # /health reports memory_pressure above this used share of the pool
+    prefix_cache_share: float = 0.25  # pool share that cached prompt prefixes may keep (0: no reuse)
+    tokenize_inline_chars: int = 4096  # longer texts are tokenized in a worker thread, off the event loop
     trace_out: str | None = None  # write the step timeline (Chrome JSON + PNG) here at shutdown
     timeline_default_steps: int = 10_000  # GET /v1/timeline returns at most this many recent steps by default
+
+    def keys(self) -> tuple[str, ...]:
+        """Every accepted key (admin keys included)."""
+        return tuple(dict.fromkeys((*self.api_keys, *self.admin_keys)))
+
+    def memory_share(self) -> float:
+        if self.key_memory_share is not None:
+            return self.key_memory_share
+        return 1.0 if len(self.keys()) < 2 else 0.5
+
+    def sessions_per_key(self) -> int:
+        if self.key_max_sessions is not None:
+            return self.key_max_sessions
+        return max(1, self.max_sessions // max(1, len(self.keys())))
+
+    def block_expiry_s(self) -> float | None:
+        return self.block_idle_s if self.block_idle_s is not None else self.session_idle_s

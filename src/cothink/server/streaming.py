@@ -11,6 +11,8 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from cothink.server.errors import APIError, ClientGone
+
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -79,3 +81,40 @@ async def cancel_on_disconnect(request: Request, callback: Callable[[], None]) -
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+
+
+@contextlib.asynccontextmanager
+async def abort_on_disconnect(request: Request) -> AsyncIterator[None]:
+    """Within the block, cancel the current task if the client disconnects.
+
+    For work a handler awaits before it can answer (a prefill of a long prompt, a tokenization): the
+    cancellation reaches the awaited engine call, whose work then stops before its next step. The
+    handler sees ClientGone (answered with 499 to a socket nobody reads)."""
+    task = asyncio.current_task()
+    gone = False
+
+    async def watch() -> None:
+        nonlocal gone
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                gone = True
+                if task is not None:
+                    task.cancel()
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    except asyncio.CancelledError:
+        if gone and task is not None and task.uncancel() == 0:
+            raise ClientGone() from None
+        raise
+    except APIError:
+        if gone:  # the cancelled engine call surfaced as a 409/503: the reason is the client leaving
+            raise ClientGone() from None
+        raise
+    finally:
+        watcher.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await watcher

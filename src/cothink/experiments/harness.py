@@ -1,0 +1,313 @@
+"""The shared experiment harness: every paper experiment is one module on top of this file.
+
+An experiment module (``cothink/experiments/<name>.py``) defines
+
+- a config record (a pydantic model, subclass of :class:`ExperimentConfig`) holding every knob that
+  changes the numbers, written verbatim into the results;
+- a row record (subclass of :class:`Row`): one measured unit (a problem under a condition, an episode,
+  a task), typed, never a string-keyed dict;
+- ``configure(parser)`` adding its own flags (after :func:`add_common_arguments` added the shared ones),
+  ``run(args) -> int`` doing the work;
+- ``EXPERIMENT = Experiment(name, help, description, configure, run)``.
+
+and registers in one line: its module path in :data:`EXPERIMENT_MODULES`. ``cothink experiment NAME``
+then exists, with ``--help``.
+
+What the harness gives every experiment:
+
+- :func:`add_common_arguments`: ``--model`` (smollm2, qwen35-random or a local folder), ``--dtype``,
+  ``--seed``, ``--limit``, ``--quick``, ``--max-tokens``, ``--threads``, ``--out``;
+- :func:`load_model`: the model loaded once (weights shared), fresh engines from
+  ``ModelHandle.engine(**limits)``;
+- :class:`Results`: ``DIR/results.json`` = ``{"config": {...}, "rows": [...], "summary": {...}}``
+  (:func:`write_results` / :func:`read_results`);
+- :func:`write_report`: ``DIR/report.md`` from markdown text, with :func:`markdown_table` to build it;
+- :func:`plot_lines`: PNG line plots with matplotlib (Agg backend, headless), one or more panels;
+- :func:`progress`: a rich progress bar (silent when output is not a terminal unless forced);
+- :func:`machine_info`: CPU, cores, torch version and threads, for the report header.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import platform
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict
+
+# One line per experiment: the module must define EXPERIMENT (an Experiment).
+EXPERIMENT_MODULES: tuple[str, ...] = (
+    "cothink.experiments.math500_sharded",
+    "cothink.experiments.vizdoom",
+    "cothink.experiments.monitor",
+)
+
+DTYPES = ("float32", "bfloat16")
+
+
+# ------------------------------------------------------------------------------------------ records
+
+
+class ExperimentConfig(BaseModel):
+    """Knobs shared by every experiment; subclasses add their own fields."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    experiment: str
+    model: str
+    dtype: str = "float32"
+    seed: int = 0
+    limit: int | None = None
+    quick: bool = False
+    max_tokens: int = 128
+    threads: int | None = None
+    model_description: str = ""
+    machine: dict[str, Any] = {}
+    started_at: str = ""
+    wall_s: float = 0.0
+
+
+class Row(BaseModel):
+    """One measured unit of an experiment; subclasses declare the columns."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+ConfigT = TypeVar("ConfigT", bound=ExperimentConfig)
+RowT = TypeVar("RowT", bound=Row)
+
+
+class Results(BaseModel, Generic[ConfigT, RowT]):
+    """What ``DIR/results.json`` holds: the config, every row, and a summary computed from the rows."""
+
+    config: ConfigT
+    rows: list[RowT]
+    summary: dict[str, Any]
+
+
+def write_results(out: Path, results: Results[Any, Any]) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "results.json"
+    path.write_text(results.model_dump_json(indent=1) + "\n")
+    return path
+
+
+def read_results(path: Path, config_type: type[ConfigT], row_type: type[RowT]) -> Results[ConfigT, RowT]:
+    """Parse a results.json back into typed records (raises pydantic.ValidationError on a bad file)."""
+    return Results[config_type, row_type].model_validate_json(Path(path).read_text())  # type: ignore[valid-type]
+
+
+# -------------------------------------------------------------------------------------------- report
+
+
+def write_report(out: Path, markdown: str) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "report.md"
+    path.write_text(markdown.rstrip() + "\n")
+    return path
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3f}"
+        return "" if v is None else str(v).replace("|", "\\|")
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class Series:
+    """One line on a plot: y over x, optionally a flat reference (x is None: drawn as a horizontal line)."""
+
+    label: str
+    x: Sequence[float] | None
+    y: Sequence[float]
+    style: str = "-o"
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    xlabel: str
+    ylabel: str
+    series: Sequence[Series]
+
+
+def plot_lines(path: Path, panels: Sequence[Panel], title: str = "") -> Path:
+    """Draw panels side by side into a PNG (headless matplotlib)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
+    for ax, panel in zip(axes[0], panels):
+        for s in panel.series:
+            if s.x is None:
+                ax.axhline(
+                    s.y[0], linestyle="--", label=s.label, color="gray" if "partial" in s.label else None
+                )
+            else:
+                ax.plot(list(s.x), list(s.y), s.style, label=s.label)
+        ax.set_title(panel.title)
+        ax.set_xlabel(panel.xlabel)
+        ax.set_ylabel(panel.ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ------------------------------------------------------------------------------------------ progress
+
+
+@contextmanager
+def progress(total: int, description: str, *, enabled: bool | None = None) -> Iterator[Callable[[int], None]]:
+    """A rich progress bar; yields ``advance(n=1)``. Shown on a terminal (or when enabled=True)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import TimeRemainingColumn
+
+    console = Console(stderr=True)
+    show = console.is_terminal if enabled is None else enabled
+    if not show:
+        yield lambda n=1: None
+        return
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    with bar:
+        task = bar.add_task(description, total=total)
+        yield lambda n=1: bar.advance(task, n)
+
+
+# ------------------------------------------------------------------------------------------- machine
+
+
+def machine_info() -> dict[str, Any]:
+    import torch
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+    }
+
+
+def now_utc() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+# -------------------------------------------------------------------------------------------- models
+
+
+def load_model(model: str, dtype: str = "float32", max_context: int = 8192) -> Any:
+    """Load 'smollm2', 'qwen35-random' or a local folder once; returns a ``cothink.eval.models.ModelHandle``
+    (``.engine(**limits)`` makes a fresh engine over the shared weights, ``.description`` names it)."""
+    import torch
+
+    from cothink.eval.models import load
+
+    return load(model, {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype], max_context=max_context)
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1")
+    return value
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """An experiment as the CLI sees it."""
+
+    name: str
+    help: str
+    description: str
+    configure: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.Namespace], int]
+    default_max_tokens: int = 128
+
+
+def add_common_arguments(p: argparse.ArgumentParser, *, name: str, default_max_tokens: int = 128) -> None:
+    p.add_argument(
+        "--model", default="smollm2", help="smollm2, qwen35-random or a local model folder (default: smollm2)"
+    )
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: float32)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.add_argument("--limit", type=_positive_int, default=None, help="run at most N items (default: all)")
+    p.add_argument("--quick", action="store_true", help="a small smoke run (few items, few tokens)")
+    p.add_argument(
+        "--max-tokens",
+        type=_positive_int,
+        default=default_max_tokens,
+        help=f"most tokens a generation writes (default: {default_max_tokens})",
+    )
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results") / name,
+        help=f"output folder for results.json, report.md and plots (default: results/{name})",
+    )
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="show a progress bar (default: on a terminal)",
+    )
+
+
+def experiments() -> list[Experiment]:
+    return [importlib.import_module(m).EXPERIMENT for m in EXPERIMENT_MODULES]
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``cothink experiment <name>`` for every module in EXPERIMENT_MODULES."""
+    p = subparsers.add_parser(
+        "experiment",
+        help="run one of the paper's experiments (results.json, report.md, plots)",
+        description="Run a paper experiment on a model; each writes DIR/results.json "
+        "({config, rows, summary}), DIR/report.md and PNG plots.",
+    )
+    sub = p.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
+    for exp in experiments():
+        q = sub.add_parser(exp.name, help=exp.help, description=exp.description)
+        add_common_arguments(q, name=exp.name, default_max_tokens=exp.default_max_tokens)
+        exp.configure(q)
+        q.set_defaults(func=exp.run)
+    return p

@@ -1,0 +1,548 @@
+"""System monitoring: name the anomaly in a live resource stream (`cothink experiment monitor`).
+
+The DevOps-Gym monitoring task shape, run locally (`monitor_sim`): each scenario starts small real
+processes, one of which turns anomalous at its onset (or none does). Its observation stream is sampled
+with psutil every `--interval` seconds and recorded once (a trace: `traces.jsonl` in the output folder;
+`--traces FILE` replays saved ones), so every condition sees the identical stream. The stream is then
+delivered to the agent on the engine's clock: one observation every `--passes-per-event` forward
+passes, as if the host produced a sample every that many passes. An agent that spends more passes per
+observation falls behind: observations pile up, and all but the newest `--backlog` are dropped (seen,
+never processed). While the engine is idle (the agent waits for input) the clock jumps to the next
+observation: waiting costs nothing.
+
+Conditions:
+
+- `focus-on`, `focus-off`: the Monitor pattern (`cothink.agents.Monitor`) with a background thinker
+  (`--think-tokens`) reading the bounded observation window live, and an anomaly probe after every
+  observation (P(yes) >= `--threshold` raises a finding; a second probe over the anomaly kinds names
+  it); with or without the focus prompt (`FOCUS`).
+- `turn-based`: text passing: at every observation the whole observation log so far is encoded again
+  in a fresh context (system + task + log), then the same two probes decide.
+
+The agent reports the first finding's type (the run stops there), or `none` when the stream ends.
+
+Row per (scenario, condition): `predicted`, `correct`; `forward_passes` (engine passes from the first
+observation to the report); `tokens_encoded` (tokens written into memory: prefill + generated);
+`events_seen` (observations that became due before the report) and `events_processed` (those the agent
+read); `detect_seconds` (scenario time of the newest due observation at the report minus the onset;
+null when the report is `none`, negative for a report before the onset).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cothink.experiments import harness
+from cothink.experiments.harness import ExperimentConfig, Results, Row
+from cothink.experiments.monitor_sim import (
+    ANOMALIES,
+    MonitorScenario,
+    Simulation,
+    Trace,
+    builtin_scenarios,
+    load_scenarios,
+    load_traces,
+    save_traces,
+)
+
+NAME = "monitor"
+CONDITIONS = ("focus-on", "focus-off", "turn-based")
+KINDS = tuple(a for a in ANOMALIES if a != "none")
+SYSTEM = "You are a site reliability engineer watching a live stream of process resource samples."
+TASK = (
+    "Every second you get one sample per process (name[pid], resident memory rss, open file descriptors "
+    "fds, threads thr, CPU percent, read/write KB per second, IO operations per second) and a system line "
+    "with totals and the disk usage of the service's data folder. Normal services fluctuate a little. "
+    "Report an anomaly when one process keeps growing or stays abnormally high."
+)
+FOCUS = (
+    "Only compare each process with its own earlier samples: memory, fds, threads, CPU, IO and disk. "
+    "Ignore everything else and do not speculate about causes. Answer as soon as one metric of one process "
+    "keeps rising or stays far above its normal level."
+)
+QUESTION = "Is one process anomalous right now? Answer Yes or No."
+
+
+class MonitorConfig(ExperimentConfig):
+    conditions: list[str]
+    scenarios: list[str]  # ids
+    interval_s: float
+    passes_per_event: int
+    backlog: int
+    think_tokens: int
+    threshold: float
+    window_tokens: int
+    traces_file: str
+
+
+class MonitorRow(Row):
+    scenario: str
+    anomaly: str
+    condition: str
+    predicted: str
+    correct: bool
+    forward_passes: int
+    tokens_encoded: int
+    events_seen: int
+    events_processed: int
+    detect_seconds: float | None
+
+
+# ------------------------------------------------------------------------------------- the clock
+
+
+@dataclass
+class PacedStream:
+    """A recorded observation stream delivered on the engine's pass clock.
+
+    Observation i is due `passes_per_event` passes after observation i-1; when the engine has no work
+    while the consumer waits, the clock jumps to the next due observation. `events_seen` counts the
+    observations that became due, `events_processed` those handed out; older ones beyond `backlog`
+    are dropped when the consumer is late."""
+
+    engine: Any
+    trace: Trace
+    passes_per_event: int
+    backlog: int = 2
+    passes: int = 0  # engine passes since the stream started
+    skipped: int = 0  # passes the clock jumped over while the engine was idle
+    events_processed: int = 0
+    events_dropped: int = 0
+    _next: int = 0  # next observation not yet handed out or dropped
+    _started: bool = False
+    texts: list[str] = field(default_factory=list)  # what was handed out
+
+    def on_step(self, record: Any) -> None:
+        if self._started:
+            self.passes += 1
+
+    @property
+    def clock(self) -> int:
+        return self.passes + self.skipped
+
+    def due(self) -> int:
+        """How many observations are due by now (observation 0 is due at once)."""
+        return min(len(self.trace.observations), self.clock // self.passes_per_event + 1)
+
+    @property
+    def events_seen(self) -> int:
+        return self.due()
+
+    def _idle(self) -> bool:
+        occ = self.engine.occupancy()
+        return occ.works == 0
+
+    def time_at(self, clock: int) -> float:
+        """Scenario time of the newest observation due at stream clock `clock`."""
+        obs = self.trace.observations
+        return obs[min(len(obs) - 1, clock // self.passes_per_event)].t
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        self._started = True
+        total = len(self.trace.observations)
+        while self._next < total:
+            due = self.due()
+            if self._next < due:
+                if due - self._next > self.backlog:  # late: only the newest `backlog` are worth reading
+                    self.events_dropped += due - self.backlog - self._next
+                    self._next = due - self.backlog
+                text = self.trace.observations[self._next].text()
+                self._next += 1
+                self.events_processed += 1
+                self.texts.append(text)
+                yield text
+                continue
+            # nothing due: let the engine run its next pass, or jump the clock when it has no work
+            if self._idle():
+                await asyncio.sleep(0)  # give a coroutine about to submit work its chance first
+                if self._next >= self.due() and self._idle():
+                    self.skipped += self._next * self.passes_per_event - self.clock
+                continue
+            await asyncio.sleep(0.001)
+
+
+# ------------------------------------------------------------------------------------- conditions
+
+
+@dataclass(frozen=True)
+class Report:
+    predicted: str
+    at_passes: int | None  # stream clock at the report (None: no finding)
+
+
+async def run_monitor_pattern(
+    engine: Any, stream: PacedStream, focus: bool, config: MonitorConfig, seed: int
+) -> Report:
+    from cothink.agents.monitor import Monitor
+
+    agent = Monitor(
+        engine,
+        task=TASK,
+        kinds=KINDS,
+        focus=FOCUS if focus else None,
+        question=QUESTION,
+        threshold=config.threshold,
+        window_tokens=config.window_tokens,
+        chunk_tokens=min(256, config.window_tokens),
+        think_tokens=config.think_tokens,
+        mode="async",
+        stop_on_finding=True,
+        system=SYSTEM,
+        seed=seed,
+    )
+    result = await agent.run(stream)
+    if result.findings:
+        return Report(result.findings[0].type, stream.clock)
+    return Report("none", None)
+
+
+async def run_turn_based(engine: Any, stream: PacedStream, config: MonitorConfig) -> Report:
+    """Text passing: every observation re-encodes the whole log in a fresh context, then probes."""
+    from cothink.agents.chat import ChatFormat
+
+    chat = ChatFormat(engine.tokenizer)
+    log: list[str] = []
+    async for text in stream:
+        log.append(text)
+        block = engine.block("turn-based")
+        try:
+            prompt = chat.conversation(
+                [
+                    {"role": "system", "content": SYSTEM},
+                    {"role": "user", "content": TASK + "\n\n" + "\n".join(log)},
+                ]
+            )
+            await engine.extend(block, prompt, name="turn-based", priority="interactive")
+            p = await engine.probe([block], chat.question(QUESTION), ("Yes", "No"), name="turn-based")
+            if p["Yes"] >= config.threshold:
+                kinds = await engine.probe(
+                    [block],
+                    chat.question(f"Which anomaly is it? One of: {', '.join(KINDS)}."),
+                    KINDS,
+                    name="turn-based",
+                )
+                return Report(max(kinds, key=kinds.__getitem__), stream.clock)
+        finally:
+            engine.release(block)
+    return Report("none", None)
+
+
+async def run_condition(
+    handle: Any, trace: Trace, condition: str, config: MonitorConfig, seed: int
+) -> MonitorRow:
+    engine = handle.engine(kv_tokens=16384)
+    async with engine:
+        stream = PacedStream(engine, trace, config.passes_per_event, config.backlog)
+        engine.step_listeners.append(stream.on_step)
+        if condition == "turn-based":
+            report = await run_turn_based(engine, stream, config)
+        else:
+            report = await run_monitor_pattern(engine, stream, condition == "focus-on", config, seed)
+        tokens = sum(s.tokens_written for s in engine.stats.values())
+    sc = trace.scenario
+    detect = None
+    if report.predicted != "none" and report.at_passes is not None:
+        detect = round(stream.time_at(report.at_passes) - sc.onset_s, 2)
+    return MonitorRow(
+        scenario=sc.id,
+        anomaly=sc.anomaly,
+        condition=condition,
+        predicted=report.predicted,
+        correct=report.predicted == sc.anomaly,
+        forward_passes=stream.passes,
+        tokens_encoded=tokens,
+        events_seen=stream.events_seen,
+        events_processed=stream.events_processed,
+        detect_seconds=detect,
+    )
+
+
+# ------------------------------------------------------------------------------------------ traces
+
+
+async def record_all(
+    scenarios: Sequence[MonitorScenario], interval_s: float, parallel: int = 4
+) -> list[Trace]:
+    """Record scenarios live, `parallel` at a time (their processes are light and mostly sleep)."""
+
+    async def one(sc: MonitorScenario) -> Trace:
+        with Simulation(sc, interval_s) as sim:
+            observations = [o async for o in sim.stream()]
+            return Trace(sc, interval_s, observations, sim.pids)
+
+    traces: list[Trace] = []
+    for i in range(0, len(scenarios), parallel):
+        traces += await asyncio.gather(*(one(sc) for sc in scenarios[i : i + parallel]))
+    return traces
+
+
+# ----------------------------------------------------------------------------------------- summary
+
+
+def summarize(rows: Sequence[MonitorRow]) -> dict[str, Any]:
+    """summary[condition] = {accuracy, forward_passes, tokens_encoded, processed_share, detect_seconds, n}
+    plus summary["by_anomaly"][condition][anomaly] = accuracy."""
+    out: dict[str, Any] = {}
+    for cond in dict.fromkeys(r.condition for r in rows):
+        rs = [r for r in rows if r.condition == cond]
+        detects = [r.detect_seconds for r in rs if r.correct and r.detect_seconds is not None]
+        out[cond] = {
+            "n": len(rs),
+            "accuracy": sum(r.correct for r in rs) / len(rs),
+            "forward_passes": statistics.fmean(r.forward_passes for r in rs),
+            "forward_passes_total": sum(r.forward_passes for r in rs),
+            "tokens_encoded": statistics.fmean(r.tokens_encoded for r in rs),
+            "processed_share": (sum(r.events_processed for r in rs) / max(1, sum(r.events_seen for r in rs))),
+            "detect_seconds": statistics.fmean(detects) if detects else None,
+        }
+    out["by_anomaly"] = {
+        cond: {
+            a: sum(r.correct for r in rows if r.condition == cond and r.anomaly == a)
+            / max(1, sum(1 for r in rows if r.condition == cond and r.anomaly == a))
+            for a in dict.fromkeys(r.anomaly for r in rows)
+        }
+        for cond in dict.fromkeys(r.condition for r in rows)
+    }
+    return out
+
+
+def plot(path: Path, summary: dict[str, Any]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    conds = [c for c in summary if c != "by_anomaly"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    for ax, key, label in (
+        (axes[0], "accuracy", "accuracy"),
+        (axes[1], "forward_passes", "forward passes / task"),
+        (axes[2], "processed_share", "share of events processed"),
+    ):
+        ax.bar(
+            conds,
+            [summary[c][key] for c in conds],
+            color=["tab:blue", "tab:orange", "tab:gray"][: len(conds)],
+        )
+        ax.set_title(label)
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report(results: Results[MonitorConfig, MonitorRow]) -> str:
+    c, s = results.config, results.summary
+    conds = [k for k in s if k != "by_anomaly"]
+    anomalies = list(dict.fromkeys(r.anomaly for r in results.rows))
+    lines = [
+        "# System monitoring: accuracy and cost",
+        "",
+        f"Model: {c.model_description or c.model} ({c.dtype}); {len(c.scenarios)} scenarios; one observation "
+        f"every {c.interval_s} s of scenario time, delivered every {c.passes_per_event} forward passes "
+        f"(backlog {c.backlog}); thinker {c.think_tokens} tokens; threshold {c.threshold}. "
+        f"Machine: {c.machine.get('cpu', '?')}; wall {c.wall_s:.0f} s.",
+        "",
+        harness.markdown_table(
+            [
+                "condition",
+                "tasks",
+                "accuracy",
+                "forward passes / task",
+                "total passes",
+                "tokens encoded / task",
+                "events processed / seen",
+                "detect s (correct)",
+            ],
+            [
+                [
+                    k,
+                    s[k]["n"],
+                    s[k]["accuracy"],
+                    s[k]["forward_passes"],
+                    s[k]["forward_passes_total"],
+                    s[k]["tokens_encoded"],
+                    s[k]["processed_share"],
+                    s[k]["detect_seconds"],
+                ]
+                for k in conds
+            ],
+        ),
+        "",
+        "Accuracy per anomaly:",
+        "",
+        harness.markdown_table(
+            ["condition", *anomalies], [[k, *(s["by_anomaly"][k][a] for a in anomalies)] for k in conds]
+        ),
+        "",
+        "![monitor](monitor.png)",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--conditions", nargs="+", choices=CONDITIONS, default=list(CONDITIONS))
+    p.add_argument(
+        "--focus",
+        choices=("on", "off", "both"),
+        default="both",
+        help="which focus conditions to run (the turn-based baseline runs unless --conditions says)",
+    )
+    p.add_argument(
+        "--scenarios",
+        type=Path,
+        default=None,
+        help="JSONL scenario file ({id, anomaly, onset_s, duration_s, params}); default: built-in set",
+    )
+    p.add_argument(
+        "--per-anomaly", type=int, default=3, help="built-in set: scenarios per anomaly (default 3)"
+    )
+    p.add_argument(
+        "--duration", type=float, default=20.0, help="built-in set: seconds per scenario (default 20)"
+    )
+    p.add_argument("--only", nargs="+", default=None, metavar="ID", help="run only these scenario ids")
+    p.add_argument(
+        "--traces", type=Path, default=None, help="replay recorded traces (JSONL) instead of recording"
+    )
+    p.add_argument("--interval", type=float, default=1.0, help="sampling interval in seconds (default 1)")
+    p.add_argument(
+        "--passes-per-event",
+        type=int,
+        default=8,
+        help="forward passes between two observations of the stream (default 8)",
+    )
+    p.add_argument(
+        "--backlog", type=int, default=2, help="observations kept when the agent is late (default 2)"
+    )
+    p.add_argument(
+        "--think-tokens", type=int, default=64, help="background thinker's bounded notes (default 64)"
+    )
+    p.add_argument(
+        "--threshold", type=float, default=0.7, help="P(anomaly) that raises a finding (default 0.7)"
+    )
+    p.add_argument("--window-tokens", type=int, default=1024, help="observation window bound (default 1024)")
+
+
+def _conditions(args: argparse.Namespace) -> list[str]:
+    wanted = {"on": {"focus-on"}, "off": {"focus-off"}, "both": {"focus-on", "focus-off"}}[args.focus]
+    return [c for c in args.conditions if c == "turn-based" or c in wanted]
+
+
+def load_inputs(args: argparse.Namespace) -> tuple[list[MonitorScenario], list[Trace] | None]:
+    if args.traces is not None:
+        traces = load_traces(args.traces)
+        if args.only:
+            traces = [t for t in traces if t.scenario.id in set(args.only)]
+        traces = traces[: args.limit] if args.limit else traces
+        return [t.scenario for t in traces], traces
+    if args.scenarios is not None:
+        scenarios = load_scenarios(args.scenarios)
+    elif args.quick:
+        scenarios = [
+            MonitorScenario(
+                id="memory_leak-q",
+                anomaly="memory_leak",
+                onset_s=1.0,
+                duration_s=3.0,
+                params={"rate_mb_s": 8.0},
+            ),
+            MonitorScenario(id="none-q", anomaly="none", onset_s=1.0, duration_s=3.0),
+        ]
+    else:
+        scenarios = builtin_scenarios(args.per_anomaly, args.duration)
+    if args.only:
+        scenarios = [s for s in scenarios if s.id in set(args.only)]
+    if args.limit:
+        scenarios = scenarios[: args.limit]
+    return scenarios, None
+
+
+def run_experiment(
+    config: MonitorConfig,
+    scenarios: Sequence[MonitorScenario],
+    traces: list[Trace] | None,
+    out: Path,
+    *,
+    show_progress: bool | None = None,
+) -> Results[MonitorConfig, MonitorRow]:
+    t0 = time.perf_counter()
+    config.started_at = harness.now_utc()
+    config.machine = harness.machine_info()
+    out.mkdir(parents=True, exist_ok=True)
+    if traces is None:
+        traces = asyncio.run(record_all(scenarios, config.interval_s))
+        save_traces(traces, out / "traces.jsonl")
+        config.traces_file = str(out / "traces.jsonl")
+    config.scenarios = [t.scenario.id for t in traces]
+    handle = harness.load_model(config.model, config.dtype)
+    config.model_description = handle.description
+    rows: list[MonitorRow] = []
+    jobs = [(t, c) for t in traces for c in config.conditions]
+    with harness.progress(len(jobs), "monitor tasks", enabled=show_progress) as advance:
+        for trace, condition in jobs:
+            rows.append(asyncio.run(run_condition(handle, trace, condition, config, config.seed)))
+            advance(1)
+    config.wall_s = time.perf_counter() - t0
+    results = Results[MonitorConfig, MonitorRow](config=config, rows=rows, summary=summarize(rows))
+    harness.write_results(out, results)
+    plot(out / "monitor.png", results.summary)
+    harness.write_report(out, report(results))
+    return results
+
+
+def build_config(args: argparse.Namespace) -> MonitorConfig:
+    quick = bool(args.quick)
+    return MonitorConfig(
+        experiment=NAME,
+        model=args.model,
+        dtype=args.dtype,
+        seed=args.seed,
+        limit=args.limit,
+        quick=quick,
+        max_tokens=args.max_tokens,
+        threads=args.threads,
+        conditions=_conditions(args),
+        scenarios=[],
+        interval_s=0.5 if quick else args.interval,
+        passes_per_event=args.passes_per_event,
+        backlog=args.backlog,
+        think_tokens=min(args.think_tokens, 8) if quick else args.think_tokens,
+        threshold=args.threshold,
+        window_tokens=args.window_tokens,
+        traces_file=str(args.traces or ""),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    scenarios, traces = load_inputs(args)
+    results = run_experiment(build_config(args), scenarios, traces, args.out, show_progress=args.progress)
+    print(report(results))
+    print(f"results: {args.out / 'results.json'}")
+    return 0
+
+
+EXPERIMENT = harness.Experiment(
+    name=NAME,
+    help="system monitoring: name the anomaly in a live process stream (focus on/off vs turn-based)",
+    description=__doc__.split("\n\n")[0] if __doc__ else "",
+    configure=configure,
+    run=run,
+    default_max_tokens=64,
+)

@@ -1,0 +1,549 @@
+"""ViZDoom: act while thinking (`cothink experiment vizdoom`).
+
+The game's clock is the engine's forward passes: a step listener advances the world by
+`--tics-per-pass` tics (default 1) after every engine step, with the action the agent holds at that
+moment (actions are held keys, see `vizdoom_env`). Nothing else moves the game. So an agent that thinks
+for 20 passes before it acts lets the world run 20 passes on its last action, whatever this CPU's speed.
+
+Strategies (per episode, on a fresh engine over the shared weights):
+
+- `sequential`: per decision, the frame is appended to a fresh turn block, the model writes a short
+  thought (`--reason-tokens`, stops at a newline), then an action probe reads [system, turn].
+- `actor`: probe only: one action probe per decision over [system] + the frame (no thinking).
+- `async`: a slow strategist coroutine keeps writing plans (frame + `Plan:` + up to `--plan-tokens`
+  tokens) while a fast actor probes an action per decision over [system, latest plan] + the frame; the
+  actor never awaits the strategist. Every `--fit-every` decisions the actor also asks, in the same
+  forward pass, whether the plan still fits the frame; a "no" (early exit) makes the strategist drop
+  the plan it is writing and start again from the newest frame.
+- `layout`: the coroutine layout the model designs from the scenario description (issue 9's layouts:
+  parsed, validated, errors sent back once, fallback to the default strategist/actor layout).
+- `random`, `heuristic`: model-free baselines acting once per pass-equivalent with zero latency
+  (`vizdoom_env.RandomPolicy`, `HeuristicPolicy`): the scale of the rewards.
+
+Metrics per episode: total reward; mean observation-to-action latency in forward passes (engine passes
+between reading the frame and pressing the chosen action); forward passes of the episode; actions taken.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cothink.experiments import harness
+from cothink.experiments.harness import ExperimentConfig, Results, Row
+from cothink.experiments.vizdoom_env import SCENARIOS, Action, DoomWorld, Scenario, play_baseline
+
+NAME = "vizdoom"
+MODEL_STRATEGIES = ("sequential", "actor", "async", "layout")
+BASELINES = ("random", "heuristic")
+STRATEGIES = (*MODEL_STRATEGIES, *BASELINES)
+
+
+class VizdoomConfig(ExperimentConfig):
+    scenarios: list[str]
+    strategies: list[str]
+    episodes: int
+    tics_per_pass: int
+    max_tics: int | None
+    reason_tokens: int
+    plan_tokens: int
+    early_exit: float
+    design_tokens: int = 400
+    layout_designs: dict[str, dict[str, Any]] = {}  # scenario -> how its layout came about
+
+
+class VizdoomRow(Row):
+    scenario: str
+    strategy: str
+    episode: int
+    seed: int
+    reward: float
+    mean_latency_passes: float
+    forward_passes: int
+    actions: int
+
+
+# ------------------------------------------------------------------------------------------ prompts
+
+
+def task_prompt(scenario: Scenario) -> str:
+    words = ", ".join(a.name for a in scenario.actions)
+    return (
+        f"You play Doom. {scenario.description}\n"
+        "Each observation lists the tic, your health, the recent reward and the objects you see "
+        "(distance in map units, angle left or right of where you look).\n"
+        f"Actions (one word): {words}. An action stays pressed until the next one."
+    )
+
+
+SYSTEM = "You control a player in a fast game. Be brief."
+
+
+# ------------------------------------------------------------------------------------ world clock
+
+
+@dataclass
+class PassClock:
+    """Advances the world after every engine forward pass and measures latency in passes.
+
+    Attached to `engine.step_listeners`; `passes` counts the steps since the episode began."""
+
+    world: DoomWorld
+    tics_per_pass: int
+    passes: int = 0
+    started: bool = False  # the game starts at the agent's first observation (after its prompt prefill)
+    latencies: list[int] = field(default_factory=list)
+
+    def on_step(self, record: Any) -> None:
+        if self.started and not self.world.finished:  # passes after the episode's end do not count
+            self.passes += 1
+            self.world.advance(self.tics_per_pass)
+
+    def act(self, action: Action, observed_at: int) -> None:
+        if self.world.finished:
+            return
+        self.world.act(action)
+        self.latencies.append(self.passes - observed_at)
+
+    @property
+    def mean_latency(self) -> float:
+        return statistics.fmean(self.latencies) if self.latencies else float("nan")
+
+
+@dataclass
+class DoomEnvironment:
+    """The game as the strategist/actor pattern sees it (`cothink.agents.strategist.Environment`):
+    `observe()` returns the frame text and notes the pass it was read at; `act()` presses the action and
+    returns the reward earned since the previous action."""
+
+    clock: PassClock
+    observed_at: int = 0
+    frames: int = 0
+    _reward_mark: float = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.clock.world.finished
+
+    async def observe(self) -> str:
+        self.clock.started = True
+        self.observed_at = self.clock.passes
+        self.frames += 1
+        return self.clock.world.observe().text()
+
+    async def act(self, action: str) -> float:
+        self.clock.act(self.clock.world.scenario.action(action), self.observed_at)
+        earned = self.clock.world.total_reward - self._reward_mark
+        self._reward_mark = self.clock.world.total_reward
+        return earned
+
+
+# strategy -> StrategistActor mode (the paper's two baselines are modes of the same pattern)
+PATTERN_MODES = {"sequential": "sequential", "actor": "probe-only", "async": "async"}
+
+
+async def play(engine: Any, clock: PassClock, strategy: str, config: VizdoomConfig, seed: int) -> Any:
+    """One episode of a model strategy on a running engine; returns the pattern's result."""
+    from cothink.agents.strategist import StrategistActor
+
+    scenario = clock.world.scenario
+    agent = StrategistActor(
+        engine,
+        task=task_prompt(scenario),
+        actions=[a.name for a in scenario.actions],
+        mode=PATTERN_MODES[strategy],
+        early_exit=config.early_exit,
+        think_tokens=config.reason_tokens,
+        plan_tokens=config.plan_tokens,
+        system=SYSTEM,
+        seed=seed,
+    )
+    env = DoomEnvironment(clock)
+    return await agent.run(env, ticks=10**9)
+
+
+# ---------------------------------------------------------------------------------------- episodes
+
+
+# ------------------------------------------------------------------------------ model-designed layout
+
+
+def environment_description(scenario: Scenario) -> str:
+    """What the model reads to design its own coroutine layout for a scenario."""
+    words = ", ".join(a.name for a in scenario.actions)
+    return (
+        f"{task_prompt(scenario)}\n"
+        "Input events: one game observation (text) per forward pass of the model; the world keeps moving "
+        "while you think. Output: a probe coroutine marked as output whose choices are exactly the actions "
+        f"({words}); each of its answers is pressed in the game at once."
+    )
+
+
+def fit_fallback(layout: Any, scenario: Scenario) -> Any:
+    """The default strategist/actor layout, told this scenario's task and actions (only the fallback is
+    adapted: a layout the model designed runs as it was designed)."""
+    words = [a.name for a in scenario.actions]
+    coroutines = [
+        c.model_copy(update={"choices": words, "prompt": f"Which action now? Answer {', '.join(words)}."})
+        if c.role == "probe" and c.output
+        else c
+        for c in layout.coroutines
+    ]
+    return layout.model_copy(update={"task": task_prompt(scenario), "coroutines": coroutines})
+
+
+async def design(handle: Any, scenario: Scenario, config: VizdoomConfig) -> Any:
+    """The model designs a layout from the scenario description (validated; the errors go back once;
+    fallback: the shipped strategist-actor layout). Returns cothink.layouts.design.DesignOutcome."""
+    from cothink.layouts.design import design_layout, engine_proposer
+
+    engine = handle.engine(kv_tokens=8192)
+    async with engine:
+        outcome = await design_layout(
+            environment_description(scenario),
+            engine_proposer(engine, max_tokens=config.design_tokens),
+            fallback="strategist-actor",
+        )
+    if outcome.source == "fallback":
+        outcome.layout = fit_fallback(outcome.layout, scenario)
+    return outcome
+
+
+async def play_layout(engine: Any, clock: PassClock, layout: Any, seed: int, idle_s: float = 2.0) -> Any:
+    """Run a layout against the game: a new frame is offered after every pass (the runner's rules queue
+    them, dropping stale ones); an answer of an output probe that names an action is pressed, its
+    latency counted from the pass that produced the frame the rules delivered last. The episode ends
+    with the game, or when the layout leaves the engine idle for `idle_s` seconds (nothing will move)."""
+    from cothink.layouts.runner import LayoutRunner
+
+    scenario = clock.world.scenario
+    actions = {a.name for a in scenario.actions}
+    outputs = {c.name for c in layout.coroutines if c.role == "probe" and c.output}
+    produced: dict[str, int] = {}  # frame text -> pass it was produced at
+    delivered = [0]
+
+    def on_event(event: Any) -> None:
+        if event.kind == "event" and event.text in produced:
+            delivered[0] = produced[event.text]
+        elif event.kind == "probe" and event.coroutine in outputs and event.text.strip() in actions:
+            clock.act(scenario.action(event.text.strip()), delivered[0])
+
+    async def frames() -> Any:
+        clock.started = True
+        last, idle_since = -1, None
+        while not clock.world.finished:
+            if clock.passes != last:
+                last, idle_since = clock.passes, None
+                text = clock.world.observe().text()
+                produced[text] = last
+                yield text
+                continue
+            if engine.occupancy().works == 0:
+                idle_since = idle_since or time.monotonic()
+                if time.monotonic() - idle_since > idle_s:
+                    return
+            await asyncio.sleep(0.001)
+
+    runner = LayoutRunner(engine, layout, on_event=on_event, seed=seed)
+    return await runner.run(frames(), max_seconds=24 * 3600)
+
+
+# ---------------------------------------------------------------------------------------- episodes
+
+
+async def model_episode(
+    handle: Any,
+    scenario: Scenario,
+    strategy: str,
+    seed: int,
+    config: VizdoomConfig,
+    layout: Any = None,
+) -> VizdoomRow:
+    engine = handle.engine(kv_tokens=8192)
+    world = DoomWorld(scenario, seed=seed, max_tics=config.max_tics)
+    clock = PassClock(world, config.tics_per_pass)
+    try:
+        async with engine:
+            engine.step_listeners.append(clock.on_step)
+            if strategy == "layout":
+                await play_layout(engine, clock, layout, seed)
+            else:
+                await play(engine, clock, strategy, config, seed)
+    finally:
+        world.close()
+    return VizdoomRow(
+        scenario=scenario.name,
+        strategy=strategy,
+        episode=0,
+        seed=seed,
+        reward=world.total_reward,
+        mean_latency_passes=clock.mean_latency,
+        forward_passes=clock.passes,
+        actions=world.actions_taken,
+    )
+
+
+def baseline_episode(scenario: Scenario, strategy: str, seed: int, config: VizdoomConfig) -> VizdoomRow:
+    world = play_baseline(
+        scenario, strategy, seed, tics_per_pass=config.tics_per_pass, max_tics=config.max_tics
+    )
+    return VizdoomRow(
+        scenario=scenario.name,
+        strategy=strategy,
+        episode=0,
+        seed=seed,
+        reward=world.total_reward,
+        mean_latency_passes=0.0,
+        forward_passes=0,
+        actions=world.actions_taken,
+    )
+
+
+# ----------------------------------------------------------------------------------------- summary
+
+
+def mean_se(values: Sequence[float]) -> tuple[float, float]:
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return float("nan"), float("nan")
+    m = statistics.fmean(vals)
+    se = statistics.stdev(vals) / math.sqrt(len(vals)) if len(vals) > 1 else 0.0
+    return m, se
+
+
+def summarize(rows: Sequence[VizdoomRow]) -> dict[str, Any]:
+    """summary[scenario][strategy] = {n, reward_mean, reward_se, latency_mean, latency_se, ...}."""
+    out: dict[str, Any] = {}
+    for sc in dict.fromkeys(r.scenario for r in rows):
+        out[sc] = {}
+        for st in dict.fromkeys(r.strategy for r in rows if r.scenario == sc):
+            rs = [r for r in rows if r.scenario == sc and r.strategy == st]
+            entry: dict[str, float] = {"n": len(rs)}
+            for key, attr in (
+                ("reward", "reward"),
+                ("latency", "mean_latency_passes"),
+                ("forward_passes", "forward_passes"),
+                ("actions", "actions"),
+            ):
+                m, se = mean_se([float(getattr(r, attr)) for r in rs])
+                entry[f"{key}_mean"], entry[f"{key}_se"] = m, se
+            out[sc][st] = entry
+    return out
+
+
+def plot(path: Path, summary: dict[str, Any]) -> Path:
+    """Mean reward vs mean latency in passes, one point (with standard errors) per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(summary), figsize=(5.5 * len(summary), 4.2), squeeze=False)
+    for ax, (sc, by_strategy) in zip(axes[0], summary.items()):
+        for st, e in by_strategy.items():
+            ax.errorbar(
+                [e["latency_mean"]],
+                [e["reward_mean"]],
+                xerr=[e["latency_se"]],
+                yerr=[e["reward_se"]],
+                fmt="s" if st in BASELINES else "o",
+                capsize=3,
+                label=st,
+            )
+        ax.set_title(sc)
+        ax.set_xlabel("mean observation-to-action latency (forward passes)")
+        ax.set_ylabel("mean episode reward")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def report(results: Results[VizdoomConfig, VizdoomRow]) -> str:
+    c = results.config
+    lines = [
+        "# ViZDoom: reward vs latency",
+        "",
+        f"Model: {c.model_description or c.model} ({c.dtype}); {c.episodes} episodes per scenario and "
+        f"strategy; {c.tics_per_pass} tic(s) per forward pass; max tics {c.max_tics or 'scenario default'}; "
+        f"reason tokens {c.reason_tokens}, plan tokens {c.plan_tokens}, early exit at p >= {c.early_exit}. "
+        f"Machine: {c.machine.get('cpu', '?')}; wall {c.wall_s:.0f} s.",
+        "",
+    ]
+    for sc, by_strategy in results.summary.items():
+        lines += [
+            f"## {sc}",
+            "",
+            harness.markdown_table(
+                [
+                    "strategy",
+                    "episodes",
+                    "reward",
+                    "± se",
+                    "latency (passes)",
+                    "± se",
+                    "forward passes",
+                    "actions",
+                ],
+                [
+                    [
+                        st,
+                        int(e["n"]),
+                        e["reward_mean"],
+                        e["reward_se"],
+                        e["latency_mean"],
+                        e["latency_se"],
+                        e["forward_passes_mean"],
+                        e["actions_mean"],
+                    ]
+                    for st, e in by_strategy.items()
+                ],
+            ),
+            "",
+        ]
+    for sc, d in c.layout_designs.items():
+        lines.append(
+            f"Layout for {sc}: `{d['layout']}` from the model's {d['source']} after {d['attempts']} "
+            f"proposal(s)" + (f"; first issues: {'; '.join(d['issues'][:3])}" if d["issues"] else "") + "."
+        )
+    lines += ["", "![reward vs latency](reward_vs_latency.png)", ""]
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=sorted(SCENARIOS))
+    p.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    p.add_argument("--episodes", type=int, default=10, help="episodes per scenario and strategy (default 10)")
+    p.add_argument(
+        "--tics-per-pass", type=int, default=1, help="game tics per engine forward pass (default 1)"
+    )
+    p.add_argument(
+        "--max-tics", type=int, default=None, help="episode timeout in tics (default: the scenario's, 2100)"
+    )
+    p.add_argument(
+        "--reason-tokens",
+        type=int,
+        default=16,
+        help="thought tokens before an action when the actor reasons (default 16)",
+    )
+    p.add_argument("--plan-tokens", type=int, default=24, help="async: most tokens per plan (default 24)")
+    p.add_argument(
+        "--design-tokens",
+        type=int,
+        default=400,
+        help="layout: most tokens per layout proposal the model writes (default 400)",
+    )
+    p.add_argument(
+        "--early-exit",
+        type=float,
+        default=0.5,
+        help="async: act on the first probe when its best action has at least this probability",
+    )
+
+
+def build_config(args: argparse.Namespace) -> VizdoomConfig:
+    quick = bool(args.quick)
+    return VizdoomConfig(
+        experiment=NAME,
+        model=args.model,
+        dtype=args.dtype,
+        seed=args.seed,
+        limit=args.limit,
+        quick=quick,
+        max_tokens=args.max_tokens,
+        threads=args.threads,
+        scenarios=args.scenarios,
+        strategies=args.strategies,
+        episodes=1 if quick else args.episodes,
+        tics_per_pass=args.tics_per_pass,
+        max_tics=min(args.max_tics or 40, 40) if quick else args.max_tics,
+        reason_tokens=min(args.reason_tokens, 4) if quick else args.reason_tokens,
+        plan_tokens=min(args.plan_tokens, 6) if quick else args.plan_tokens,
+        early_exit=args.early_exit,
+        design_tokens=min(args.design_tokens, 48) if quick else args.design_tokens,
+    )
+
+
+def run_experiment(
+    config: VizdoomConfig,
+    out: Path,
+    *,
+    show_progress: bool | None = None,
+) -> Results[VizdoomConfig, VizdoomRow]:
+    t0 = time.perf_counter()
+    config.started_at = harness.now_utc()
+    config.machine = harness.machine_info()
+    handle = None
+    if any(s in MODEL_STRATEGIES for s in config.strategies):
+        handle = harness.load_model(config.model, config.dtype)
+        config.model_description = handle.description
+    rows: list[VizdoomRow] = []
+    jobs = [
+        (sc, st, ep) for sc in config.scenarios for st in config.strategies for ep in range(config.episodes)
+    ]
+    layouts: dict[str, Any] = {}
+    if "layout" in config.strategies:
+        from cothink.layouts.design import layout_json
+
+        for sc_name in config.scenarios:  # designed once per scenario, used by all its episodes
+            outcome = asyncio.run(design(handle, SCENARIOS[sc_name], config))
+            layouts[sc_name] = outcome.layout
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"layout_{sc_name}.json").write_text(layout_json(outcome.layout) + "\n")
+            config.layout_designs[sc_name] = {
+                "source": outcome.source,
+                "attempts": len(outcome.attempts),
+                "issues": [str(i) for a in outcome.attempts for i in a.issues][:10],
+                "layout": outcome.layout.name,
+            }
+    with harness.progress(len(jobs), "vizdoom episodes", enabled=show_progress) as advance:
+        for sc_name, strategy, episode in jobs:
+            scenario, seed = SCENARIOS[sc_name], config.seed * 1000 + episode
+            if strategy in BASELINES:
+                row = baseline_episode(scenario, strategy, seed, config)
+            else:
+                row = asyncio.run(
+                    model_episode(handle, scenario, strategy, seed, config, layouts.get(sc_name))
+                )
+            rows.append(row.model_copy(update={"episode": episode}))
+            advance(1)
+    config.wall_s = time.perf_counter() - t0
+    results = Results[VizdoomConfig, VizdoomRow](config=config, rows=rows, summary=summarize(rows))
+    harness.write_results(out, results)
+    plot(out / "reward_vs_latency.png", results.summary)
+    harness.write_report(out, report(results))
+    return results
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    results = run_experiment(build_config(args), args.out, show_progress=args.progress)
+    print(report(results))
+    print(f"results: {args.out / 'results.json'}")
+    return 0
+
+
+EXPERIMENT = harness.Experiment(
+    name=NAME,
+    help="ViZDoom: a slow strategist and a fast actor vs sequential reasoning (reward vs latency in passes)",
+    description=__doc__.split("\n\n")[0] if __doc__ else "",
+    configure=configure,
+    run=run,
+    default_max_tokens=32,
+)

@@ -1,0 +1,1 @@
+"""Coroutine layouts as data: pydantic models, validation, a generic runner, model-designed layouts."""

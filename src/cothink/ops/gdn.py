@@ -1,0 +1,113 @@
+"""Gated DeltaNet math in plain PyTorch: the short conv, the delta rule, and affine block summaries.
+
+Layout follows transformers/fla: per value head the state S is [K, V] and a token acts as
+    S <- M_t S + N_t,  M_t = alpha_t (I - beta_t k_t k_t^T),  N_t = beta_t k_t v_t^T.
+A run of tokens is one affine map S -> A S + B; maps compose as (A2 A1, A2 B1 + B2)
+(docs/architecture.md, "Memory choices for Gated DeltaNet blocks").
+Everything recurrent is fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+CHUNK = 64
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def causal_conv(history: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv + SiLU of rows [n, C], preceded by history [W-1, C]; weight [C, W]."""
+    x = torch.cat((history, rows), dim=0).to(weight.dtype).t().unsqueeze(0)  # [1, C, W-1+n]
+    out = F.conv1d(x, weight.unsqueeze(1), groups=weight.shape[0])  # [1, C, n]
+    return F.silu(out)[0].t().to(rows.dtype)
+
+
+def delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the gated delta rule over n tokens from `state`.
+
+    q, k: [n, H, K] fp32, already l2-normalised (q also scaled by K**-0.5) and expanded to value heads;
+    v: [n, H, V]; g (log decay), beta: [n, H]; state: [H, K, V]. Returns (out [n, H, V], new state).
+    Short runs use the token recurrence, longer ones the chunked (WY) form; both are exact.
+    """
+    if q.shape[0] <= 4:
+        return _recurrent(q, k, v, g, beta, state)
+    outs = []
+    for s in range(0, q.shape[0], CHUNK):
+        sl = slice(s, s + CHUNK)
+        out, state = _chunk(q[sl], k[sl], v[sl], g[sl], beta[sl], state)
+        outs.append(out)
+    return torch.cat(outs, dim=0), state
+
+
+def _recurrent(q, k, v, g, beta, state):
+    outs = []
+    for t in range(q.shape[0]):
+        state = state * g[t].exp()[:, None, None]
+        kv_mem = torch.einsum("hk,hkv->hv", k[t], state)
+        delta = (v[t] - kv_mem) * beta[t][:, None]
+        state = state + k[t][:, :, None] * delta[:, None, :]
+        outs.append(torch.einsum("hk,hkv->hv", q[t], state))
+    return torch.stack(outs), state
+
+
+def _chunk(q, k, v, g, beta, state):
+    # One chunk of c tokens, heads first: [H, c, *].
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    g, beta = g.t(), beta.t()
+    c = q.shape[1]
+    cum = g.cumsum(dim=-1)  # [H, c]
+    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
+    decay = (
+        (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()
+    )  # exp(G_i - G_j), j<=i
+    k_beta = k * beta[..., None]
+    system = (k_beta @ k.transpose(-1, -2)) * decay  # unit diagonal is implied by solve_triangular below
+    system = system.tril(-1) + torch.eye(c, dtype=q.dtype, device=q.device)
+    u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
+    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
+    v_new = u - w @ state  # [H, c, V]
+    out = (q * cum.exp()[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ v_new
+    k_tail = k * (cum[:, -1:] - cum).exp()[..., None]
+    state = state * cum[:, -1].exp()[:, None, None] + k_tail.transpose(-1, -2) @ v_new
+    return out.transpose(0, 1), state
+
+
+def affine_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    """The map S -> A S + B of a run of tokens, returned packed as [H, K, V + K] = [B | A].
+
+    Augmented-value trick: the recurrence acts on each column of S independently, so running it with
+    values [v | 0] from the state [0 | I] yields [B | A] exactly.
+    """
+    n, h, kd = k.shape
+    aug_v = torch.cat((v, v.new_zeros(n, h, kd)), dim=-1)
+    start = torch.cat(
+        (v.new_zeros(h, kd, v.shape[-1]), torch.eye(kd, dtype=v.dtype, device=v.device).expand(h, kd, kd)),
+        dim=-1,
+    )
+    _, packed = delta_rule(k, k, aug_v, g, beta, start)  # the query is irrelevant; reuse k
+    return packed
+
+
+def apply_summary(packed: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+    """Apply a packed summary [B | A] to a state [H, K, V]: A S + B."""
+    vd = state.shape[-1]
+    return packed[..., vd:] @ state + packed[..., :vd]
+
+
+def compose(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Packed summary of `first` followed by `second`: [A2 B1 + B2 | A2 A1]."""
+    kd = first.shape[-2]
+    vd = first.shape[-1] - kd
+    a2 = second[..., vd:]
+    return torch.cat((a2 @ first[..., :vd] + second[..., :vd], a2 @ first[..., vd:]), dim=-1)

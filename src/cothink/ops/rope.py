@@ -1,0 +1,50 @@
+"""Rotary position embedding, applied at arbitrary (possibly negative) positions.
+
+Keys are rotated once, at block-local positions, when they are written. A query is rotated per
+block it reads, to its position relative to that block's start (docs/architecture.md). Frequencies come from
+`transformers.modeling_rope_utils` so llama3, YaRN and linear scaling match the reference exactly;
+the YaRN attention factor scales cos/sin, so it lands once on q and once on k, as in transformers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+class Rotary:
+    def __init__(self, hf_text_config: Any, head_dim: int, device: torch.device | str = "cpu"):
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        params = dict(getattr(hf_text_config, "rope_parameters", None) or {})
+        rope_type = params.get("rope_type", "default")
+        partial = float(params.get("partial_rotary_factor", 1.0))
+        self.rotary_dim = int(head_dim * partial)
+        if rope_type == "default":
+            base = float(params.get("rope_theta", 10000.0))
+            exponent = torch.arange(0, self.rotary_dim, 2, dtype=torch.float32) / self.rotary_dim
+            inv_freq, scaling = 1.0 / (base**exponent), 1.0
+        else:
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_text_config, torch.device("cpu"))
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
+        self.scaling = float(scaling)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of shape [len(positions), rotary_dim] in fp32 (halves duplicated, HF layout)."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.scaling, emb.sin() * self.scaling
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] so that row t sits at positions[t]."""
+        return self.apply(x, *self.cos_sin(positions))
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, head_dim] with precomputed cos/sin [T, rotary_dim] (see cos_sin)."""
+        cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        half = self.rotary_dim // 2
+        rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+        out = rot * cos + rotated_half * sin
+        return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out

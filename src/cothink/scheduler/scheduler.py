@@ -1,0 +1,363 @@
+"""The scheduler: owns the submitted works, the block writers and holds, memory admission and the
+step loop. One step is schedule -> run -> postprocess:
+
+- schedule (event-loop thread): choose (work, tokens) pairs (`plan_step`), fail what admission
+  refused, sample every chosen generation's next token in one batched stage, build step items;
+- run (a worker thread): one forward pass over all items (`ModelRunner.step`), holding the memory
+  lock, so the event loop keeps serving agents and HTTP handlers during long steps;
+- postprocess (event-loop thread): hand each work its logits, emit pieces and results, account.
+
+A running step only computes: pages are reserved before it and records, lengths and caches are
+published after it, on the event loop. A user's truncate (the one change that could pull memory
+from under a running step) takes the memory lock the step holds, so it lands between steps.
+A cancelled work gives up its block at once (a new writer may be submitted immediately); if it
+is part of the running step, that step's items for it are not committed and its holds are
+released after the step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from cothink.errors import BlockBusyError, InputTooLongError
+from cothink.execution.runner import ForwardResult, ModelRunner
+from cothink.execution.sampling import sample
+from cothink.execution.step import StepItem, ViewBatch
+from cothink.memory.block import Block
+from cothink.scheduler.accounting import Accounting, StepItemRecord, StepRecord
+from cothink.scheduler.budget import MemoryBudget
+from cothink.scheduler.ownership import Ownership
+from cothink.scheduler.policy import FairShares, SchedulerConfig, plan_step
+from cothink.scheduler.work import GenerateWork, Work
+
+log = logging.getLogger("cothink.engine")
+
+
+@dataclass
+class Planned:
+    """One work's part of a step."""
+
+    work: Work
+    tokens: int
+    items: list[StepItem]
+    view_tokens: int = 0  # positions read before the step (for accounting)
+
+
+@dataclass
+class StepPlan:
+    planned: list[Planned] = field(default_factory=list)
+
+    @property
+    def items(self) -> list[StepItem]:
+        return [item for p in self.planned for item in p.items]
+
+    @property
+    def works(self) -> set[Work]:
+        return {p.work for p in self.planned}
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """What the scheduler holds right now (public introspection for eval, server and tests)."""
+
+    works: int  # registered, not yet retired
+    runnable: int
+    paused: int
+    writers: int  # blocks with a registered writer
+    held_blocks: int  # blocks referenced by a handle or a work
+    in_flight: int  # works in the step running now
+
+
+class Scheduler:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        config: SchedulerConfig,
+        budget: MemoryBudget,
+        accounting: Accounting,
+        ownership: Ownership,
+        threads: int,
+    ):
+        self.runner, self.config, self.budget = runner, config, budget
+        self.accounting, self.ownership, self.threads = accounting, ownership, threads
+        self.works: list[Work] = []
+        self.writers: dict[int, Work] = {}
+        self.shares = FairShares()
+        self.steps = 0
+        self._seq = 0
+        self._in_flight: set[Work] = set()
+        self._wake: asyncio.Event | None = None
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="cothink-step")
+
+    # ---- submission and cancellation ------------------------------------------------------------
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def check_writable(self, block: Block) -> None:
+        writer = self.writers.get(block.id)
+        if writer is not None and not writer.finished:
+            raise BlockBusyError(
+                f"block {block.name!r} is being written by coroutine {writer.coroutine!r}", param="block"
+            )
+
+    def submit(self, work: Work) -> None:
+        for b in work.reads:
+            self.ownership.hold(b)
+        if work.writes_caller_block:
+            self.writers[work.block.id] = work
+        self.works.append(work)
+        self.accounting.of(work.coroutine).works += 1
+        log.debug("submit %s", work.kind, extra={"coroutine": work.coroutine, "block": _target(work)})
+        self._event(work, "submit")
+        self.kick()
+
+    def cancel(self, work: Work) -> None:
+        """Stop `work` before its next step; its block is free for a new writer at once."""
+        if not work.finished:
+            work.cancel()
+            log.info("cancelled %s", work.kind, extra={"coroutine": work.coroutine, "block": _target(work)})
+        self._release_writer(work)
+        if work not in self._in_flight:
+            self._retire(work)
+        self.kick()
+
+    def fail(self, work: Work, exc: BaseException) -> None:
+        if not work.finished:
+            log.warning(
+                "%s failed: %s", work.kind, exc, extra={"coroutine": work.coroutine, "block": _target(work)}
+            )
+            work.fail(exc)
+        self._release_writer(work)
+        if work not in self._in_flight:
+            self._retire(work)
+
+    def occupancy(self) -> Occupancy:
+        return Occupancy(
+            works=len(self.works),
+            runnable=sum(w.runnable for w in self.works),
+            paused=sum(isinstance(w, GenerateWork) and w.paused and not w.finished for w in self.works),
+            writers=len(self.writers),
+            held_blocks=len(self.ownership.holds),
+            in_flight=len(self._in_flight),
+        )
+
+    def kick(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
+    def _release_writer(self, work: Work) -> None:
+        if work.writes_caller_block and self.writers.get(work.block.id) is work:
+            del self.writers[work.block.id]
+
+    def _retire(self, work: Work) -> None:
+        if work not in self.works:
+            return
+        self.works.remove(work)
+        self._release_writer(work)
+        self.budget.forget(work)
+        for block in work.scratch_blocks():
+            self.runner.free(block)
+        for b in work.reads:
+            self.ownership.unhold(b)
+        self._event(work, "finish", time.perf_counter() - work.submitted, work.outcome)
+
+    def _event(self, work: Work, event: str, value: float = 0.0, detail: str = "") -> None:
+        priority = work.priority.klass.name.lower()
+        self.accounting.event(event, work.coroutine, work.kind, priority, _target(work), value, detail)
+
+    # ---- the loop ---------------------------------------------------------------------------------
+    async def run_forever(self) -> None:
+        self._wake = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        while True:
+            for work in [w for w in self.works if w.finished]:
+                self._retire(work)
+            if not any(w.runnable for w in self.works):
+                await self._sleep(None)
+                continue
+            try:
+                plan = self.schedule()
+            except Exception as exc:  # a bug in planning must not kill the loop: fail what is queued
+                log.exception("engine step planning crashed; failing queued works")
+                for work in list(self.works):
+                    self.fail(work, exc)
+                continue
+            if not plan.planned:  # nothing could run (waiting for memory): wait for a release
+                await self._sleep(0.05)
+                continue
+            await self._run(loop, plan)
+            # Let coroutines and HTTP handlers stream, cancel and append input between steps.
+            await asyncio.sleep(0)
+
+    async def _sleep(self, timeout: float | None) -> None:
+        assert self._wake is not None
+        self._wake.clear()
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, plan: StepPlan) -> None:
+        items = plan.items
+        self._in_flight = plan.works
+        start = time.perf_counter()
+        try:
+            if items:
+                batch = self.runner.prepare(items, validate=False)
+                # Taken here, released by the worker when the forward ends: a truncate cannot slip
+                # in between planning the step and running it.
+                self.ownership.memory_lock.acquire()
+                future = loop.run_in_executor(self._executor, self._forward, batch)
+                try:
+                    result = await asyncio.shield(future)
+                except asyncio.CancelledError:  # the engine stops: let the running step finish first
+                    await asyncio.wait([future])
+                    self.runner.abort(items)
+                    raise
+                except BaseException:
+                    self.runner.abort(items)
+                    raise
+                # Publish on the event loop (block lengths change between steps, never inside one);
+                # items of works cancelled meanwhile are dropped, as if they had not run.
+                keep = [not p.work.finished for p in plan.planned for _ in p.items]
+                logits = self.runner.commit(result, keep)
+            else:
+                logits = []
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a failed step changes no memory; fail its works, keep serving
+            log.exception("step failed")
+            self._in_flight = set()
+            for p in plan.planned:
+                self.fail(p.work, exc)
+            return
+        finally:
+            self._in_flight = set()
+        self.postprocess(plan, logits, start, time.perf_counter())
+
+    def _forward(self, batch: ViewBatch) -> ForwardResult:
+        """Worker thread: one forward pass; holds the memory lock `_run` took for it."""
+        try:
+            if torch.get_num_threads() != self.threads:
+                torch.set_num_threads(self.threads)
+            return self.runner.forward(batch)
+        finally:
+            self.ownership.memory_lock.release()
+
+    # ---- schedule ---------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        self.budget.open_step()
+        runnable = [w for w in self.works if w.runnable]
+        for work in runnable:
+            if isinstance(work, GenerateWork) and work.pending is None and work.next_logits is None:
+                # logits cached by the view's last write spare the generation a peek step
+                work.next_logits = self.runner.cached_logits(work.prefix())
+        choice = plan_step(runnable, self.config, self.shares, self.budget.admit)
+        for work in choice.refused:
+            self.fail(work, self.budget.refusal(work))
+        chosen = [(w, n) for w, n in choice.chosen if not w.finished]
+        self._sample([w for w, _ in chosen if isinstance(w, GenerateWork)])
+        plan, now = StepPlan(), time.perf_counter()
+        for work, n in chosen:
+            items = self._items(work, n)
+            if items is None:
+                continue
+            if work.first_scheduled is None:
+                work.first_scheduled = now
+                self.accounting.of(work.coroutine).queue_wait_s += now - work.submitted
+                self._event(work, "scheduled", now - work.submitted)
+            self.shares.charge(work, n)
+            read = sum(sum(b.length for b in i.view[:-1]) + i.block.length for i in items)
+            plan.planned.append(Planned(work, n, items, read))
+        return plan
+
+    def _sample(self, works: list[GenerateWork]) -> None:
+        """The batched sampling stage: every chosen generation whose next token is not sampled yet
+        and whose logits are known (from its last step, or cached after the view's last write).
+        The others need a peek step first."""
+        ready = [w for w in works if w.pending is None and w.next_logits is not None]
+        if not ready:
+            return
+        picked = sample(torch.stack([w.next_logits for w in ready]), [w.sampler for w in ready])
+        for work, token in zip(ready, picked):
+            work.accept(token)
+
+    def _items(self, work: Work, n: int) -> list[StepItem] | None:
+        """The work's step items, checked against the context; None if the work ends here."""
+        try:
+            items = work.items(n, self.runner)
+            for item in items:
+                self.runner.check_view(item.view, len(item.token_ids), item.read_lengths)
+            return items
+        except InputTooLongError as exc:
+            if isinstance(work, GenerateWork):  # the context is full: a generation ends there
+                work.end("length")
+                self._release_writer(work)
+            else:
+                self.fail(work, exc)
+        except Exception as exc:  # a bad work fails alone; the step goes on without it
+            self.fail(work, exc)
+        return None
+
+    # ---- postprocess ------------------------------------------------------------------------------
+    def postprocess(self, plan: StepPlan, logits: list[torch.Tensor], start: float, end: float) -> None:
+        records, row, counted = [], 0, set()
+        for p in plan.planned:
+            work, count = p.work, len(p.items)
+            mine = logits[row : row + count]
+            row += count
+            tokens = sum(len(i.token_ids) for i in p.items)
+            self._account(p, tokens, counted)
+            records.append(
+                StepItemRecord(
+                    work.coroutine,
+                    work.kind,
+                    tokens,
+                    p.view_tokens + tokens,
+                    work.priority.klass.name.lower(),
+                )
+            )
+            if work.finished:  # cancelled while the step ran: its items were not committed
+                continue
+            emitted_before = len(work.out.token_ids) if isinstance(work, GenerateWork) else 0
+            try:
+                work.after_step(mine, self.runner)
+            except Exception as exc:
+                self.fail(work, exc)
+                continue
+            if isinstance(work, GenerateWork) and emitted_before == 0 and work.out.token_ids:
+                ttft = time.perf_counter() - work.submitted
+                self.accounting.of(work.coroutine).ttft_s.append(ttft)
+                self._event(work, "first_token", ttft)
+            if work.finished:
+                self._release_writer(work)
+        self.steps += 1
+        self.accounting.step(StepRecord(self.steps, start, end, tuple(records)))
+        # Retire finished works now, before their callers resume: scratch blocks and holds go at once.
+        for work in [w for w in self.works if w.finished]:
+            self._retire(work)
+
+    def _account(self, p: Planned, tokens: int, counted: set[str]) -> None:
+        stats = self.accounting.of(p.work.coroutine)
+        if p.work.coroutine not in counted:  # one forward pass per coroutine per step, however many works
+            stats.forward_passes += 1
+            counted.add(p.work.coroutine)
+        stats.tokens_written += tokens
+        stats.tokens_read += p.view_tokens + tokens
+        p.work.served += tokens
+
+    # ---- shutdown ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+def _target(work: Work) -> str:
+    """The name of the block a work writes (a probe: its scratch block)."""
+    return work.block.name if work.writes_caller_block else getattr(work, "target_name", "")

@@ -1,0 +1,425 @@
+"""Works: the request state of extend, generate and probe calls.
+
+A work is plain state: no reference to the engine, no allocation or sampling in its constructor.
+The scheduler asks it for step items (`items`, which may allocate scratch blocks through the
+runner), runs the step, hands it its logits (`after_step`) and, for a generation, the token the
+batched sampling stage picked (`accept`). Results leave through the work's future or queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from cothink.execution.runner import ModelRunner
+from cothink.execution.sampling import Sampled, SamplerState, TokenLogprob
+from cothink.execution.step import StepItem
+from cothink.memory.block import Block
+from cothink.models.text import IncrementalDecoder
+from cothink.scheduler.policy import Priority
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One streamed piece of a generation: new text, the token ids it came from and, when the
+    generation asked for them, each token's log-probabilities."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop", "length", "cancelled" or "error"
+
+
+@dataclass(frozen=True)
+class Growth:
+    """Memory a step of a work takes: `block` (None for a scratch block it will create) grows to
+    `length` tokens; with `fork`, a copy-on-write fork of `block` does."""
+
+    block: Block | None
+    length: int
+    fork: bool = False
+
+
+class Work:
+    kind: ClassVar[str] = "work"
+
+    def __init__(self, coroutine: str, priority: Priority, view: list[Block], seq: int):
+        self.coroutine, self.priority, self.view, self.seq = coroutine, priority, view, seq
+        self.submitted = time.perf_counter()
+        self.first_scheduled: float | None = None
+        self.served = 0  # tokens written for this work
+        self.finished = False
+        self.outcome = ""  # how it ended: 'done', a finish reason, 'cancelled' or the error's type
+
+    @property
+    def block(self) -> Block:
+        """The block this work writes."""
+        return self.view[-1]
+
+    @property
+    def reads(self) -> list[Block]:
+        """The caller's blocks this work holds while it is registered (not its scratch blocks)."""
+        return self.view
+
+    @property
+    def writes_caller_block(self) -> bool:
+        return True
+
+    @property
+    def runnable(self) -> bool:
+        return not self.finished
+
+    @property
+    def is_decode(self) -> bool:
+        return False
+
+    def wanted_tokens(self) -> int:
+        raise NotImplementedError
+
+    def growth(self, n: int) -> list[Growth]:
+        return [Growth(self.block, self.block.length + n)]
+
+    def items(self, n: int, runner: ModelRunner) -> list[StepItem]:
+        """Step items for n scheduled tokens (scratch blocks are allocated here, never earlier)."""
+        raise NotImplementedError
+
+    def after_step(self, logits: list[torch.Tensor], runner: ModelRunner) -> None:
+        """Take this work's logits from a step (scratch blocks it no longer needs are freed)."""
+        raise NotImplementedError
+
+    def fail(self, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
+        """Stop before the next step; nothing already written is undone."""
+        if not self.finished:
+            self.fail(asyncio.CancelledError())
+
+    def scratch_blocks(self) -> list[Block]:
+        """Hand over the work's scratch blocks for freeing (when the work leaves the scheduler)."""
+        return []
+
+
+class FutureWork(Work):
+    """A work whose caller awaits one result (extend, probe)."""
+
+    def __init__(self, coroutine: str, priority: Priority, view: list[Block], seq: int):
+        super().__init__(coroutine, priority, view, seq)
+        self.future: asyncio.Future = asyncio.get_running_loop().create_future()
+
+    def _resolve(self, value: object) -> None:
+        self.finished, self.outcome = True, "done"
+        if not self.future.done():
+            self.future.set_result(value)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.finished:
+            return
+        self.finished, self.outcome = True, outcome_of(exc)
+        if not self.future.done():
+            if isinstance(exc, asyncio.CancelledError):
+                self.future.cancel()
+            else:
+                self.future.set_exception(exc)
+
+
+class ExtendWork(FutureWork):
+    kind = "extend"
+
+    def __init__(self, coroutine: str, priority: Priority, view: list[Block], seq: int, tokens: list[int]):
+        super().__init__(coroutine, priority, view, seq)
+        self.pending = list(tokens)
+        self._chunk = 0
+
+    def wanted_tokens(self) -> int:
+        return len(self.pending)
+
+    def items(self, n: int, runner: ModelRunner) -> list[StepItem]:
+        self._chunk = n
+        last = n == len(self.pending)
+        return [StepItem(self.block, self.pending[:n], self.view, "last" if last else "none")]
+
+    def after_step(self, logits: list[torch.Tensor], runner: ModelRunner) -> None:
+        del self.pending[: self._chunk]
+        if not self.pending:
+            self._resolve(None)
+
+
+@dataclass
+class StopRule:
+    """When a generation ends: token budget, stop token ids, stop strings."""
+
+    max_tokens: int
+    token_ids: frozenset[int] = frozenset()
+    strings: tuple[str, ...] = ()
+
+    @property
+    def holdback(self) -> int:
+        """Characters held back from streaming because they may begin a stop string."""
+        return max((len(s) - 1 for s in self.strings), default=0)
+
+
+@dataclass
+class GenerationOutput:
+    """What a generation has produced so far (text is decoded incrementally)."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    sent: int = 0  # characters of text already streamed
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class GenerateWork(Work):
+    """Samples into view[-1]. A token is emitted once it is written, so the block holds all output.
+
+    The next token is sampled (by the scheduler's batched stage) from the logits of the step that
+    wrote the previous one; it is kept in `pending` until a step writes it. Pausing keeps
+    `pending`, the sampler's generator and the output, so a resumed generation continues exactly
+    as if it had never stopped.
+    """
+
+    kind = "generate"
+
+    def __init__(
+        self,
+        coroutine: str,
+        priority: Priority,
+        view: list[Block],
+        seq: int,
+        sampler: SamplerState,
+        stop: StopRule,
+        tokenizer,
+    ):
+        super().__init__(coroutine, priority, view, seq)
+        self.sampler, self.stop = sampler, stop
+        self.queue: asyncio.Queue[Piece | GenerationResult | BaseException] = asyncio.Queue()
+        self.out = GenerationOutput()
+        self._decoder = IncrementalDecoder(tokenizer) if tokenizer is not None else None
+        self.pending: int | None = None  # sampled, not yet written
+        self.next_logits: torch.Tensor | None = None  # from the last step, not sampled yet
+        self.paused = False
+        self._peek: Block | None = None
+        self._logprob: TokenLogprob | None = None  # of the pending token
+
+    @property
+    def runnable(self) -> bool:
+        return not self.finished and not self.paused
+
+    @property
+    def is_decode(self) -> bool:
+        return True
+
+    def wanted_tokens(self) -> int:
+        return 1
+
+    def prefix(self) -> list[Block]:
+        """The view up to its last non-empty block: whose last token the next token follows."""
+        last = max((i for i, b in enumerate(self.view) if b.length), default=-1)
+        return self.view[: last + 1]
+
+    def growth(self, n: int) -> list[Growth]:
+        if self.pending is None and self.next_logits is None:
+            return [Growth(None, 1)]  # the peek block
+        return [Growth(self.block, self.block.length + 1)]
+
+    def items(self, n: int, runner: ModelRunner) -> list[StepItem]:
+        if self.pending is not None:
+            return [StepItem(self.block, [self.pending], self.view, logits="last")]
+        # Recompute the logits after the view's last token in a scratch block that reads the view
+        # without that token; nothing in the view is written.
+        prefix = self.prefix()
+        self._peek = runner.new_block(f"{self.coroutine}-peek")
+        lengths = [b.length for b in prefix]
+        lengths[-1] -= 1
+        return [StepItem(self._peek, [prefix[-1].tokens[-1]], [*prefix, self._peek], "last", lengths)]
+
+    def after_step(self, logits: list[torch.Tensor], runner: ModelRunner) -> None:
+        if self._peek is not None:
+            runner.free(self._peek)
+            self._peek = None
+        else:
+            self._emit(self.pending)
+            if self.finished:
+                return
+        self.next_logits = logits[0][-1]
+
+    def accept(self, sampled: Sampled) -> None:
+        """The batched sampling stage picked the next token."""
+        self.pending, self._logprob, self.next_logits = sampled.token_id, sampled.logprob, None
+        if self.sampler.constraint is not None:
+            self.sampler.constraint.advance(sampled.token_id)
+
+    def _emit(self, token: int) -> None:
+        out = self.out
+        out.token_ids.append(token)
+        logprobs = None
+        if self._logprob is not None:
+            out.logprobs.append(self._logprob)
+            logprobs = [self._logprob]
+        self.pending = None
+        constraint = self.sampler.constraint
+        if token in self.stop.token_ids or (constraint is not None and constraint.done()):
+            return self._finish("stop", token, logprobs)
+        if self._decoder is not None:
+            searched = max(0, len(out.text) - max((len(s) for s in self.stop.strings), default=0))
+            out.text += self._decoder.push(token)
+            found = [i for i in (out.text.find(s, searched) for s in self.stop.strings) if i >= 0]
+            if found:
+                out.text = out.text[: min(found)]
+                return self._finish("stop", token, logprobs, flush=False)
+        if len(out.token_ids) >= self.stop.max_tokens:
+            return self._finish("length", token, logprobs)
+        ready = len(out.text) - self.stop.holdback
+        piece = out.text[out.sent : ready] if ready > out.sent else ""
+        out.sent = max(out.sent, ready)
+        self.queue.put_nowait(Piece(piece, [token], logprobs))
+
+    def end(self, reason: str) -> None:
+        """End the generation now (context full, cancelled, engine stopping)."""
+        if not self.finished:
+            self._finish(reason)
+
+    def _finish(
+        self, reason: str, token: int | None = None, logprobs: list | None = None, flush: bool = True
+    ) -> None:
+        """The last piece carries the remaining text and the final token."""
+        self.finished, self.outcome = True, reason
+        out = self.out
+        if flush and self._decoder is not None:
+            out.text += self._decoder.flush()
+        if len(out.text) > out.sent or token is not None:
+            tokens = [token] if token is not None else []
+            self.queue.put_nowait(Piece(out.text[out.sent :], tokens, logprobs))
+            out.sent = len(out.text)
+        self.queue.put_nowait(self.result(reason))
+
+    def result(self, reason: str) -> GenerationResult:
+        return GenerationResult(self.out.text, list(self.out.token_ids), reason)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.finished:
+            return
+        if isinstance(exc, asyncio.CancelledError):
+            self._finish("cancelled")
+        else:
+            self.finished, self.outcome = True, outcome_of(exc)
+            self.queue.put_nowait(exc)
+
+    def scratch_blocks(self) -> list[Block]:
+        peek, self._peek = self._peek, None
+        return [peek] if peek is not None else []
+
+
+class ProbeWork(FutureWork):
+    """Prefill a question after the view in a scratch block and read the choices' probabilities.
+
+    A choice is scored by the log-probability of its whole token sequence. Single-token choices
+    need only the question's forward pass; longer choices add one batched pass over forks of the
+    question block (one fork per such choice).
+    """
+
+    kind = "probe"
+
+    def __init__(
+        self,
+        coroutine: str,
+        priority: Priority,
+        view: list[Block],
+        seq: int,
+        question: list[int],
+        choices: dict[str, list[int]],
+    ):
+        super().__init__(coroutine, priority, view, seq)
+        self.pending = list(question)
+        self.choices = choices
+        self.scores: dict[str, float] = {}
+        self.scratch: Block | None = None
+        self.forks: dict[str, Block] = {}
+        self._first: torch.Tensor | None = None
+        self._chunk = 0
+
+    @property
+    def block(self) -> Block:
+        raise AttributeError("a probe writes only its own scratch block")
+
+    @property
+    def writes_caller_block(self) -> bool:
+        return False
+
+    @property
+    def target_name(self) -> str:
+        return self.scratch.name if self.scratch is not None else f"{self.coroutine}-probe"
+
+    def wanted_tokens(self) -> int:
+        if self.pending:
+            return len(self.pending)
+        return sum(len(t) - 1 for c, t in self.choices.items() if c not in self.scores) or 1
+
+    def growth(self, n: int) -> list[Growth]:
+        if self.pending:
+            return [Growth(self.scratch, (self.scratch.length if self.scratch else 0) + n)]
+        # each multi-token choice forks the question block and appends its tokens but the last
+        return [
+            Growth(self.scratch, self.scratch.length + len(t) - 1, fork=True)
+            for c, t in self.choices.items()
+            if c not in self.scores
+        ]
+
+    def items(self, n: int, runner: ModelRunner) -> list[StepItem]:
+        if self.scratch is None:
+            self.scratch = runner.new_block(f"{self.coroutine}-probe")
+        if self.pending:
+            self._chunk = n
+            last = n == len(self.pending)
+            view = [*self.view, self.scratch]
+            return [StepItem(self.scratch, self.pending[:n], view, "last" if last else "none")]
+        items = []
+        for choice, toks in self.choices.items():
+            if choice not in self.scores:
+                fork = self.forks[choice] = runner.fork(self.scratch, f"{self.coroutine}-probe-{choice}")
+                items.append(StepItem(fork, toks[:-1], [*self.view, fork], "all"))
+        return items
+
+    def after_step(self, logits: list[torch.Tensor], runner: ModelRunner) -> None:
+        if self.pending:
+            del self.pending[: self._chunk]
+            if self.pending:
+                return
+            self._first = torch.log_softmax(logits[0][-1].float(), dim=-1)
+            for choice, toks in self.choices.items():
+                if len(toks) == 1:
+                    self.scores[choice] = float(self._first[toks[0]])
+            if len(self.scores) < len(self.choices):
+                return
+        else:
+            rest = [c for c in self.choices if c not in self.scores]
+            for choice, out in zip(rest, logits):
+                toks = self.choices[choice]
+                logp = torch.log_softmax(out.float(), dim=-1)
+                self.scores[choice] = float(self._first[toks[0]]) + sum(
+                    float(logp[i, t]) for i, t in enumerate(toks[1:])
+                )
+        top = max(self.scores.values())
+        weights = {c: math.exp(s - top) for c, s in self.scores.items()}
+        total = sum(weights.values())
+        self._resolve({c: w / total for c, w in weights.items()})
+
+    def scratch_blocks(self) -> list[Block]:
+        blocks = [*self.forks.values(), *([self.scratch] if self.scratch is not None else [])]
+        self.forks, self.scratch = {}, None
+        return [b for b in blocks if not b.freed]
+
+
+def outcome_of(exc: BaseException) -> str:
+    return "cancelled" if isinstance(exc, asyncio.CancelledError) else type(exc).__name__

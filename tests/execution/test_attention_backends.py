@@ -1,0 +1,82 @@
+"""The attention backend seam and the execution cache, through the runner.
+
+The "torch" path (flash kernel per run, padded batch for decode) and the plain "reference" math give
+the same logits on multi-block views, prefill chunks and batched decode steps whose items share blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import ids, load_runner
+
+from cothink.errors import InvalidParameterError
+from cothink.execution.attention_backends import ReferenceAttention, TorchAttention, select_backend
+from cothink.execution.runner import ModelRunner
+from cothink.execution.step import StepItem
+
+ATOL = 1e-5
+
+
+def _scenario(runner: ModelRunner) -> list[torch.Tensor]:
+    """Prefill two shared blocks, then three writers decode together for a few steps (one of them
+    alone on its block, two reading both shared blocks in different orders), then a prefill chunk
+    and decode tokens in one step."""
+    out = []
+    sys_, doc = runner.new_block("sys"), runner.new_block("doc")
+    out.append(runner.extend(sys_, ids(9, seed=1)))
+    out.append(runner.extend(doc, ids(14, seed=2), view=[sys_, doc]))
+    writers = [runner.new_block(f"w{i}") for i in range(3)]
+    views = [[sys_, doc, writers[0]], [doc, sys_, writers[1]], [writers[2]]]
+    for w, view in zip(writers, views):
+        out.append(runner.extend(w, ids(3, seed=w.id), view=view))
+    for s in range(4):
+        items = [StepItem(w, ids(1, seed=10 * s + i), view)
+                 for i, (w, view) in enumerate(zip(writers, views))]
+        out.extend(runner.step(items))
+    mixed = [StepItem(writers[0], ids(6, seed=99), views[0]), StepItem(writers[1], ids(1, seed=98), views[1]),
+             StepItem(writers[2], ids(1, seed=97), views[2])]
+    out.extend(runner.step(mixed))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen35", "llama_yarn"])
+def test_torch_and_reference_backends_agree(kind):
+    fast = load_runner(kind, kv_tokens=512, page_size=4)
+    slow = load_runner(kind, kv_tokens=512, page_size=4, attention_backend="reference")
+    assert isinstance(fast.attention, TorchAttention) and isinstance(slow.attention, ReferenceAttention)
+    for a, b in zip(_scenario(fast), _scenario(slow), strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+def test_backend_is_chosen_once_by_name():
+    assert select_backend("auto", "cpu").name == "torch"
+    assert select_backend("reference", "cpu").name == "reference"
+    custom = ReferenceAttention()
+    assert select_backend(custom, "cpu") is custom
+    with pytest.raises(InvalidParameterError) as err:
+        select_backend("flash9", "cpu")
+    assert err.value.param == "attention_backend"
+
+
+def test_cached_logits_follow_the_view_and_are_dropped_on_truncate_and_free():
+    runner = load_runner("qwen35", kv_tokens=256, page_size=4)
+    a, b = runner.new_block("a"), runner.new_block("b")
+    runner.extend(a, ids(5, seed=1))
+    logits = runner.extend(b, ids(4, seed=2), view=[a, b], logits="last")
+    torch.testing.assert_close(runner.cached_logits([a, b]), logits[-1], atol=0, rtol=0)
+    assert runner.cached_logits([b]) is None  # another view of the same block
+    assert runner.cached_logits([a]) is not None  # a's own write, under its own view
+    assert runner.cached_logits([b, a]) is None
+    # the writer state is cached under the view after the write; the next write under it starts there
+    assert runner.cache.writer_view(b) == ((a.id, a.version, 5), (b.id, b.version, 4))
+    runner.extend(b, ids(1, seed=3), view=[a, b], logits="none")
+    assert runner.cached_logits([a, b]) is None  # that write computed no logits: the old ones are stale
+    assert runner.cache.writer_view(b) == ((a.id, a.version, 5), (b.id, b.version, 5))
+    again = runner.extend(b, ids(1, seed=4), view=[a, b], logits="last")
+    torch.testing.assert_close(runner.cached_logits([a, b]), again[-1], atol=0, rtol=0)
+    runner.truncate(b, 2)
+    assert runner.cached_logits([a, b]) is None and runner.cache.writer_view(b) is None
+    runner.free(a)
+    runner.free(b)
+    assert len(runner.cache) == 0

@@ -1,0 +1,245 @@
+"""Monitoring experiment: the anomaly simulator (real processes, capped, always cleaned up), the scenario
+file format, the pass-paced stream, and a --quick run on a tiny model."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cothink.experiments import harness
+from cothink.experiments import monitor as mon
+from cothink.experiments.monitor_sim import (
+    ANOMALIES,
+    MonitorScenario,
+    Observation,
+    ProcessCaps,
+    ProcessSample,
+    Simulation,
+    Trace,
+    builtin_scenarios,
+    load_scenarios,
+    save_scenarios,
+)
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for whoever inherited it to reap it no longer runs)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _our_fds() -> int:
+    return psutil.Process().num_fds()
+
+
+async def _run_all(scenarios: list[MonitorScenario]) -> list[tuple[Simulation, list[Observation], Path]]:
+    async def one(sc: MonitorScenario):
+        with Simulation(sc, interval_s=0.25) as sim:
+            sandbox = sim.sandbox
+            obs = [o async for o in sim.stream()]
+        return sim, obs, sandbox
+
+    return await asyncio.gather(*(one(sc) for sc in scenarios))
+
+
+def test_every_anomaly_shows_and_nothing_is_left_behind():
+    before_children, before_fds = _children(), _our_fds()
+    scenarios = [MonitorScenario(id=f"t-{a}", anomaly=a, onset_s=0.3, duration_s=1.5,
+                                 params={"memory_leak": {"rate_mb_s": 16}, "fd_leak": {"rate_per_s": 60},
+                                         "thread_explosion": {"rate_per_s": 40},
+                                         "disk_fill": {"rate_mb_s": 4}}.get(a, {}))
+                 for a in ANOMALIES]
+    results = asyncio.run(_run_all(scenarios))
+    by = {sim.scenario.anomaly: (sim, obs) for sim, obs, _ in results}
+
+    def last(anomaly: str) -> ProcessSample:
+        sim, obs = by[anomaly]
+        return next(p for p in obs[-1].processes if p.name == sim.scenario.service)
+
+    def first(anomaly: str) -> ProcessSample:
+        sim, obs = by[anomaly]
+        return next(p for p in obs[0].processes if p.name == sim.scenario.service)
+
+    assert last("memory_leak").rss_mb > first("memory_leak").rss_mb + 8
+    assert last("fd_leak").fds > first("fd_leak").fds + 30
+    assert last("thread_explosion").threads > first("thread_explosion").threads + 20
+    assert by["disk_fill"][1][-1].disk_mb > 2
+    assert last("io_slow").io_ops_s > 50
+    assert max(p.cpu_pct for o in by["cpu_spike"][1] for p in o.processes if p.name == by["cpu_spike"][0]
+               .scenario.service) > 15
+    assert last("none").fds == first("none").fds and last("none").threads == 1
+    for sim, obs, sandbox in results:
+        assert len(obs) == 6 and [o.index for o in obs] == list(range(1, 7))
+        assert len(obs[0].processes) == 4  # web, cron, cache + the service
+        assert not sandbox.exists()
+        assert not any(_alive(pid) for pid in sim.pids.values())
+    assert _children() == before_children
+    assert _our_fds() == before_fds
+
+
+def test_processes_are_capped_and_in_their_own_group():
+    sc = MonitorScenario(id="caps", anomaly="memory_leak", onset_s=0.0, duration_s=3,
+                         params={"rate_mb_s": 400, "cap_mb": 10_000})  # asks for far more than the ceiling
+    caps = ProcessCaps()
+    with Simulation(sc, interval_s=0.5, caps=caps) as sim:
+        pid = sim.pids[sc.service]
+        proc = psutil.Process(pid)
+        assert os.getpgid(pid) == pid != os.getpgid(0)  # its own process group (own session)
+        end = time.monotonic() + 5
+        while proc.rlimit(psutil.RLIMIT_NOFILE)[0] > caps.max_fds and time.monotonic() < end:
+            time.sleep(0.02)  # the worker caps itself first thing
+        assert proc.rlimit(psutil.RLIMIT_AS)[0] <= caps.max_memory_bytes
+        assert proc.rlimit(psutil.RLIMIT_NOFILE)[0] <= caps.max_fds
+        assert proc.rlimit(psutil.RLIMIT_FSIZE)[0] <= caps.max_file_bytes
+        assert proc.rlimit(psutil.RLIMIT_CPU)[0] <= caps.max_cpu_s
+        peak = 0
+        for _ in range(30):  # the leak runs into the address-space ceiling: resident memory stays below it
+            try:
+                peak = max(peak, proc.memory_info().rss)
+            except psutil.NoSuchProcess:
+                break
+            time.sleep(0.05)
+        assert 0 < peak < caps.max_memory_bytes
+    assert not _alive(pid)
+
+
+CHILD = textwrap.dedent("""
+    import os, sys, time
+    from cothink.experiments.monitor_sim import MonitorScenario, Simulation
+    sc = MonitorScenario(id="sig", anomaly="fd_leak", onset_s=0, duration_s=30)
+    with Simulation(sc) as sim:
+        print(" ".join(str(p) for p in sim.pids.values()), sim.sandbox, flush=True)
+        time.sleep(30)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
+def test_cleanup_when_the_simulator_is_interrupted_or_killed(sig):
+    child = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, text=True)
+    try:
+        *pids, sandbox = child.stdout.readline().split()
+        pids = [int(p) for p in pids]
+        assert len(pids) == 4 and all(_alive(p) for p in pids)
+        child.send_signal(sig)
+        child.wait(timeout=20)
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    end = time.monotonic() + 5  # SIGKILL: the kernel's parent-death signal ends the workers
+    while time.monotonic() < end and any(_alive(p) for p in pids):
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+    if sig != signal.SIGKILL:  # a killed process cannot remove its temp dir; the others do
+        assert not Path(sandbox).exists()
+    else:
+        import shutil
+
+        shutil.rmtree(sandbox, ignore_errors=True)
+
+
+def test_cleanup_on_exception():
+    before = _children()
+    sc = MonitorScenario(id="exc", anomaly="thread_explosion", onset_s=0, duration_s=30)
+    with pytest.raises(RuntimeError, match="boom"):
+        with Simulation(sc) as sim:
+            sandbox, pids = sim.sandbox, list(sim.pids.values())
+            raise RuntimeError("boom")
+    assert not sandbox.exists() and _children() == before
+    assert not any(_alive(p) for p in pids)
+
+
+def test_scenario_file_round_trip_and_validation(tmp_path):
+    scenarios = builtin_scenarios(3)
+    assert len(scenarios) == 3 * len(ANOMALIES) and len({s.id for s in scenarios}) == len(scenarios)
+    path = tmp_path / "s.jsonl"
+    save_scenarios(scenarios, path)
+    first = json.loads(path.read_text().splitlines()[0])
+    assert set(first) == {"id", "anomaly", "onset_s", "duration_s", "params"}
+    assert load_scenarios(path) == scenarios
+    path.write_text('{"id": "x", "anomaly": "gpu_melt", "onset_s": 1, "duration_s": 5}\n')
+    with pytest.raises(ValueError, match="s.jsonl:1"):
+        load_scenarios(path)
+    path.write_text('{"id": "x", "anomaly": "fd_leak", "onset_s": 1, "duration_s": 5, "params": {"rm": 1}}\n')
+    with pytest.raises(ValueError, match="unknown params"):
+        load_scenarios(path)
+
+
+def _fake_trace(n: int) -> Trace:
+    sc = MonitorScenario(id="fake", anomaly="none", onset_s=0, duration_s=n)
+    obs = [Observation(i, float(i), (ProcessSample("web", 1, 10, 3, 1, 0, 0, 0, 0),), 0.0) for i in range(n)]
+    return Trace(sc, 1.0, obs, {"web": 1})
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    from cothink.eval.models import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", hybrid=False, seed=4)
+
+
+def test_paced_stream_drops_when_late_and_skips_idle_time(tiny):
+    handle = harness.load_model(str(tiny))
+
+    async def consume(busy_passes: int) -> mon.PacedStream:
+        engine = handle.engine(kv_tokens=4096)
+        async with engine:
+            stream = mon.PacedStream(engine, _fake_trace(12), passes_per_event=4, backlog=1)
+            engine.step_listeners.append(stream.on_step)
+            block = engine.block("busy")
+            await engine.extend(block, "hello")
+            async for _ in stream:
+                if busy_passes:  # a slow agent: each observation costs `busy_passes` passes
+                    await engine.generate([block], max_tokens=busy_passes, stop_at_eos=False).collect()
+        return stream
+
+    idle = asyncio.run(consume(0))
+    # an agent that never uses the engine reads everything; the clock jumped over the idle time
+    assert idle.events_processed == idle.events_seen == 12 and idle.passes == 0 and idle.skipped == 44
+    slow = asyncio.run(consume(10))
+    # 10 passes per observation, one due every 4: it falls behind, and late observations are dropped
+    assert slow.events_dropped > 0 and slow.events_processed + slow.events_dropped == 12
+    assert slow.events_processed < slow.events_seen == 12
+
+
+def test_quick_run_rows(tiny, tmp_path):
+    before = _children()
+    parser = argparse.ArgumentParser()
+    harness.add_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "out"
+    args = parser.parse_args(["experiment", "monitor", "--model", str(tiny), "--quick", "--out", str(out),
+                              "--no-progress", "--passes-per-event", "4"])
+    assert args.func(args) == 0
+    raw = json.loads((out / "results.json").read_text())
+    assert set(raw) == {"config", "rows", "summary"}
+    assert (out / "report.md").exists() and (out / "monitor.png").stat().st_size > 1000
+    assert (out / "traces.jsonl").exists()
+    rows = raw["rows"]
+    assert len(rows) == 2 * 3
+    for row in rows:
+        assert set(row) == {"scenario", "anomaly", "condition", "predicted", "correct", "forward_passes",
+                            "tokens_encoded", "events_seen", "events_processed", "detect_seconds"}
+        assert row["predicted"] in ANOMALIES and row["correct"] == (row["predicted"] == row["anomaly"])
+        assert 0 < row["events_processed"] <= row["events_seen"] <= 6
+        assert row["forward_passes"] > 0 and row["tokens_encoded"] > 0
+    summary = raw["summary"]
+    assert {"focus-on", "focus-off", "turn-based"} <= set(summary)
+    assert {"accuracy", "forward_passes", "processed_share"} <= set(summary["turn-based"])
+    assert _children() == before

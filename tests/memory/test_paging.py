@@ -1,0 +1,111 @@
+"""Paged KV memory: forks share pages, a write into a shared tail page copies exactly that page."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import ids, load_runner, tiny_folder
+
+from cothink.memory.store import BlockStore
+from cothink.models.config import load_config
+
+PAGE = 4
+
+
+@pytest.fixture
+def store() -> BlockStore:
+    return BlockStore(load_config(tiny_folder("llama")), kv_tokens=64, page_size=PAGE, dtype=torch.float32,
+                      device="cpu")
+
+
+def _write(store: BlockStore, block, n: int, value: float) -> None:
+    """Grow `block` to n tokens as a step would: reserve, write its new slots, commit the length."""
+    store.reserve([(block, n)])
+    slots = store.slots(block, block.length, n)
+    store.pool.k[:, slots] = value
+    store.pool.v[:, slots] = -value
+    block.tokens.extend([0] * (n - block.length))
+    block.length = n
+
+
+def test_fork_shares_pages_and_a_tail_write_copies_one_page(store):
+    pool = store.pool
+    parent = store.new_block("parent")
+    _write(store, parent, 10, 1.0)  # pages: full, full, tail with 2 of 4 slots used
+    assert len(parent.pages) == 3 and pool.used_pages == 3
+    child = store.fork(parent)
+    assert child.pages == parent.pages and pool.used_pages == 3
+    assert [pool.refcount[p] for p in parent.pages] == [2, 2, 2]
+
+    assert store.pages_needed(child, 11) == 1  # the copy of the shared tail page
+    _write(store, child, 11, 2.0)
+    assert pool.used_pages == 4  # exactly one page more: the copy
+    assert child.pages[:2] == parent.pages[:2] and child.pages[2] != parent.pages[2]
+    assert [pool.refcount[p] for p in parent.pages] == [2, 2, 1]
+    assert pool.refcount[child.pages[2]] == 1
+    # the copy carries the parent's first 10 keys; the parent's own tail is untouched by the child's write
+    torch.testing.assert_close(pool.k[:, store.slots(child, 0, 10)], pool.k[:, store.slots(parent, 0, 10)])
+    assert (pool.k[:, store.slots(parent, 0, 10)] == 1.0).all()
+    assert (pool.k[:, store.slots(child, 10, 11)] == 2.0).all()
+
+    # the parent now owns its tail alone: appending into it copies nothing
+    assert store.pages_needed(parent, 12) == 0
+    _write(store, parent, 12, 3.0)
+    assert pool.used_pages == 4
+    # growing past the page boundary takes fresh pages only
+    _write(store, child, 13, 4.0)
+    assert pool.used_pages == 5 and len(child.pages) == 4
+
+    store.free(child)
+    assert [pool.refcount[p] for p in parent.pages] == [1, 1, 1]
+    store.free(parent)
+    assert pool.used_pages == 0 and not any(pool.refcount) and pool.free_pages == pool.num_pages
+
+
+def test_fork_at_a_page_boundary_shares_full_pages_only(store):
+    parent = store.new_block()
+    _write(store, parent, 8, 1.0)
+    child = store.fork(parent)
+    assert store.pages_needed(child, 9) == 1  # a fresh page, no copy: nothing is shared at the tail
+    _write(store, child, 9, 2.0)
+    assert store.pool.used_pages == 3 and child.pages[:2] == parent.pages
+    store.free(parent)
+    store.free(child)
+    assert not any(store.pool.refcount) and store.pool.free_pages == store.pool.num_pages
+
+
+def test_many_writers_into_one_shared_tail_copy_all_but_the_last(store):
+    """Three holders of a tail page append in one step: two copies, the last writer keeps the original."""
+    pool = store.pool
+    parent = store.new_block()
+    _write(store, parent, 6, 1.0)
+    forks = [store.fork(parent), store.fork(parent)]
+    tail = parent.pages[1]
+    assert pool.refcount[tail] == 3
+    store.reserve([(b, 7) for b in (parent, *forks)])
+    assert pool.used_pages == 2 + 2
+    assert sorted(b.pages[1] for b in (parent, *forks)).count(tail) == 1
+    assert all(pool.refcount[b.pages[1]] == 1 for b in (parent, *forks))
+    for b in (parent, *forks):
+        torch.testing.assert_close(pool.k[:, store.slots(b, 0, 6)], torch.ones_like(pool.k[:, :6]))
+        store.free(b)
+    assert not any(pool.refcount) and pool.free_pages == pool.num_pages
+
+
+def test_runner_fork_then_write_leaves_the_parent_exact():
+    """Through the model: a fork's write copies one page and the parent's logits do not change."""
+    runner = load_runner("llama", kv_tokens=256, page_size=PAGE)
+    parent = runner.new_block("parent")
+    runner.extend(parent, ids(10, seed=1))
+    probe = runner.new_block("probe")
+    before = runner.extend(probe, ids(3, seed=2), view=[parent, probe])
+    runner.truncate(probe, 0)
+    used = runner.store.pool.used_pages
+    child = runner.fork(parent)
+    runner.extend(child, ids(1, seed=3))
+    assert runner.store.pool.used_pages == used + 1
+    after = runner.extend(probe, ids(3, seed=2), view=[parent, probe])
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+    for b in (parent, child, probe):
+        runner.free(b)
+    assert runner.store.pool.used_pages == 0 and not any(runner.store.pool.refcount)

@@ -1,0 +1,290 @@
+"""The scheduling policy (src/cothink/scheduler/policy.py): `plan_step` as a pure function, and the engine
+keeping an interactive probe within the documented bound while a 4k-token background prefill runs.
+
+Documented bound (policy module docstring): an interactive item of q tokens, behind d interactive
+decoders and no other interactive prefill, is fully served within
+ceil(q / min(max_prefill_chunk, max_batch_tokens - background_min_tokens - d)) steps, however much
+background work is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+
+import pytest
+
+from cothink.scheduler.policy import Admission, FairShares, Priority, PriorityClass, SchedulerConfig, plan_step
+from support import ids, make_engine, until
+
+INTERACTIVE, BACKGROUND = PriorityClass.INTERACTIVE, PriorityClass.BACKGROUND
+
+
+# ---- plan_step, pure -------------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Fake:
+    name: str
+    klass: PriorityClass = BACKGROUND
+    decode: bool = False
+    wanted: int = 1
+    weight: float = 1.0
+    seq: int = 0
+    served: int = 0
+
+    @property
+    def priority(self) -> Priority:
+        return Priority(self.klass, self.weight)
+
+    @property
+    def coroutine(self) -> str:
+        return self.name
+
+    @property
+    def is_decode(self) -> bool:
+        return self.decode
+
+    def wanted_tokens(self) -> int:
+        return 1 if self.decode else self.wanted
+
+
+def _always(work, n) -> Admission:
+    return Admission.ADMIT
+
+
+def _plan(works, **cfg):
+    return [(w.name, n) for w, n in plan_step(works, SchedulerConfig(**cfg), FairShares(), _always).chosen]
+
+
+def _numbered(*works: Fake) -> list[Fake]:
+    for i, w in enumerate(works):
+        w.seq = i + 1
+    return list(works)
+
+
+def test_interactive_class_before_background():
+    works = _numbered(Fake("bg-decode", BACKGROUND, decode=True), Fake("bg-pre", BACKGROUND, wanted=50),
+                      Fake("int-pre", INTERACTIVE, wanted=50), Fake("int-decode", INTERACTIVE, decode=True))
+    plan = _plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16,
+                 interactive_step_tokens=256)
+    assert [name for name, _ in plan] == ["int-decode", "int-pre", "bg-decode", "bg-pre"]
+    assert dict(plan) == {"int-decode": 1, "int-pre": 50, "bg-decode": 1, "bg-pre": 50}
+
+
+def test_background_shrinks_while_an_interactive_generation_decodes():
+    """The latency rule: with an interactive decoder in the step, background work fills it only up to
+    interactive_step_tokens (or its background_min_tokens reserve, if larger)."""
+    works = _numbered(Fake("int-decode", INTERACTIVE, decode=True), Fake("bg-pre", BACKGROUND, wanted=500),
+                      Fake("bg-pre2", BACKGROUND, wanted=500))
+    plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16,
+                      interactive_step_tokens=32))
+    assert plan == {"int-decode": 1, "bg-pre": 31} and sum(plan.values()) == 32
+    plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=24,
+                      interactive_step_tokens=8))
+    assert plan == {"int-decode": 1, "bg-pre": 24}, "the background reserve still holds"
+    # an interactive prefill (a probe) is not capped: only background work shrinks
+    works.append(Fake("int-pre", INTERACTIVE, wanted=100, seq=9))
+    plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16,
+                      interactive_step_tokens=32))
+    assert plan["int-pre"] == 100 and plan["bg-pre"] == 16
+    # without an interactive decoder, background prefill uses the whole budget
+    plan = dict(_plan(works[1:3], max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16))
+    assert plan == {"bg-pre": 128, "bg-pre2": 128}
+
+
+def test_fairness_is_per_coroutine_not_per_work():
+    """A coroutine that keeps submitting short works gets the same share as one with one long work
+    (per-work fairness would let every fresh short work, never served, go first)."""
+    shares = FairShares()
+    cfg = SchedulerConfig(max_batch_tokens=32, max_prefill_chunk=32, background_min_tokens=0)
+    seq = iter(range(1, 10**6))
+    long = Fake("long", BACKGROUND, wanted=10**9, seq=next(seq))
+    shorts = [Fake("short", BACKGROUND, wanted=8, seq=next(seq)) for _ in range(4)]
+    served = {"long": 0, "short": 0}
+    windows = []
+    for step in range(400):
+        for work, n in plan_step([long, *shorts], cfg, shares, _always).chosen:
+            shares.charge(work, n)
+            served[work.coroutine] += n
+            if work is not long:  # done in one step: the coroutine submits the next one at once
+                shorts[shorts.index(work)] = Fake("short", BACKGROUND, wanted=8, seq=next(seq))
+        if step % 50 == 49:
+            windows.append(dict(served))
+    assert served["long"] / served["short"] == pytest.approx(1, rel=0.05), served
+    for a, b in zip(windows, windows[1:]):  # and over every window of 50 steps
+        assert (b["long"] - a["long"]) / (b["short"] - a["short"]) == pytest.approx(1, rel=0.1), (a, b)
+
+
+def test_decode_before_prefill_within_a_class():
+    works = _numbered(Fake("pre", BACKGROUND, wanted=300), Fake("dec1", BACKGROUND, decode=True, served=500),
+                      Fake("dec2", BACKGROUND, decode=True, served=900))
+    plan = _plan(works, max_batch_tokens=64, max_prefill_chunk=128, background_min_tokens=0)
+    # the decoders come first although the prefill was submitted first and has been served least
+    assert plan == [("dec1", 1), ("dec2", 1), ("pre", 62)]
+
+
+def test_budget_and_chunk_caps():
+    works = _numbered(*(Fake(f"p{i}", BACKGROUND, wanted=1000) for i in range(5)))
+    plan = _plan(works, max_batch_tokens=100, max_prefill_chunk=40, background_min_tokens=0)
+    assert plan == [("p0", 40), ("p1", 40), ("p2", 20)]
+    assert sum(n for _, n in plan) <= 100
+    # a decode never takes more than one token; the budget bounds the number of decoders too
+    decoders = _numbered(*(Fake(f"d{i}", BACKGROUND, decode=True) for i in range(10)))
+    assert len(_plan(decoders, max_batch_tokens=7, background_min_tokens=0)) == 7
+
+
+def test_item_cap():
+    works = _numbered(*(Fake(f"d{i}", INTERACTIVE, decode=True) for i in range(10)),
+                      Fake("bg", BACKGROUND, wanted=30))
+    plan = _plan(works, max_batch_tokens=256, max_batch_items=4, background_min_tokens=16)
+    assert [n for n, _ in plan] == ["d0", "d1", "d2", "d3"]
+
+
+def test_background_reserve_and_interactive_room():
+    works = _numbered(Fake("int", INTERACTIVE, wanted=1000), Fake("bg", BACKGROUND, wanted=1000))
+    plan = dict(_plan(works, max_batch_tokens=64, max_prefill_chunk=64, background_min_tokens=16))
+    assert plan == {"int": 48, "bg": 16}  # the interactive prefill leaves background_min_tokens
+    # no background waiting: the interactive work may take the whole budget
+    plan = dict(_plan(works[:1], max_batch_tokens=64, max_prefill_chunk=64, background_min_tokens=16))
+    assert plan == {"int": 64}
+    # background decoders count against the reserve
+    works = _numbered(Fake("int", INTERACTIVE, wanted=1000), *(Fake(f"bgd{i}", BACKGROUND, decode=True)
+                                                               for i in range(3)))
+    plan = dict(_plan(works, max_batch_tokens=64, max_prefill_chunk=64, background_min_tokens=16))
+    assert plan["int"] == 48 and sum(plan.values()) == 51
+
+
+def test_fits_refusal_skips_only_that_work():
+    works = _numbered(Fake("a", BACKGROUND, wanted=10), Fake("big", BACKGROUND, wanted=500),
+                      Fake("c", BACKGROUND, decode=True))
+    choice = plan_step(works, SchedulerConfig(background_min_tokens=0), FairShares(),
+                       lambda w, n: Admission.WAIT if w.name == "big" else Admission.ADMIT)
+    assert [(w.name, n) for w, n in choice.chosen] == [("c", 1), ("a", 10)] and not choice.refused
+    choice = plan_step(works, SchedulerConfig(background_min_tokens=0), FairShares(),
+                       lambda w, n: Admission.FAIL if w.name == "big" else Admission.ADMIT)
+    assert [w.name for w in choice.refused] == ["big"], "a refusal is reported, not acted on"
+
+
+def _simulate(works, steps, **cfg):
+    shares = FairShares()
+    for _ in range(steps):
+        for work, n in plan_step(works, SchedulerConfig(**cfg), shares, _always).chosen:
+            shares.charge(work, n)
+            work.served += n
+    return {w.name: w.served for w in works}
+
+
+def test_weighted_fairness_decoders():
+    """Two background decoders with weights 1 and 3, one item per step: service 1:3."""
+    works = _numbered(Fake("w1", BACKGROUND, decode=True, weight=1),
+                      Fake("w3", BACKGROUND, decode=True, weight=3))
+    served = _simulate(works, 400, max_batch_items=1, background_min_tokens=0)
+    assert abs(served["w1"] - 100) <= 2 and abs(served["w3"] - 300) <= 2, served
+
+
+def test_weighted_fairness_prefills():
+    """Two background prefills (weights 1 and 3) competing for one chunk per step: tokens 1:3."""
+    works = _numbered(Fake("w1", BACKGROUND, wanted=10**9, weight=1),
+                      Fake("w3", BACKGROUND, wanted=10**9, weight=3))
+    served = _simulate(works, 400, max_batch_tokens=32, max_prefill_chunk=32, background_min_tokens=0)
+    assert sum(served.values()) == 400 * 32
+    assert served["w3"] / served["w1"] == pytest.approx(3, rel=0.02), served
+
+
+def test_weights_within_interactive_class_too():
+    works = _numbered(Fake("i1", INTERACTIVE, decode=True, weight=1),
+                      Fake("i2", INTERACTIVE, decode=True, weight=2), Fake("bg", BACKGROUND, decode=True))
+    served = _simulate(works, 300, max_batch_items=1, background_min_tokens=0)
+    assert served["bg"] == 0  # strict class order when items, not tokens, are the constraint
+    assert served["i2"] / served["i1"] == pytest.approx(2, rel=0.03), served
+
+
+def test_priority_parsing():
+    assert Priority.parse(None, INTERACTIVE) == Priority(INTERACTIVE)
+    assert Priority.parse("background", INTERACTIVE).klass == BACKGROUND
+    assert Priority.parse("INTERACTIVE", BACKGROUND).klass == INTERACTIVE
+    with pytest.raises(ValueError):
+        Priority.parse("urgent", BACKGROUND)
+    with pytest.raises(ValueError):
+        Priority(BACKGROUND, 0)
+    with pytest.raises(ValueError):
+        SchedulerConfig(max_batch_tokens=16, background_min_tokens=16)
+
+
+# ---- the engine: an interactive probe behind a 4k-token background prefill -----------------------------
+LIMITS = dict(max_batch_tokens=64, max_prefill_chunk=64, background_min_tokens=16, max_batch_items=64)
+
+
+def _bound(q: int, d: int) -> int:
+    """The policy docstring's bound for an interactive item of q tokens behind d interactive decoders."""
+    room = LIMITS["max_batch_tokens"] - LIMITS["background_min_tokens"] - d
+    return math.ceil(q / min(LIMITS["max_prefill_chunk"], room))
+
+
+@pytest.mark.parametrize("decoders", [0, 3])
+async def test_probe_within_bound_behind_4k_background_prefill(decoders):
+    engine = make_engine("llama", kv_tokens=8192 + 1024, page_size=16, **LIMITS)
+    assert engine.runner.max_context >= 8192
+    q = 100
+    at: dict[tuple[str, str], int] = {}  # (event, coroutine) -> engine.steps when it happened
+    running: dict[str, bool] = {}  # coroutine -> a step was running when it was submitted
+
+    def listen(ev) -> None:
+        at.setdefault((ev.event, ev.coroutine), engine.steps)
+        running.setdefault(ev.coroutine, engine.occupancy().in_flight > 0)
+
+    engine.work_listeners.append(listen)
+    async with engine:
+        ctx = engine.block("ctx")
+        await engine.extend(ctx, token_ids=ids(20, 1))
+        big = engine.block("big")
+        background = asyncio.create_task(engine.extend(big, token_ids=ids(4096, 2), name="bg"))
+        gens = []
+        for j in range(decoders):
+            out = engine.block(f"i{j}")
+            gens.append(engine.generate([ctx, out], max_tokens=10_000, priority="interactive", name=f"i{j}"))
+        await until(lambda: engine.steps >= 4)
+        probs = await asyncio.wait_for(engine.probe([ctx], ids(q, 3), (" yes", " no"), name="probe"), 60)
+        for g in gens:
+            g.cancel()
+        await asyncio.wait_for(background, 120)
+    assert set(probs) == {" yes", " no"} and sum(probs.values()) == pytest.approx(1.0)
+    assert len(big) == 4096, "the background prefill completes"
+
+    steps = {r.index: r for r in engine.timeline}
+    probe_steps = [i for i, r in steps.items() if any(it.coroutine == "probe" for it in r.items)]
+    bound = _bound(q, decoders)
+    # The step running when the probe was submitted (in the worker thread) was planned without it:
+    # "submitted" is the last step the probe could not be part of.
+    submitted = at["submit", "probe"] + running["probe"]
+    assert len(probe_steps) >= 2, "the bound should be exercised over several steps"
+    assert any(it.coroutine == "bg" for i, r in steps.items() if i > probe_steps[-1] for it in r.items), \
+        "the background prefill was still running when the probe finished"
+    assert probe_steps[0] == submitted + 1, "the probe is served in the very next step"
+    assert probe_steps == list(range(submitted + 1, probe_steps[-1] + 1)), "and in every step until done"
+    assert at["finish", "probe"] - submitted <= bound, (at["finish", "probe"] - submitted, bound)
+    assert at["finish", "probe"] == probe_steps[-1]
+    # while the probe was served, the background prefill kept progressing by at least background_min_tokens
+    for i in range(submitted + 1, probe_steps[-1] + 1):
+        bg = [it.tokens for it in steps[i].items if it.coroutine == "bg"]
+        assert bg and bg[0] >= LIMITS["background_min_tokens"], (i, steps[i].items)
+        assert steps[i].tokens <= LIMITS["max_batch_tokens"]
+        assert sum(1 for it in steps[i].items if it.coroutine.startswith("i")) == decoders
+
+
+async def test_weighted_background_generations_through_the_engine():
+    """Two background generations with weights 1 and 3, one item per step: forward passes 1:3."""
+    engine = make_engine("llama", max_batch_items=1)
+    async with engine:
+        ctx = engine.block("ctx")
+        await engine.extend(ctx, token_ids=ids(10, 4))
+        w1 = engine.generate([ctx, engine.block("o1")], max_tokens=1000, name="w1",
+                             priority=Priority(BACKGROUND, 1))
+        w3 = engine.generate([ctx, engine.block("o3")], max_tokens=1000, name="w3",
+                             priority=Priority(BACKGROUND, 3))
+        start = engine.steps
+        await until(lambda: engine.steps >= start + 80)
+        w1.cancel()
+        w3.cancel()
+    a, b = engine.stats["w1"].forward_passes, engine.stats["w3"].forward_passes
+    assert abs(b - 3 * a) <= 4 and a + b >= 80, (a, b)
