@@ -30,9 +30,17 @@ __all__ = ["AsyncClient", "AsyncSession", "BlockRef", "Client", "ClientError", "
 class ClientError(Exception):
     """The server answered with an error: HTTP `status`, OpenAI-style `type` and `code`."""
 
-    def __init__(self, status: int, message: str, type: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str | None = None,
+        code: str | None = None,
+        param: str | None = None,
+    ):
         super().__init__(f"{status} {code or type or 'error'}: {message}")
         self.status, self.message, self.type, self.code = status, message, type, code
+        self.param = param  # the request field at fault, when the server names it
 
 
 @dataclass
@@ -78,7 +86,9 @@ def _raise_for(response: httpx.Response) -> None:
         return
     try:
         err = response.json()["error"]
-        raise ClientError(response.status_code, err.get("message", ""), err.get("type"), err.get("code"))
+        raise ClientError(
+            response.status_code, err.get("message", ""), err.get("type"), err.get("code"), err.get("param")
+        )
     except (ValueError, KeyError, TypeError):
         raise ClientError(response.status_code, response.text) from None
 

@@ -214,6 +214,31 @@ def test_strategist_actor_modes(mode, hybrid_dir):
         assert any(e.kind == "thought" for e in result.events)
 
 
+def test_strategist_swaps_plans_while_the_actor_reasons(hybrid_dir):
+    """Async mode where the early exit never fires: the actor reasons over a plan the strategist replaces
+    meanwhile; the old plan block stays alive until the actor's decision is done."""
+
+    async def main():
+        async with _engine(hybrid_dir) as engine:
+            agent = StrategistActor(
+                engine,
+                task="Reach the goal.",
+                actions=["left", "right", "forward"],
+                early_exit=1.01,
+                think_tokens=6,
+                plan_tokens=2,
+                window_tokens=48,
+                chunk_tokens=16,
+                name="swap",
+            )
+            result = await agent.run(Corridor(), ticks=8)
+            return result, await live_blocks(engine)
+
+    result, live = run(main())
+    assert len(result.plans) >= 2 and not any(a.early_exit for a in result.actions)
+    assert any(a.plan >= 0 for a in result.actions) and live == 0
+
+
 # ------------------------------------------------------------------------------------------ monitor
 
 

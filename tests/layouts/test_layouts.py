@@ -229,3 +229,46 @@ def test_design_with_the_model(hybrid_dir):
     assert (
         outcome.source == "fallback" and outcome.layout.name == "think-narrate" and len(outcome.attempts) == 2
     )
+
+
+def test_runner_timer_and_done_triggers(hybrid_dir):
+    layout = Layout.model_validate(
+        {
+            "name": "ticker",
+            "task": "Count.",
+            "blocks": [
+                {"name": "ctx", "kind": "context"},
+                {"name": "notes", "kind": "scratch", "max_tokens": 8},
+            ],
+            "coroutines": [
+                {
+                    "name": "tick",
+                    "role": "probe",
+                    "reads": ["ctx"],
+                    "prompt": "Go on?",
+                    "choices": ["Yes", "No"],
+                    "triggers": [{"kind": "timer", "seconds": 0.05}],
+                    "stop": {"max_runs": 3},
+                    "output": True,
+                },
+                {
+                    "name": "note",
+                    "role": "generate",
+                    "reads": ["ctx", "notes"],
+                    "writes": "notes",
+                    "triggers": [{"kind": "done", "coroutine": "tick"}],
+                    "priority": {"class": "background", "weight": 3},
+                    "stop": {"max_tokens": 3, "max_runs": 2},
+                },
+            ],
+        }
+    )
+
+    async def main():
+        async with cothink.Engine.from_pretrained(hybrid_dir, kv_tokens=4096) as engine:
+            return await LayoutRunner(engine, layout).run(None, max_seconds=30)
+
+    run = asyncio.run(main())
+    # no input at all: the timer drives the probe three times, each end of it triggers the note (2 at most)
+    assert run.runs == {"tick": 3, "note": 2}
+    assert [o.coroutine for o in run.outputs] == ["tick"] * 3

@@ -1,7 +1,7 @@
 """Isolation and abuse (issue 11, findings 1-10), each against a real uvicorn server on loopback.
 
 Every test reproduces one finding of the attack report; it failed on the server before the fix.
-The model is the tiny random-weight Llama with SmolLM2's tokenizer (test_server_helpers).
+The model is the tiny random-weight Llama with SmolLM2's tokenizer (tests/support.py).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 
 import httpx
 import pytest
-from test_server_helpers import running_server, tiny_engine
+from support import running_server, tiny_engine
 from websockets.sync.client import connect as ws_connect
 
 from cothink.server import ServerSettings

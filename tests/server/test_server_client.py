@@ -16,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_server_helpers import running_server, tiny_chat_model_dir, tiny_engine
+from support import running_server, tiny_chat_model_dir, tiny_engine
 
 from cothink.client import AsyncClient, ClientError
 from cothink.server import ServerSettings

@@ -10,7 +10,7 @@ from typing import Literal
 
 import pytest
 from pydantic import BaseModel, Field
-from test_server_helpers import tiny_chat_model_dir, tiny_engine
+from support import tiny_chat_model_dir, tiny_engine
 
 pytest.importorskip("langchain_openai")
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from typing import Literal
 
 import pytest
 from pydantic import BaseModel, Field
-from test_server_helpers import running_server, tiny_engine
+from support import running_server, tiny_engine
 
 from cothink.server import ServerSettings
 

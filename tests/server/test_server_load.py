@@ -9,7 +9,7 @@ import time
 
 import httpx
 import pytest
-from test_server_helpers import running_server, tiny_engine
+from support import running_server, tiny_engine
 
 from cothink.server import ServerSettings
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import openai
 import pytest
-from test_server_helpers import running_server
+from support import running_server
 
 from cothink.server import ServerSettings
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import httpx
-from test_server_helpers import running_server, tiny_engine
+from support import running_server, tiny_engine
 
 from cothink.server import ServerSettings
 

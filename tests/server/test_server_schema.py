@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation.modes import GenerationMode
-from test_server_helpers import running_server, tiny_engine
+from support import running_server, tiny_engine
 
 from cothink.server import ServerSettings
 

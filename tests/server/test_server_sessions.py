@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from test_server_helpers import running_server, sse_events, tiny_engine
+from support import running_server, sse_events, tiny_engine
 from websockets.sync.client import connect as ws_connect
 
 from cothink.client import Client, ClientError
@@ -394,7 +394,7 @@ def test_auth_required_except_health(server):
 
 
 def test_graceful_shutdown_ends_streams_with_a_finish_reason():
-    from test_server_helpers import running_server as run
+    from support import running_server as run
 
     engine = tiny_engine()
     settings = ServerSettings(model_name="tiny", max_tokens_per_request=100_000)

@@ -10,7 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from test_server_helpers import running_server, sse_events, tiny_engine
+from support import running_server, sse_events, tiny_engine
 
 from cothink.server import ServerSettings
 

@@ -224,9 +224,9 @@ def engine_idle_state(engine: Any) -> dict[str, int]:
         "live_blocks": mem.live_blocks,
         "used_pages": mem.used_pages,
         "free_pages": mem.free_pages,
-        "works": len(engine._works),
-        "writers": len(engine._writers),
-        "holds": len(engine._holds),
+        "works": engine.occupancy().works,
+        "writers": engine.occupancy().writers,
+        "holds": engine.occupancy().held_blocks,
     }
 
 

@@ -621,9 +621,10 @@ def report(results: Results[MathConfig, MathRow], plot_name: str = "math500_shar
         "- The splitter is a heuristic: the removed sentence is a stated condition, but not always one the "
         "problem cannot be solved without (then `partial` stays close to `full`).",
         "- `insert` and `restart` at k=0 are the same computation by construction (nothing to re-encode).",
-        "- `tokens encoded` counts every token prefilled for the row: the prompt, the supplement, the answer "
-        "cue, and for `restart` the re-encoded thoughts; a row's thinking before the supplement is extra "
-        "budget.",
+        "- `tokens encoded` = tokens the engine wrote for the row minus the sampled ones: the prompt, the "
+        "supplement, the answer cue, for `restart` the re-encoded thoughts, and a one-token re-read when a "
+        "generation starts on a view whose last write was not its last block (k=0). Thinking before the "
+        "supplement is extra budget.",
         "- Rows of several problems share engine steps, so `seconds` is a wall time under batching on a "
         "shared machine; forward passes are per row (`engine.stats`).",
     ]

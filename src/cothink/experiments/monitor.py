@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import statistics
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -53,6 +54,7 @@ from cothink.experiments.monitor_sim import (
 )
 
 NAME = "monitor"
+log = logging.getLogger("cothink.experiments.monitor")
 CONDITIONS = ("focus-on", "focus-off", "turn-based")
 KINDS = tuple(a for a in ANOMALIES if a != "none")
 SYSTEM = "You are a site reliability engineer watching a live stream of process resource samples."
@@ -495,6 +497,7 @@ def run_experiment(
         for trace, condition in jobs:
             rows.append(asyncio.run(run_condition(handle, trace, condition, config, config.seed)))
             advance(1)
+            log.info("%d/%d %s", len(rows), len(jobs), rows[-1].model_dump_json())
     config.wall_s = time.perf_counter() - t0
     results = Results[MonitorConfig, MonitorRow](config=config, rows=rows, summary=summarize(rows))
     harness.write_results(out, results)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import math
 import statistics
 import time
@@ -41,6 +42,7 @@ from cothink.experiments.harness import ExperimentConfig, Results, Row
 from cothink.experiments.vizdoom_env import SCENARIOS, Action, DoomWorld, Scenario, play_baseline
 
 NAME = "vizdoom"
+log = logging.getLogger("cothink.experiments.vizdoom")
 MODEL_STRATEGIES = ("sequential", "actor", "async", "layout")
 BASELINES = ("random", "heuristic")
 STRATEGIES = (*MODEL_STRATEGIES, *BASELINES)
@@ -520,6 +522,7 @@ def run_experiment(
                 )
             rows.append(row.model_copy(update={"episode": episode}))
             advance(1)
+            log.info("%d/%d %s", len(rows), len(jobs), rows[-1].model_dump_json())
     config.wall_s = time.perf_counter() - t0
     results = Results[VizdoomConfig, VizdoomRow](config=config, rows=rows, summary=summarize(rows))
     harness.write_results(out, results)

@@ -223,6 +223,15 @@ class LayoutRunner(Agent):
         for other in self._listeners(lambda t: isinstance(t, EventTrigger)):
             self.fire(other)
 
+    def _has_future_work(self) -> bool:
+        for s in self._states.values():
+            if s.running and not s.spec.repeat:
+                return True
+            timed = any(isinstance(t, TimerTrigger) for t in s.spec.triggers)
+            if timed and (s.spec.stop.max_runs is None or s.runs < s.spec.stop.max_runs):
+                return True
+        return False
+
     def _max_pending(self) -> int:
         rules = [c.max_pending for c in self.layout.coroutines if c.role == "rule"]
         return min(rules) if rules else 1 << 30
@@ -295,8 +304,9 @@ class LayoutRunner(Agent):
                     break
                 arrived.clear()
                 await arrived.wait()
-            # input exhausted: let the coroutines finish what the input started (repeat ones never do)
-            while any(s.running and not s.spec.repeat for s in self._states.values()):
+            # input exhausted: let the coroutines finish what the input started (repeat ones never do),
+            # and timers run until their coroutines reach max_runs (without max_runs: until max_seconds)
+            while self._has_future_work():
                 await asyncio.sleep(0.01)
 
         try:

@@ -1,4 +1,4 @@
-"""Blocks: growing segments of model memory with block-local positions (BRIEF §2)."""
+"""Blocks: growing segments of model memory with block-local positions (docs/runtime.md, "Semantics")."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class GrowingTensor:
 
 @dataclass(eq=False)
 class LinearRecords:
-    """What a block keeps for one Gated DeltaNet layer (research note §2.3-2.4).
+    """What a block keeps for one Gated DeltaNet layer (docs/architecture.md, "Memory choices").
 
     Per token: the pre-conv [q|k|v] row, the log decay g and beta. These replay the block exactly
     after any predecessor (its first W-1 tokens re-read the predecessor's conv tail). For long

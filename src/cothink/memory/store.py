@@ -22,6 +22,8 @@ class MemoryStats:
     page_size: int
     kv_bytes_used: int
     linear_bytes: int
+    page_bytes: int = 0  # KV bytes of one page (all attention layers, K and V)
+    total_pages: int = 0
 
 
 class BlockStore:
@@ -175,4 +177,6 @@ class BlockStore:
             page_size=self.page_size,
             kv_bytes_used=self.pool.used_pages * self.pool.bytes_per_page,
             linear_bytes=linear,
+            page_bytes=self.pool.bytes_per_page,
+            total_pages=self.pool.num_pages,
         )

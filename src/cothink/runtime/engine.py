@@ -55,7 +55,7 @@ __all__ = [
 
 log = logging.getLogger("cothink.engine")
 
-_MEMORY_KEYS = {"kv_tokens", "page_size", "max_context", "dense_summary_min_tokens"}
+_RUNNER_KEYS = {"kv_tokens", "page_size", "max_context", "dense_summary_min_tokens", "attention_backend"}
 
 
 @dataclass
@@ -179,15 +179,16 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         **limits: Any,
     ) -> Engine:
-        """Load a model; limits: kv_tokens, page_size, max_context, dense_summary_min_tokens (memory),
+        """Load a model; limits: kv_tokens, page_size, max_context, dense_summary_min_tokens,
+        attention_backend (runner),
         max_batch_tokens, max_batch_items, max_prefill_chunk, background_min_tokens,
         interactive_step_tokens (scheduler), on_pool_full, pool_wait_s, max_input_tokens, threads."""
         sched_keys = set(SchedulerConfig.__dataclass_fields__)
         runner = load_model(
-            path_or_name, device, dtype, **{k: v for k, v in limits.items() if k in _MEMORY_KEYS}
+            path_or_name, device, dtype, **{k: v for k, v in limits.items() if k in _RUNNER_KEYS}
         )
         sched = SchedulerConfig(**{k: v for k, v in limits.items() if k in sched_keys})
-        rest = {k: v for k, v in limits.items() if k not in _MEMORY_KEYS | sched_keys}
+        rest = {k: v for k, v in limits.items() if k not in _RUNNER_KEYS | sched_keys}
         return cls(runner, EngineLimits(scheduler=sched, **rest))
 
     # ---- lifecycle ----------------------------------------------------------------------------

@@ -107,7 +107,7 @@ async def _mode(ctx: SuiteContext, p: dict, mode: str) -> dict:
     tokens = sum(s.tokens_written for s in engine.stats.values())
     reads = sum(s.tokens_read for s in engine.stats.values())
     out_tokens = sum(len(o or []) for o in outputs)
-    page_bytes = engine.runner.store.pool.bytes_per_page
+    page_bytes = engine.memory().page_bytes
     return {
         "mode": mode,
         "wall_s": wall,

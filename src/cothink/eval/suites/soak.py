@@ -148,7 +148,7 @@ async def soak(ctx: SuiteContext, p: dict, *, leak_every: int = 0) -> dict:
                         "rss_mb": rss_mb(),
                         "used_pages": mem.used_pages,
                         "live_blocks": mem.live_blocks,
-                        "works": len(engine._works),
+                        "works": engine.occupancy().works,
                         "tasks": len(asyncio.all_tasks()),
                         "stats_entries": len(engine.stats),
                         "steps": engine.steps,

@@ -138,6 +138,10 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
                         thinker_len=n,
                     )
                 )
+                # The thinker keeps writing while the probe waits for its step: the probe read the
+                # thinker's block as far as its step's start, which its own accounting tells.
+                n = st.tokens_read - len(ctx_block) - st.tokens_written
+                res.records[-1].update(view_tokens=L + n, thinker_len=n)
                 snapshot = list(ctx_block.tokens) + list(bg.tokens[:n])
                 name = f"sync-text-{L}-{s}"
                 t0 = time.perf_counter()
