@@ -320,17 +320,19 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, results: dict, p: dict) -> Non
     res.check(
         f"with N={nmax} background, cothink's foreground end-to-end p50 is not worse than turn-based",
         percentile(fair["e2e"], 50) <= percentile(turn["e2e"], 50),
-        f"{percentile(fair['e2e'], 50):.3f}s vs {percentile(turn['e2e'], 50):.3f}s: the foreground's steps also "
-        f"carry the {nmax} background coroutines' decode tokens (up to interactive_step_tokens in all)",
+        f"{percentile(fair['e2e'], 50):.3f}s vs {percentile(turn['e2e'], 50):.3f}s: the foreground's "
+        f"steps also carry the {nmax} background coroutines' decode tokens (up to "
+        "interactive_step_tokens in all)",
         soft=True,
     )
     solo_itl = percentile(results[("fair", ns[0])]["itl"], 99)
     res.headline["solo_itl_p99"] = solo_itl
     res.check(
-        f"with N={nmax} background, the interactive foreground's inter-token p99 stays within 2x of its p99 alone",
+        f"with N={nmax} background, the interactive foreground's inter-token p99 stays within 2x of "
+        "its p99 alone",
         percentile(fair["itl"], 99) <= 2 * solo_itl,
-        f"{percentile(fair['itl'], 99):.3f}s vs {solo_itl:.3f}s alone: while it decodes, background work fills "
-        f"a step only up to interactive_step_tokens",
+        f"{percentile(fair['itl'], 99):.3f}s vs {solo_itl:.3f}s alone: while it decodes, background "
+        "work fills a step only up to interactive_step_tokens",
         soft=True,
     )
     res.summary = (
