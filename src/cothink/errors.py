@@ -19,6 +19,10 @@ __all__ = [
     "PoolExhaustedError",
     "EngineClosedError",
     "InvalidParameterError",
+    "BlockSealedError",
+    "SnapshotError",
+    "SnapshotMismatchError",
+    "DeadlineExceededError",
 ]
 
 
@@ -76,3 +80,19 @@ class PoolExhaustedError(CothinkError, MemoryError):
 
 class EngineClosedError(CothinkError, RuntimeError):
     """Raised when work is submitted to an engine or runner that has been closed."""
+
+
+class BlockSealedError(CothinkError, ValueError):
+    """Raised when a sealed block is extended, generated into, truncated or forked."""
+
+
+class SnapshotError(CothinkError, ValueError):
+    """Raised when a snapshot file is missing, unreadable or not a cothink snapshot."""
+
+
+class SnapshotMismatchError(SnapshotError):
+    """Raised when a snapshot was saved from a different model or dtype than the engine's."""
+
+
+class DeadlineExceededError(CothinkError, TimeoutError):
+    """Raised when a work's deadline passed before it was served (it is dropped unrun)."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cothink.memory.block import LinearRecords
+from cothink.memory.block import LinearRecords, SealedRecords
 from cothink.ops.gdn import affine_summary, apply_summary, causal_conv, compose, delta_rule
 from cothink.models.transformer import GatedDeltaNet
 
@@ -60,9 +60,15 @@ def _body_summary(mixer: GatedDeltaNet, rec: LinearRecords, length: int) -> torc
 
 
 def apply_block(
-    mixer: GatedDeltaNet, rec: LinearRecords, length: int, before: LinearState, dense_min_tokens: int
+    mixer: GatedDeltaNet,
+    rec: LinearRecords | SealedRecords,
+    length: int,
+    before: LinearState,
+    dense_min_tokens: int,
 ) -> LinearState:
     """Advance (state, conv tail) over the first `length` tokens of a block."""
+    if isinstance(rec, SealedRecords):
+        return _apply_sealed(mixer, rec, length, before)
     w = mixer.cfg.conv_kernel - 1
     state, tail = before.state, before.tail
     rows, g, beta = rec.rows.data[:length], rec.g.data[:length], rec.beta.data[:length]
@@ -77,3 +83,47 @@ def apply_block(
             _, state = run_tokens(mixer, rows[:w], rows[w:], g[w:], beta[w:], state)
     new_tail = torch.cat((tail, rows), dim=0)[-w:] if w else tail
     return LinearState(state, new_tail)
+
+
+def seal_records(mixer: GatedDeltaNet, rec: LinearRecords, length: int) -> LinearRecords | SealedRecords:
+    """What a sealed block of `length` tokens keeps for this layer (see SealedRecords).
+
+    Blocks shorter than 2W+1 tokens keep their records: they are as small as a sealed form."""
+    w = mixer.cfg.conv_kernel - 1
+    if w == 0 or length < 2 * (w + 1) + 1:
+        return rec
+    body_end = length - 1  # the summary stops before the last token, so L-1 stays readable
+    if rec.summary is not None and rec.summary_covers == body_end:
+        summary = rec.summary
+    else:
+        start_from = rec if rec.summary_covers <= body_end else LinearRecords(rec.rows, rec.g, rec.beta)
+        scratch = LinearRecords(start_from.rows, start_from.g, start_from.beta, start_from.summary,
+                                start_from.summary_covers)
+        summary = _body_summary(mixer, scratch, body_end)
+    rows, g, beta = rec.rows.data[:length], rec.g.data[:length], rec.beta.data[:length]
+    window = slice(length - (w + 1), length)
+    return SealedRecords(
+        length=length,
+        head_rows=rows[:w].clone(),
+        head_g=g[:w].clone(),
+        head_beta=beta[:w].clone(),
+        summary=summary,
+        window_rows=rows[window].clone(),
+        window_g=g[window].clone(),
+        window_beta=beta[window].clone(),
+    )
+
+
+def _apply_sealed(mixer: GatedDeltaNet, rec: SealedRecords, length: int, before: LinearState) -> LinearState:
+    """A sealed block read at its full length L or at L-1: head, summary, then the last token."""
+    if length not in (rec.length, rec.length - 1):
+        raise ValueError(f"a sealed block of {rec.length} tokens is read at {rec.length} or {rec.length - 1}")
+    w = mixer.cfg.conv_kernel - 1
+    _, state = run_tokens(mixer, before.tail, rec.head_rows, rec.head_g, rec.head_beta, before.state)
+    state = apply_summary(rec.summary, state)
+    if length == rec.length:
+        last = slice(w, w + 1)
+        rows, g, beta = rec.window_rows, rec.window_g, rec.window_beta
+        _, state = run_tokens(mixer, rows[:w], rows[last], g[last], beta[last], state)
+        return LinearState(state, rec.window_rows[1:])
+    return LinearState(state, rec.window_rows[:w])

@@ -12,9 +12,16 @@ from typing import Any
 
 import torch
 
-from cothink.errors import EmptyInputError, InputTooLongError, InvalidParameterError, InvalidViewError
+from cothink.errors import (
+    BlockSealedError,
+    EmptyInputError,
+    InputTooLongError,
+    InvalidParameterError,
+    InvalidViewError,
+)
 from cothink.execution.attention_backends import AttentionBackend, select_backend
 from cothink.execution.cache import ExecutionCache
+from cothink.execution.linear_state import seal_records
 from cothink.execution.step import StepItem, ViewBatch, undo
 from cothink.memory.block import Block
 from cothink.memory.store import BlockStore
@@ -83,6 +90,24 @@ class ModelRunner:
         self.store.truncate(block, n)
         self.cache.drop(block)
 
+    def seal(self, block: Block) -> None:
+        """Make `block` immutable; its Gated DeltaNet records shrink to what reading it needs (head
+        records, body summary, last-W window: execution/linear_state.py `seal_records`), so its
+        linear memory no longer grows with its length. Call between steps (the engine holds the
+        memory lock)."""
+        self.store.check(block)
+        if block.sealed:
+            return
+        if block.linear:
+            mixers = [self.model.model.layers[layer].linear_attn for layer in self.config.linear_layers]
+            with torch.inference_mode():
+                sealed = [seal_records(m, rec, block.length) for m, rec in zip(mixers, block.linear)]
+            for old, new in zip(block.linear, sealed):
+                if new is not old:
+                    old.release()  # copy-on-write sharers keep the rows they read
+            block.linear = sealed
+        block.sealed = True
+
     # ---- forward ------------------------------------------------------------------------------
     def extend(
         self, block: Block, token_ids: list[int], view: list[Block] | None = None, *, logits: str = "all"
@@ -118,6 +143,12 @@ class ModelRunner:
                     "read_lengths must give, for each block before the writer, 0..len(block)",
                     param="read_lengths",
                 )
+            for b, n in zip(view, read_lengths):
+                if b.sealed and n not in (b.length, b.length - 1) and n:
+                    raise InvalidViewError(
+                        f"sealed block {b.name!r} can be read only at its length or one token less",
+                        param="read_lengths",
+                    )
             spans[:-1] = read_lengths
         total = sum(spans) + new_tokens
         if total > self.max_context:
@@ -130,6 +161,8 @@ class ModelRunner:
         if item.logits not in _LOGITS_MODES:
             raise ValueError(f"logits must be one of {_LOGITS_MODES}, got {item.logits!r}")
         self.store.check(item.block)
+        if item.block.sealed:
+            raise BlockSealedError(f"block {item.block.name!r} is sealed: it cannot be written", param="view")
         if not item.view or item.view[-1] is not item.block:
             raise InvalidViewError(f"the view must end with the written block {item.block.name!r}")
         self.check_view(item.view, len(item.token_ids), item.read_lengths)

@@ -492,17 +492,30 @@ def run_experiment(
     handle = harness.load_model(config.model, config.dtype)
     config.model_description = handle.description
     rows: list[MonitorRow] = []
-    jobs = [(t, c) for t in traces for c in config.conditions]
+    # round-robin over anomaly types: a run cut short still covers every type about equally
+    order = sorted(range(len(traces)), key=lambda i: (sum(t.scenario.anomaly == traces[i].scenario.anomaly
+                                                          for t in traces[:i]), i))
+    jobs = [(traces[i], c) for i in order for c in config.conditions]
     with harness.progress(len(jobs), "monitor tasks", enabled=show_progress) as advance:
         for trace, condition in jobs:
             rows.append(asyncio.run(run_condition(handle, trace, condition, config, config.seed)))
             advance(1)
             log.info("%d/%d %s", len(rows), len(jobs), rows[-1].model_dump_json())
+            config.wall_s = time.perf_counter() - t0
+            save(out, config, rows, final=False)
     config.wall_s = time.perf_counter() - t0
+    return save(out, config, rows, final=True)
+
+
+def save(out: Path, config: MonitorConfig, rows: list[MonitorRow], *, final: bool
+         ) -> Results[MonitorConfig, MonitorRow]:
+    """Write results.json and report.md (after every task too, so a cut-short run keeps its rows);
+    the plot at the end."""
     results = Results[MonitorConfig, MonitorRow](config=config, rows=rows, summary=summarize(rows))
     harness.write_results(out, results)
-    plot(out / "monitor.png", results.summary)
     harness.write_report(out, report(results))
+    if final:
+        plot(out / "monitor.png", results.summary)
     return results
 
 

@@ -493,8 +493,9 @@ def run_experiment(
         handle = harness.load_model(config.model, config.dtype)
         config.model_description = handle.description
     rows: list[VizdoomRow] = []
+    # episode-major: a run cut short still has every (scenario, strategy) with about as many episodes
     jobs = [
-        (sc, st, ep) for sc in config.scenarios for st in config.strategies for ep in range(config.episodes)
+        (sc, st, ep) for ep in range(config.episodes) for sc in config.scenarios for st in config.strategies
     ]
     layouts: dict[str, Any] = {}
     if "layout" in config.strategies:
@@ -523,11 +524,21 @@ def run_experiment(
             rows.append(row.model_copy(update={"episode": episode}))
             advance(1)
             log.info("%d/%d %s", len(rows), len(jobs), rows[-1].model_dump_json())
+            config.wall_s = time.perf_counter() - t0
+            save(out, config, rows, final=False)
     config.wall_s = time.perf_counter() - t0
+    return save(out, config, rows, final=True)
+
+
+def save(out: Path, config: VizdoomConfig, rows: list[VizdoomRow], *, final: bool
+         ) -> Results[VizdoomConfig, VizdoomRow]:
+    """Write results.json and report.md (after every episode too, so a cut-short run keeps its rows);
+    the plot at the end."""
     results = Results[VizdoomConfig, VizdoomRow](config=config, rows=rows, summary=summarize(rows))
     harness.write_results(out, results)
-    plot(out / "reward_vs_latency.png", results.summary)
     harness.write_report(out, report(results))
+    if final:
+        plot(out / "reward_vs_latency.png", results.summary)
     return results
 
 

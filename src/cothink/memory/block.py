@@ -8,35 +8,98 @@ from typing import Any
 import torch
 
 
+class _Storage:
+    """One buffer of rows and the GrowingTensors that read it (forks share it copy-on-write)."""
+
+    __slots__ = ("buf", "users")
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf = buf
+        self.users: list[GrowingTensor] = []
+
+
 class GrowingTensor:
-    """Rows appended over time, stored with doubling capacity so decode appends stay O(1) amortised."""
+    """Rows appended over time, stored with doubling capacity so decode appends stay O(1) amortised.
+
+    `share(n)` makes a copy-on-write view of the first n rows: both sides read one buffer until one
+    appends where another sharer still reads (its first divergent append), which then copies.
+    """
 
     def __init__(self, width: tuple[int, ...], dtype: torch.dtype, device: torch.device | str):
-        self._buf = torch.empty((16, *width), dtype=dtype, device=device)
+        self._attach(_Storage(torch.empty((16, *width), dtype=dtype, device=device)))
         self.length = 0
+
+    def _attach(self, storage: _Storage) -> None:
+        self._storage = storage
+        storage.users.append(self)
+
+    def _detach(self) -> None:
+        self._storage.users.remove(self)
+
+    @property
+    def _buf(self) -> torch.Tensor:
+        return self._storage.buf
 
     @property
     def data(self) -> torch.Tensor:
         return self._buf[: self.length]
 
+    @property
+    def row_bytes(self) -> int:
+        return self._buf[0].numel() * self._buf.element_size()
+
+    @property
+    def shared(self) -> bool:
+        return len(self._storage.users) > 1
+
+    def storage_key(self) -> int:
+        """Identity of the buffer (for counting shared buffers once)."""
+        return id(self._storage)
+
+    def stored_rows(self) -> int:
+        """Rows of the buffer some sharer reads (what it holds for all of them)."""
+        return max(u.length for u in self._storage.users)
+
+    def diverges_on_append(self) -> bool:
+        """Would the next append copy the buffer (another sharer reads past this one's end)?"""
+        return any(u.length > self.length for u in self._storage.users if u is not self)
+
     def append(self, rows: torch.Tensor) -> None:
         need = self.length + rows.shape[0]
-        if need > self._buf.shape[0]:
+        # Another sharer reads rows this append would overwrite: copy first (copy-on-write).
+        diverges = self.diverges_on_append()
+        if diverges or need > self._buf.shape[0]:
+            # a diverging copy gets a little headroom; a private buffer doubles
+            capacity = (5 * need) // 4 if diverges else 2 * self._buf.shape[0]
             grown = torch.empty(
-                (max(need, 2 * self._buf.shape[0]), *self._buf.shape[1:]),
+                (max(need, capacity, 16), *self._buf.shape[1:]),
                 dtype=self._buf.dtype,
                 device=self._buf.device,
             )
             grown[: self.length] = self.data
-            self._buf = grown
+            self._detach()
+            self._attach(_Storage(grown))
         self._buf[self.length : need] = rows
         self.length = need
 
     def truncate(self, n: int) -> None:
         self.length = min(self.length, n)
 
+    def share(self, n: int | None = None) -> GrowingTensor:
+        """A copy-on-write view of the first n rows (all by default): no rows are copied now."""
+        view = GrowingTensor.__new__(GrowingTensor)
+        view._attach(self._storage)
+        view.length = self.length if n is None else min(n, self.length)
+        return view
+
+    def release(self) -> None:
+        """Stop reading the buffer (the block was freed); other sharers keep it."""
+        if self in self._storage.users:
+            self._detach()
+        self.length = 0
+
     def clone(self, n: int | None = None) -> GrowingTensor:
-        """A copy of the first n rows (all by default)."""
+        """A private copy of the first n rows (all by default)."""
         copy = GrowingTensor(tuple(self._buf.shape[1:]), self._buf.dtype, self._buf.device)
         copy.append(self.data[:n])
         return copy
@@ -64,16 +127,54 @@ class LinearRecords:
         if self.summary_covers > n:
             self.summary, self.summary_covers = None, 0
 
-    def clone(self, n: int) -> LinearRecords:
-        """A copy of the records of the first n tokens (the summary only if it covers no more)."""
+    def share(self, n: int) -> LinearRecords:
+        """Copy-on-write records of the first n tokens (the summary only if it covers no more)."""
         keep = self.summary_covers <= n
         return LinearRecords(
-            self.rows.clone(n),
-            self.g.clone(n),
-            self.beta.clone(n),
+            self.rows.share(n),
+            self.g.share(n),
+            self.beta.share(n),
             self.summary if keep else None,
             self.summary_covers if keep else 0,
         )
+
+    def release(self) -> None:
+        for t in (self.rows, self.g, self.beta):
+            t.release()
+        self.summary, self.summary_covers = None, 0
+
+    def parts(self) -> list[GrowingTensor]:
+        return [self.rows, self.g, self.beta]
+
+
+@dataclass(eq=False)
+class SealedRecords:
+    """What a sealed block keeps for one Gated DeltaNet layer: only what reading it needs.
+
+    For a block of `length` L tokens and conv kernel W (w = W-1): the head records (tokens 0..w-1,
+    recomputed against each predecessor's conv tail), the dense summary [B | A] of tokens w..L-2,
+    and the window records of the last W tokens (L-W..L-1: the last token is replayed after the
+    summary, and the window's rows give the conv tail after L-1 or L tokens). Its size does not
+    depend on L. A block is read at its full length or, for the logits after its last token, at L-1.
+    """
+
+    length: int
+    head_rows: torch.Tensor  # [w, conv_dim]
+    head_g: torch.Tensor  # [w, HV] fp32
+    head_beta: torch.Tensor
+    summary: torch.Tensor  # [HV, K, V + K] fp32: tokens w..L-2
+    window_rows: torch.Tensor  # [W, conv_dim]: tokens L-W..L-1
+    window_g: torch.Tensor
+    window_beta: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [
+            self.head_rows, self.head_g, self.head_beta, self.summary,
+            self.window_rows, self.window_g, self.window_beta,
+        ]
+
+    def release(self) -> None:
+        pass
 
 
 @dataclass(eq=False)
@@ -92,7 +193,10 @@ class Block:
     freed: bool = False
     tokens: list[int] = field(default_factory=list, repr=False)  # the token ids, for rewinds and replays
     pages: list[int] = field(default_factory=list, repr=False)
-    linear: list[LinearRecords] = field(default_factory=list, repr=False)
+    linear: list[LinearRecords | SealedRecords] = field(default_factory=list, repr=False)
+    sealed: bool = False  # immutable: extend, truncate and fork are refused (BlockSealedError)
+    pinned: bool = False  # never spilled to disk
+    last_read: int = 0  # logical clock of the last submitted work that read it (spill order)
     # (what forward passes computed about the block, e.g. its writer state, lives in the execution
     # layer's cache: cothink.execution.cache)
     owner: Any = field(default=None, repr=False, compare=False)  # the runner or engine that made it

@@ -8,22 +8,57 @@ from dataclasses import dataclass
 
 import torch
 
-from cothink.errors import BlockFreedError, PoolExhaustedError, UnknownBlockError
-from cothink.memory.block import Block, GrowingTensor, LinearRecords
+from cothink.errors import BlockFreedError, BlockSealedError, PoolExhaustedError, UnknownBlockError
+from cothink.memory.block import Block, GrowingTensor, LinearRecords, SealedRecords
 from cothink.memory.pool import KVPool
 from cothink.models.config import ModelConfig
 
 
 @dataclass(frozen=True)
 class MemoryStats:
+    """Block memory now (docs/runtime.md, "Memory"). Bytes are counted once however many blocks
+    share them (forked pages, copy-on-write GDN records)."""
+
     live_blocks: int
     used_pages: int
     free_pages: int
     page_size: int
-    kv_bytes_used: int
-    linear_bytes: int
+    kv_bytes_used: int  # used KV pages x page_bytes
+    linear_bytes: int  # GDN records and summaries (same as linear_bytes_used; kept for old callers)
     page_bytes: int = 0  # KV bytes of one page (all attention layers, K and V)
     total_pages: int = 0
+    linear_bytes_used: int = 0
+    spilled_bytes: int = 0  # block memory written to disk (not resident)
+    total_bytes_used: int = 0  # kv_bytes_used + linear_bytes_used: what the memory budget bounds
+    budget_bytes: int | None = None  # the engine's memory_budget (None: only the KV pool bounds memory)
+    kv_bytes_per_token: int = 0  # one token's K and V in every attention layer
+    linear_bytes_per_token: int = 0  # one token's GDN records in every linear layer (unsealed block)
+    sealed_blocks: int = 0
+    spilled_blocks: int = 0
+
+
+def parse_bytes(value: int | str | None) -> int | None:
+    """A byte count from an int or a string such as "2GiB", "512MiB", "1.5GB", "4096"."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"not a byte count: {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"a byte count must be >= 1, got {value}")
+        return value
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    text = str(value).strip().lower().replace(" ", "")
+    number = text.rstrip("kmgtib")
+    unit = text[len(number):]
+    try:
+        amount = float(number)
+    except ValueError:
+        raise ValueError(f"not a byte count: {value!r}") from None
+    if unit not in units or amount <= 0:
+        raise ValueError(f"not a byte count: {value!r} (use bytes or e.g. '2GiB', '512MB')")
+    return int(amount * units[unit])
 
 
 class BlockStore:
@@ -46,6 +81,8 @@ class BlockStore:
         )
         self.blocks: dict[int, Block] = {}
         self._ids = itertools.count(1)
+        self.budget_bytes: int | None = None  # set by the engine (memory_budget)
+        self.spilled_bytes = 0  # kept up to date by whoever spills blocks
 
     # ---- lifecycle -------------------------------------------------------------------------
     def new_block(self, name: str | None = None) -> Block:
@@ -78,13 +115,18 @@ class BlockStore:
         self.check(block)
         for page in block.pages:
             self.pool.release(page)
+        for rec in block.linear:
+            rec.release()  # copy-on-write sharers keep the rows they read
         block.pages, block.linear, block.tokens = [], [], []
         block.freed = True
         del self.blocks[block.id]
 
     def fork(self, block: Block, name: str | None = None) -> Block:
-        """A copy-on-write copy: pages are shared until either side writes into a shared page."""
+        """A copy-on-write copy: pages and GDN records are shared until either side writes where
+        the other still reads."""
         self.check(block)
+        if block.sealed:
+            raise BlockSealedError(f"block {block.name!r} is sealed: it cannot be forked", param="block")
         child = self.new_block(name or f"{block.name}-fork")
         # Only the committed content: a running step may have reserved pages and appended records
         # beyond block.length that it has not published yet.
@@ -94,12 +136,14 @@ class BlockStore:
         child.pages = block.pages[: -(-n // self.page_size)]
         for page in child.pages:
             self.pool.retain(page)
-        child.linear = [rec.clone(n) for rec in block.linear]
+        child.linear = [rec.share(n) for rec in block.linear]
         return child
 
     def truncate(self, block: Block, n: int) -> None:
         """Keep the first n tokens of the block."""
         self.check(block)
+        if block.sealed:
+            raise BlockSealedError(f"block {block.name!r} is sealed: it cannot be truncated", param="block")
         if not 0 <= n <= block.length:
             raise ValueError(f"cannot truncate block {block.name!r} of {block.length} tokens to {n}")
         if n == block.length:
@@ -163,20 +207,59 @@ class BlockStore:
         return (pages * self.page_size + pos % self.page_size).to(self.pool.k.device)
 
     # ---- accounting -------------------------------------------------------------------------
-    def stats(self) -> MemoryStats:
-        linear = 0
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.pool.bytes_per_page // self.page_size
+
+    @property
+    def linear_bytes_per_token(self) -> int:
+        """GDN record bytes one token adds to an unsealed block: per linear layer, its pre-conv
+        [q|k|v] row (model dtype) plus g and beta (fp32, one per value head)."""
+        g = self.cfg.gdn
+        if g is None or not self.linear_slot:
+            return 0
+        row = g.conv_dim * torch.empty((), dtype=self.dtype).element_size()
+        return len(self.linear_slot) * (row + 2 * g.num_v_heads * 4)
+
+    def linear_bytes(self) -> int:
+        """GDN bytes of all live blocks; a buffer or summary shared by forks is counted once."""
+        seen: set[int] = set()
+        total = 0
         for block in self.blocks.values():
             for rec in block.linear:
-                linear += sum(t.data.numel() * t.data.element_size() for t in (rec.rows, rec.g, rec.beta))
-                if rec.summary is not None:
-                    linear += rec.summary.numel() * rec.summary.element_size()
+                if isinstance(rec, SealedRecords):
+                    total += sum(t.numel() * t.element_size() for t in rec.tensors())
+                    continue
+                for part in rec.parts():
+                    if part.storage_key() not in seen:
+                        seen.add(part.storage_key())
+                        total += part.stored_rows() * part.row_bytes
+                if rec.summary is not None and id(rec.summary) not in seen:
+                    seen.add(id(rec.summary))
+                    total += rec.summary.numel() * rec.summary.element_size()
+        return total
+
+    def total_bytes(self) -> int:
+        return self.pool.used_pages * self.pool.bytes_per_page + self.linear_bytes()
+
+    def stats(self) -> MemoryStats:
+        linear = self.linear_bytes()
+        kv = self.pool.used_pages * self.pool.bytes_per_page
         return MemoryStats(
             live_blocks=len(self.blocks),
             used_pages=self.pool.used_pages,
             free_pages=self.pool.free_pages,
             page_size=self.page_size,
-            kv_bytes_used=self.pool.used_pages * self.pool.bytes_per_page,
+            kv_bytes_used=kv,
             linear_bytes=linear,
             page_bytes=self.pool.bytes_per_page,
             total_pages=self.pool.num_pages,
+            linear_bytes_used=linear,
+            spilled_bytes=self.spilled_bytes,
+            total_bytes_used=kv + linear,
+            budget_bytes=self.budget_bytes,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            linear_bytes_per_token=self.linear_bytes_per_token,
+            sealed_blocks=sum(b.sealed for b in self.blocks.values()),
+            spilled_blocks=sum(getattr(b, "spilled", None) is not None for b in self.blocks.values()),
         )

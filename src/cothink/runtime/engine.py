@@ -11,11 +11,12 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import torch
 
 from cothink.errors import (
+    BlockSealedError,
     EmptyInputError,
     EngineClosedError,
     InputTooLongError,
@@ -25,12 +26,14 @@ from cothink.errors import (
 from cothink.execution.runner import ModelRunner, load_model
 from cothink.execution.sampling import SamplerState, SamplingParams, TokenConstraint
 from cothink.memory.block import Block
+from cothink.memory.store import MemoryStats, parse_bytes
 from cothink.models.text import stop_token_ids as turn_end_ids
 from cothink.scheduler.accounting import Accounting, CoroutineStats, StepRecord, WorkEvent
 from cothink.scheduler.budget import MemoryBudget
 from cothink.scheduler.ownership import Ownership
 from cothink.scheduler.policy import Priority, PriorityClass, SchedulerConfig
 from cothink.scheduler.scheduler import Occupancy, Scheduler
+from cothink.runtime.generation import Generation
 from cothink.scheduler.work import (
     ExtendWork,
     FutureWork,
@@ -67,94 +70,8 @@ class EngineLimits:
     timeline_steps: int = 100_000  # step records kept for traces
     max_tracked_coroutines: int = 10_000  # per-coroutine stats kept (oldest dropped first)
     threads: int | None = None  # torch threads for forward passes (default: the creating thread's)
-
-
-class Generation:
-    """A running generation: iterate for Pieces, or `await collect()` for the whole result.
-
-    Cancelling the task that iterates it (or `cancel()`) ends it and frees its block at once;
-    `pause()` / `resume()` stop and continue it without losing any state.
-    """
-
-    def __init__(self, work: GenerateWork, scheduler: Scheduler):
-        self._work, self._scheduler = work, scheduler
-        self._consumers: set[asyncio.Task] = set()
-        self.result: GenerationResult | None = None
-
-    @property
-    def name(self) -> str:
-        return self._work.coroutine
-
-    @property
-    def paused(self) -> bool:
-        return self._work.paused
-
-    def __aiter__(self) -> AsyncIterator[Piece]:
-        self._watch_consumer()
-        return self._iterate()
-
-    async def _iterate(self) -> AsyncIterator[Piece]:
-        try:
-            while self.result is None:
-                event = await self._work.queue.get()
-                if isinstance(event, BaseException):
-                    raise event
-                if isinstance(event, GenerationResult):
-                    self.result = event
-                    return
-                if event.text or event.token_ids:
-                    yield event
-        finally:
-            if self.result is None:  # the consumer was cancelled or stopped early
-                self.cancel()
-            self._unwatch_consumers()
-
-    def _watch_consumer(self) -> None:
-        """When the task iterating this generation ends (say it was cancelled while busy in its
-        loop body), the generation ends too, before anyone awaiting that task resumes: done
-        callbacks run in the order they were added, and this one was added first."""
-        task = asyncio.current_task()
-        if task is not None and task not in self._consumers:
-            self._consumers.add(task)
-            task.add_done_callback(self._consumer_done)
-
-    def _consumer_done(self, task: asyncio.Task) -> None:
-        self._consumers.discard(task)
-        self.cancel()
-
-    def _unwatch_consumers(self) -> None:
-        for task in self._consumers:
-            task.remove_done_callback(self._consumer_done)
-        self._consumers.clear()
-
-    async def collect(self) -> GenerationResult:
-        async for _ in self:
-            pass
-        assert self.result is not None
-        return self.result
-
-    def cancel(self) -> None:
-        """End the generation; its block can be written again as soon as this returns."""
-        work = self._work
-        if not work.finished:
-            self._scheduler.cancel(work)
-        if self.result is None and work.outcome == "cancelled":
-            self.result = work.result("cancelled")
-
-    def pause(self) -> None:
-        """Stop before the next step, keeping the sampled token, sampler state and token budget.
-        The block stays reserved for this generation (other writers get BlockBusyError)."""
-        self._work.paused = True
-
-    def resume(self) -> None:
-        self._work.paused = False
-        self._scheduler.kick()
-
-    async def __aenter__(self) -> Generation:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.cancel()
+    # bound on all block memory (KV pages + GDN records and summaries): bytes or "2GiB"; None: the pool
+    memory_budget: int | str | None = None
 
 
 class Engine:
@@ -164,6 +81,10 @@ class Engine:
         self.tokenizer = runner.tokenizer
         self._accounting = Accounting(self.limits.timeline_steps, self.limits.max_tracked_coroutines)
         self._ownership = Ownership(runner)
+        try:
+            runner.store.budget_bytes = parse_bytes(self.limits.memory_budget)
+        except ValueError as exc:
+            raise InvalidParameterError(str(exc), param="memory_budget") from None
         budget = MemoryBudget(runner.store, self.limits.on_pool_full, self.limits.pool_wait_s)
         threads = self.limits.threads or torch.get_num_threads()
         self._scheduler = Scheduler(
@@ -182,8 +103,12 @@ class Engine:
         """Load a model; limits: kv_tokens, page_size, max_context, dense_summary_min_tokens,
         attention_backend (runner),
         max_batch_tokens, max_batch_items, max_prefill_chunk, background_min_tokens,
-        interactive_step_tokens (scheduler), on_pool_full, pool_wait_s, max_input_tokens, threads."""
+        interactive_step_tokens (scheduler), on_pool_full, pool_wait_s, max_input_tokens, threads,
+        memory_budget (engine). With a memory_budget and no kv_tokens, the KV pool is sized so the
+        whole budget could be KV pages."""
         sched_keys = set(SchedulerConfig.__dataclass_fields__)
+        if limits.get("memory_budget") is not None and "kv_tokens" not in limits:
+            limits["kv_tokens"] = _kv_tokens_for_budget(path_or_name, dtype, limits["memory_budget"])
         runner = load_model(
             path_or_name, device, dtype, **{k: v for k, v in limits.items() if k in _RUNNER_KEYS}
         )
@@ -246,7 +171,8 @@ class Engine:
     def steps(self) -> int:
         return self._scheduler.steps
 
-    def memory(self):
+    def memory(self) -> MemoryStats:
+        """Block memory now: KV, GDN records, spilled bytes, the total and the budget."""
         return self.runner.store.stats()
 
     def occupancy(self) -> Occupancy:
@@ -271,6 +197,16 @@ class Engine:
         self._scheduler.check_writable(block)
         with self._ownership.memory_lock:
             self.runner.truncate(block, n)
+
+    def seal(self, block: Block) -> None:
+        """Make `block` immutable (extend, generate into, truncate and fork then raise
+        BlockSealedError). A sealed Gated DeltaNet block keeps only its head records, body summary
+        and last-token window, so its linear memory stops growing with its length; it is read at
+        its full length. Raises BlockBusyError while a work writes the block."""
+        self._ownership.check(block)
+        self._scheduler.check_writable(block)
+        with self._ownership.memory_lock:  # a running forward may be reading its records
+            self.runner.seal(block)
 
     def release(self, block: Block) -> None:
         """Drop your handle; memory returns when no running work reads the block either."""
@@ -405,6 +341,8 @@ class Engine:
         block = view[-1] if writer is True else writer
         if view[-1] is not block:
             raise InvalidViewError(f"the view must end with the written block {block.name!r}", param="view")
+        if block.sealed:
+            raise BlockSealedError(f"block {block.name!r} is sealed: it cannot be written", param="view")
         self._scheduler.check_writable(block)
         return view
 
@@ -442,3 +380,17 @@ class Engine:
         except asyncio.CancelledError:
             self._scheduler.cancel(work)
             raise
+
+
+def _kv_tokens_for_budget(path_or_name: str | Path, dtype: torch.dtype, budget: int | str) -> int:
+    """KV pool size (tokens) for a memory budget: as many tokens as the budget holds as KV alone."""
+    from cothink.models.config import load_config
+    from cothink.models.hub import resolve_model_path
+
+    try:
+        total = parse_bytes(budget)
+    except ValueError as exc:
+        raise InvalidParameterError(str(exc), param="memory_budget") from None
+    cfg = load_config(resolve_model_path(path_or_name))
+    per_token = 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    return max(1, total // per_token) if per_token else 1

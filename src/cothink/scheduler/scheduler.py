@@ -255,14 +255,18 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         self.budget.open_step()
         runnable = [w for w in self.works if w.runnable]
+        from_cache = []
         for work in runnable:
             if isinstance(work, GenerateWork) and work.pending is None and work.next_logits is None:
                 # logits cached by the view's last write spare the generation a peek step
                 work.next_logits = self.runner.cached_logits(work.prefix())
+                from_cache.append(work)
         choice = plan_step(runnable, self.config, self.shares, self.budget.admit)
         for work in choice.refused:
             self.fail(work, self.budget.refusal(work))
         chosen = [(w, n) for w, n in choice.chosen if not w.finished]
+        for work in set(from_cache) - {w for w, _ in chosen}:
+            work.next_logits = None  # not this step: the view may change before its turn
         self._sample([w for w, _ in chosen if isinstance(w, GenerateWork)])
         plan, now = StepPlan(), time.perf_counter()
         for work, n in chosen:
