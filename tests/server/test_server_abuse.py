@@ -258,6 +258,27 @@ def test_a_disconnect_during_prefill_stops_the_work(stream):
         assert settled < 1900  # the prefill stopped when the client left
 
 
+def test_a_disconnect_during_a_session_extend_stops_the_work():
+    engine = tiny_engine(max_prefill_chunk=8)
+    settings = ServerSettings(model_name="tiny")
+    with running_server(engine, settings) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
+        sid = http.post("/v1/sessions").json()["id"]
+        blk = http.post(f"/v1/sessions/{sid}/blocks").json()["id"]
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(
+                f"{srv.url}/v1/sessions/{sid}/blocks/{blk}/extend",
+                json={"token_ids": [9] * 1900, "name": "gone"},
+                timeout=0.4,
+            )
+        coroutines = lambda: http.get(f"/v1/sessions/{sid}/coroutines").json()["data"]  # noqa: E731
+        assert wait_for(lambda: all(c["status"] != "running" for c in coroutines()), 5)
+        (co,) = [c for c in coroutines() if c["name"] == "gone"]
+        assert co["status"] == "failed" and co["error"] == "cancelled"
+        settled = _prefilled_tokens(srv, co["id"])
+        time.sleep(0.3)
+        assert _prefilled_tokens(srv, co["id"]) == settled < 1900
+
+
 # ------------------------------------------------------------------- 7: quota checks reserve atomically
 
 

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from cothink.execution.cache import ExecutionCache
 from cothink.execution.linear_state import seal_records
 from cothink.execution.step import StepItem, ViewBatch, undo
 from cothink.memory.block import Block
+from cothink.memory.snapshot import ModelIdentity
 from cothink.memory.store import BlockStore
 from cothink.models.config import ModelConfig, load_config
 from cothink.ops.rope import Rotary
@@ -70,6 +73,7 @@ class ModelRunner:
         self.attention = select_backend(attention_backend, self.device)
         # writer states and last logits of this runner's blocks (entries dropped on truncate and free)
         self.cache = ExecutionCache()
+        self._identity: ModelIdentity | None = None
 
     # ---- blocks -------------------------------------------------------------------------------
     def new_block(self, name: str | None = None) -> Block:
@@ -108,6 +112,31 @@ class ModelRunner:
             block.linear = sealed
         block.sealed = True
 
+    def identity(self) -> ModelIdentity:
+        """What a snapshot of this runner's blocks records about the model (and checks on load):
+        fingerprints of the text config and of the weights (each parameter's name, shape and first
+        elements), and the memory dtype."""
+        if self._identity is None:
+            text = self.config.hf_text_config
+            raw = text.to_dict() if hasattr(text, "to_dict") else dict(vars(text))
+            # where and with which library version it was loaded from is not the model's identity
+            skip = ("transformers_version", "torch_dtype", "dtype")
+            config = json.dumps(
+                {k: v for k, v in raw.items() if not k.startswith("_") and k not in skip},
+                sort_keys=True, default=str,
+            )
+            weights = hashlib.sha256()
+            for name, param in sorted(self.model.state_dict().items()):
+                weights.update(f"{name}{tuple(param.shape)}".encode())
+                weights.update(param.detach().flatten()[:256].float().cpu().numpy().tobytes())
+            self._identity = ModelIdentity(
+                self.config.family,
+                hashlib.sha256(config.encode()).hexdigest(),
+                weights.hexdigest(),
+                str(self.dtype).removeprefix("torch."),
+            )
+        return self._identity
+
     # ---- forward ------------------------------------------------------------------------------
     def extend(
         self, block: Block, token_ids: list[int], view: list[Block] | None = None, *, logits: str = "all"
@@ -132,6 +161,8 @@ class ModelRunner:
             raise InvalidViewError("a view needs at least one block", param="view")
         for b in view:
             self.store.check(b)
+            if b.spilled is not None:
+                raise InvalidViewError(f"block {b.name!r} is spilled to disk: reload it first", param="view")
         if len({b.id for b in view}) != len(view):
             raise InvalidViewError("a block appears twice in the view", param="view")
         spans = [b.position_span for b in view]
@@ -243,12 +274,17 @@ def load_model(
     path_or_name: str | Path,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    *,
+    quantize: str | None = None,
+    fast: bool = True,
     **limits: Any,
 ) -> ModelRunner:
     """Load a local Hugging Face folder (or the embedded name 'smollm2') as a ModelRunner.
 
-    `limits` go to ModelRunner: kv_tokens (pool size), page_size, max_context, dense_summary_min_tokens,
-    attention_backend ("auto", "torch" or "reference").
+    `quantize="int8"`: weight-only int8 linears (Llama and Qwen3 families; models/quantize.py).
+    `fast=False` keeps the plain per-projection modules (the eager path the fast one is tested
+    against). `limits` go to ModelRunner: kv_tokens (pool size), page_size, max_context,
+    dense_summary_min_tokens, attention_backend ("auto", "torch" or "reference").
     """
     from transformers import AutoTokenizer
 
@@ -256,7 +292,7 @@ def load_model(
 
     folder = resolve_model_path(path_or_name)
     cfg: ModelConfig = load_config(folder)
-    model = load_weights(cfg, folder, dtype, device)
+    model = load_weights(cfg, folder, dtype, device, fuse=fast, quantize=quantize)
     has_tokenizer = any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True) if has_tokenizer else None
     return ModelRunner(model, tokenizer, **limits)

@@ -632,17 +632,22 @@ def report(results: Results[MathConfig, MathRow], plot_name: str = "math500_shar
 
 
 def _reading(results: Results[MathConfig, MathRow], table: list[Any]) -> list[str]:
-    """A few sentences computed from the table: accuracy ordering and the encoding cost of each k."""
+    """A few sentences computed from the table: accuracy (with counts) and the encoding cost of each k."""
     acc = {(t[0], t[1]): t[3] for t in table}
     enc = {(t[0], t[1]): t[4] for t in table}
-    out = ["Reading:", ""]
+    n = {(t[0], t[1]): t[2] for t in table}
+
+    def frac(key: tuple[str, str]) -> str:
+        return f"{acc[key]:.3f} ({round(acc[key] * n[key])}/{n[key]})"
+
+    out = ["Reading (correct answers are counts of a few problems: differences of one or two are noise):", ""]
     if ("full", "-") in acc and ("partial", "-") in acc:
-        out.append(f"- accuracy: full {acc[('full', '-')]:.3f}, partial {acc[('partial', '-')]:.3f}")
+        out.append(f"- accuracy: full {frac(('full', '-'))}, partial {frac(('partial', '-'))}")
     for k in results.config.steps:
         key_i, key_r = ("insert", str(k)), ("restart", str(k))
         if key_i in acc and key_r in acc:
             out.append(
-                f"- k={k}: insert {acc[key_i]:.3f} vs restart {acc[key_r]:.3f} accuracy; encoded tokens "
+                f"- k={k}: insert {frac(key_i)} vs restart {frac(key_r)}; encoded tokens per problem "
                 f"{enc[key_i]:.0f} (insert) vs {enc[key_r]:.0f} (restart, +{enc[key_r] - enc[key_i]:.0f} "
                 "re-encoded)"
             )

@@ -416,6 +416,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--duration", type=float, default=20.0, help="built-in set: seconds per scenario (default 20)"
     )
     p.add_argument("--only", nargs="+", default=None, metavar="ID", help="run only these scenario ids")
+    p.add_argument("--max-events", type=int, default=None,
+                   help="replayed traces: deliver only their first N observations")
     p.add_argument(
         "--traces", type=Path, default=None, help="replay recorded traces (JSONL) instead of recording"
     )
@@ -449,6 +451,9 @@ def load_inputs(args: argparse.Namespace) -> tuple[list[MonitorScenario], list[T
         if args.only:
             traces = [t for t in traces if t.scenario.id in set(args.only)]
         traces = traces[: args.limit] if args.limit else traces
+        if args.max_events:
+            for t in traces:
+                t.observations = t.observations[: args.max_events]
         return [t.scenario for t in traces], traces
     if args.scenarios is not None:
         scenarios = load_scenarios(args.scenarios)

@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import logging
 import math
+import signal
 import statistics
 import time
 from collections.abc import Sequence
@@ -542,12 +543,21 @@ def save(out: Path, config: VizdoomConfig, rows: list[VizdoomRow], *, final: boo
     return results
 
 
+def _terminate(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
 def run(args: argparse.Namespace) -> int:
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
-    results = run_experiment(build_config(args), args.out, show_progress=args.progress)
+    # SIGTERM unwinds like Ctrl-C, so every open game is closed (its engine process would outlive us)
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        results = run_experiment(build_config(args), args.out, show_progress=args.progress)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(report(results))
     print(f"results: {args.out / 'results.json'}")
     return 0

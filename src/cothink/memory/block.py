@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -197,6 +198,8 @@ class Block:
     sealed: bool = False  # immutable: extend, truncate and fork are refused (BlockSealedError)
     pinned: bool = False  # never spilled to disk
     last_read: int = 0  # logical clock of the last submitted work that read it (spill order)
+    spilled: Path | None = field(default=None, repr=False)  # its memory is in this file, not resident
+    spilled_bytes: int = 0  # the block memory that file holds
     # (what forward passes computed about the block, e.g. its writer state, lives in the execution
     # layer's cache: cothink.execution.cache)
     owner: Any = field(default=None, repr=False, compare=False)  # the runner or engine that made it

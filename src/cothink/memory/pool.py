@@ -43,8 +43,8 @@ class KVPool:
 
     @property
     def bytes_per_page(self) -> int:
-        per_layer_slot = self.k[0, 0].numel() * self.k.element_size()
-        return 2 * self.k.shape[0] * self.page_size * per_layer_slot
+        layers, _, kv_heads, head_dim = self.k.shape  # (a model without attention layers has none)
+        return 2 * layers * self.page_size * kv_heads * head_dim * self.k.element_size()
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):

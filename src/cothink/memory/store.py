@@ -117,6 +117,10 @@ class BlockStore:
             self.pool.release(page)
         for rec in block.linear:
             rec.release()  # copy-on-write sharers keep the rows they read
+        if block.spilled is not None:
+            self.spilled_bytes -= block.spilled_bytes
+            block.spilled.unlink(missing_ok=True)
+            block.spilled, block.spilled_bytes = None, 0
         block.pages, block.linear, block.tokens = [], [], []
         block.freed = True
         del self.blocks[block.id]
@@ -261,5 +265,5 @@ class BlockStore:
             kv_bytes_per_token=self.kv_bytes_per_token,
             linear_bytes_per_token=self.linear_bytes_per_token,
             sealed_blocks=sum(b.sealed for b in self.blocks.values()),
-            spilled_blocks=sum(getattr(b, "spilled", None) is not None for b in self.blocks.values()),
+            spilled_blocks=sum(b.spilled is not None for b in self.blocks.values()),
         )

@@ -55,6 +55,28 @@ class GatedRMSNorm(nn.Module):
         return (self.weight * normed * F.silu(z.float())).to(x.dtype)
 
 
+def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
+    """One linear whose output is the parts' outputs side by side (one matmul instead of several).
+
+    The fused weight owns the storage; each part's parameters become views of their rows, so the
+    Hugging Face names keep working (loading, references, quantization read them) at no extra memory.
+    """
+    weight = torch.cat([p.weight.detach() for p in parts])
+    has_bias = parts[0].bias is not None
+    fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device="meta")
+    fused.weight = nn.Parameter(weight, requires_grad=False)
+    if has_bias:
+        fused.bias = nn.Parameter(torch.cat([p.bias.detach() for p in parts]), requires_grad=False)
+    row = 0
+    for p in parts:
+        n = p.out_features
+        p.weight = nn.Parameter(fused.weight[row : row + n], requires_grad=False)
+        if has_bias:
+            p.bias = nn.Parameter(fused.bias[row : row + n], requires_grad=False)
+        row += n
+    return fused
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -62,8 +84,15 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=bias)
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
+        self.gate_up_proj: nn.Module | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -85,16 +114,25 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.zero_centred_norm)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_proj: nn.Module | None = None  # set by fuse()
+        self.qkv_sizes = [q_out, kv_out, kv_out]
+
+    def fuse(self) -> None:
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, -1)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, -1)
         gate = None
         if self.gated:  # per head: first head_dim channels are the query, the next head_dim the gate
             q, gate = q.chunk(2, dim=-1)
             gate = gate.reshape(t, -1)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = ctx.attention(self.layer, q, k, v).reshape(t, -1).to(x.dtype)
@@ -118,6 +156,11 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(g.num_v_heads))
         self.norm = GatedRMSNorm(g.v_dim, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(g.value_dim, cfg.hidden_size, bias=False)
+        self.in_proj: nn.Module | None = None  # qkv, z, b, a in one matmul; set by fuse()
+        self.in_sizes = [g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads]
+
+    def fuse(self) -> None:
+        self.in_proj = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
 
     @property
     def conv_weight(self) -> torch.Tensor:
@@ -134,15 +177,24 @@ class GatedDeltaNet(nn.Module):
 
     def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token log decay g and write strength beta, [T, HV] fp32 (they do not pass through the conv)."""
-        beta = self.in_proj_b(x).sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias)
+        return self._gates(self.in_proj_b(x), self.in_proj_a(x))
+
+    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        beta = b.sigmoid().float()
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return g, beta
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, g = x.shape[0], self.cfg
-        decay, beta = self.gates(x)
-        core = ctx.linear_attention(self.layer, self, self.in_proj_qkv(x), decay, beta)
-        z = self.in_proj_z(x).view(t, g.num_v_heads, g.v_dim)
+        if self.in_proj is not None:
+            rows, z, b, a = self.in_proj(x).split(self.in_sizes, dim=-1)
+            rows = rows.contiguous()  # kept as the block's GDN records
+        else:
+            rows, z = self.in_proj_qkv(x), self.in_proj_z(x)
+            b, a = self.in_proj_b(x), self.in_proj_a(x)
+        decay, beta = self._gates(b, a)
+        core = ctx.linear_attention(self.layer, self, rows, decay, beta)
+        z = z.reshape(t, g.num_v_heads, g.v_dim)
         return self.out_proj(self.norm(core.to(x.dtype), z).reshape(t, -1))
 
 
@@ -177,6 +229,14 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def fuse_projections(self) -> None:
+        """Concatenate the projections that read the same input (q/k/v, gate/up, the GDN inputs):
+        fewer, larger matmuls per layer. fp32 results match the unfused modules to rounding."""
+        for layer in self.model.layers:
+            mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
+            mixer.fuse()
+            layer.mlp.fuse()
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> float32 logits for the rows `logit_rows` (indices into T)."""

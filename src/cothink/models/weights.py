@@ -9,6 +9,7 @@ from safetensors import safe_open
 
 from cothink.errors import UnsupportedModelError
 from cothink.models.config import ModelConfig
+from cothink.models.quantize import check_quantize, quantize_int8
 from cothink.models.transformer import CausalLM
 
 # Real Qwen3.5 checkpoints use the multimodal layout: the text decoder under model.language_model,
@@ -40,8 +41,20 @@ def read_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]
     return state
 
 
-def load_weights(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: str | torch.device) -> CausalLM:
-    """Build the model and fill it from the checkpoint; every parameter must be present."""
+def load_weights(
+    cfg: ModelConfig,
+    folder: Path,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    *,
+    fuse: bool = True,
+    quantize: str | None = None,
+) -> CausalLM:
+    """Build the model and fill it from the checkpoint; every parameter must be present.
+
+    `fuse` concatenates the projections that share an input (models/transformer.py, the fast
+    path); `quantize="int8"` makes the linear weights int8 (models/quantize.py)."""
+    check_quantize(quantize, cfg.family)
     with torch.device("meta"):
         model = CausalLM(cfg)
     state = read_state_dict(folder, dtype)
@@ -55,4 +68,9 @@ def load_weights(cfg: ModelConfig, folder: Path, dtype: torch.dtype, device: str
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
     model.load_state_dict(state, assign=True)
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    if fuse:
+        model.fuse_projections()
+    if quantize == "int8":
+        quantize_int8(model)
+    return model

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from datetime import datetime, timezone
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,8 +28,20 @@ from cothink.errors import (
 from cothink.execution.runner import ModelRunner, load_model
 from cothink.execution.sampling import SamplerState, SamplingParams, TokenConstraint
 from cothink.memory.block import Block
+from cothink.memory.snapshot import FORMAT as SNAPSHOT_FORMAT
+from cothink.memory.snapshot import VERSION as SNAPSHOT_VERSION
+from cothink.memory.snapshot import (
+    SnapshotHeader,
+    block_tensors,
+    check_fits,
+    read_snapshot,
+    restore_block,
+    snapshot_bytes,
+    write_snapshot,
+)
 from cothink.memory.store import MemoryStats, parse_bytes
 from cothink.models.text import stop_token_ids as turn_end_ids
+from cothink.runtime.residency import Residency
 from cothink.scheduler.accounting import Accounting, CoroutineStats, StepRecord, WorkEvent
 from cothink.scheduler.budget import MemoryBudget
 from cothink.scheduler.ownership import Ownership
@@ -72,6 +86,8 @@ class EngineLimits:
     threads: int | None = None  # torch threads for forward passes (default: the creating thread's)
     # bound on all block memory (KV pages + GDN records and summaries): bytes or "2GiB"; None: the pool
     memory_budget: int | str | None = None
+    spill: bool = True  # under memory pressure, write idle unpinned blocks to disk (least recently read)
+    spill_dir: str | Path | None = None  # default: <cache dir>/spill/<pid>-<n>
 
 
 class Engine:
@@ -86,6 +102,10 @@ class Engine:
         except ValueError as exc:
             raise InvalidParameterError(str(exc), param="memory_budget") from None
         budget = MemoryBudget(runner.store, self.limits.on_pool_full, self.limits.pool_wait_s)
+        spill_dir = Path(self.limits.spill_dir) if self.limits.spill_dir is not None else None
+        self._residency = Residency(runner, self._ownership, spill_dir, self.limits.spill)
+        if self.limits.spill:
+            budget.reclaim = self._residency.reclaim
         threads = self.limits.threads or torch.get_num_threads()
         self._scheduler = Scheduler(
             runner, self.limits.scheduler, budget, self._accounting, self._ownership, threads
@@ -171,6 +191,11 @@ class Engine:
     def steps(self) -> int:
         return self._scheduler.steps
 
+    @property
+    def max_context(self) -> int:
+        """The most positions a view plus new tokens may span."""
+        return self.runner.max_context
+
     def memory(self) -> MemoryStats:
         """Block memory now: KV, GDN records, spilled bytes, the total and the budget."""
         return self.runner.store.stats()
@@ -187,6 +212,7 @@ class Engine:
     def fork(self, block: Block, name: str | None = None) -> Block:
         """A copy-on-write block sharing `block`'s content so far."""
         self._ownership.check(block)
+        self._residency.ensure_resident([block])
         child = self.runner.fork(block, name)  # only committed content: safe while a step runs
         child.owner = self
         return self._ownership.adopt(child)
@@ -195,6 +221,7 @@ class Engine:
         """Rewind `block` to its first n tokens (also `block.truncate(n)`)."""
         self._ownership.check(block)
         self._scheduler.check_writable(block)
+        self._residency.ensure_resident([block])
         with self._ownership.memory_lock:
             self.runner.truncate(block, n)
 
@@ -205,8 +232,55 @@ class Engine:
         its full length. Raises BlockBusyError while a work writes the block."""
         self._ownership.check(block)
         self._scheduler.check_writable(block)
+        self._residency.ensure_resident([block])
         with self._ownership.memory_lock:  # a running forward may be reading its records
             self.runner.seal(block)
+
+    def pin(self, block: Block) -> None:
+        """Keep `block` resident: it is never spilled to disk (reloaded now if it was)."""
+        self._ownership.check(block)
+        self._residency.ensure_resident([block])
+        block.pinned = True
+
+    def unpin(self, block: Block) -> None:
+        self._ownership.check(block)
+        block.pinned = False
+
+    async def save(self, path: str | Path, blocks: list[Block]) -> None:
+        """Write `blocks` (tokens, KV, GDN records or sealed state, names, flags) to one snapshot
+        file (safetensors + a JSON header with the model identity and dtype). The blocks' committed
+        content is copied between steps; the file is written in a worker thread."""
+        blocks = [self._ownership.check(b, param="blocks") for b in blocks]
+        self._residency.ensure_resident(blocks)
+        store, tensors, headers = self.runner.store, {}, []
+        for i, block in enumerate(blocks):
+            part, header = block_tensors(store, block, str(i))
+            tensors.update(part)
+            headers.append(header)
+        header = SnapshotHeader(SNAPSHOT_FORMAT, SNAPSHOT_VERSION, self.runner.identity(), headers)
+        await asyncio.to_thread(write_snapshot, path, header, tensors)
+
+    def load(self, path: str | Path) -> list[Block]:
+        """New blocks restored from a snapshot written by `save` (also by another process), in the
+        order they were saved. Raises SnapshotMismatchError if it was saved from a different model
+        or dtype, SnapshotError if the file is not a snapshot, PoolExhaustedError if the pool or the
+        memory budget cannot hold it (nothing is loaded then)."""
+        store = self.runner.store
+        header, tensors = read_snapshot(path, self.runner.identity())
+        pages = sum(-(-b.length // store.page_size) for b in header.blocks)
+        need = sum(snapshot_bytes(store, b, tensors, str(i)) for i, b in enumerate(header.blocks))
+        check_fits(store, need, pages)
+        loaded: list[Block] = []
+        try:
+            for i, entry in enumerate(header.blocks):
+                block = self.block(entry.name)
+                loaded.append(block)
+                restore_block(store, block, entry, tensors, str(i))
+        except BaseException:
+            for block in loaded:
+                self.release(block)
+            raise
+        return loaded
 
     def release(self, block: Block) -> None:
         """Drop your handle; memory returns when no running work reads the block either."""
@@ -227,9 +301,13 @@ class Engine:
         *,
         priority: Priority | str | None = None,
         name: str | None = None,
+        deadline: float | datetime | None = None,
     ) -> None:
-        """Append input to `block`, read under `view` (default [block]); returns once it is in memory."""
+        """Append input to `block`, read under `view` (default [block]); returns once it is in memory.
+        `deadline` (seconds from now, or an aware datetime): past it, the work is dropped unrun
+        (DeadlineExceededError)."""
         self._require_running()
+        due = _deadline(deadline)
         view = self._view(view if view is not None else [block], writer=block)
         tokens = self._tokens(text, token_ids)
         self.runner.check_view(view, len(tokens))
@@ -240,6 +318,7 @@ class Engine:
             self._scheduler.next_seq(),
             tokens,
         )
+        work.deadline = due
         self._scheduler.submit(work)
         await self._wait(work)
 
@@ -260,9 +339,12 @@ class Engine:
         stop_at_eos: bool = True,
         logprobs: int | None = None,
         constraint: TokenConstraint | None = None,
+        deadline: float | datetime | None = None,
     ) -> Generation:
-        """Generate into view[-1]; iterate the result for Pieces or `await ...collect()`."""
+        """Generate into view[-1]; iterate the result for Pieces or `await ...collect()`.
+        Past `deadline` the generation is dropped before its next step (DeadlineExceededError)."""
         self._require_running()
+        due = _deadline(deadline)
         view = self._view(view)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InvalidParameterError("max_tokens must be an int >= 1", param="max_tokens")
@@ -289,6 +371,7 @@ class Engine:
             StopRule(max_tokens, frozenset(stop_ids), stops),
             self.tokenizer,
         )
+        work.deadline = due
         self._scheduler.submit(work)
         return Generation(work, self._scheduler)
 
@@ -300,10 +383,12 @@ class Engine:
         *,
         priority: Priority | str | None = None,
         name: str | None = None,
+        deadline: float | datetime | None = None,
     ) -> dict[str, float]:
         """Probabilities of each choice right after `question` is read after `view` (one forward pass
         for single-token choices). Choices are tokenized exactly as given (mind a leading space)."""
         self._require_running()
+        due = _deadline(deadline)
         view = self._view(view, writer=None)
         q = self._tokens(
             question if isinstance(question, str) else None,
@@ -322,6 +407,7 @@ class Engine:
             q,
             encoded,
         )
+        work.deadline = due
         self._scheduler.submit(work)
         return await self._wait(work)
 
@@ -337,6 +423,7 @@ class Engine:
         if len({b.id for b in view}) != len(view):
             raise InvalidViewError("a block appears twice in the view", param="view")
         if writer is None:
+            self._residency.ensure_resident(view)
             return view
         block = view[-1] if writer is True else writer
         if view[-1] is not block:
@@ -344,6 +431,7 @@ class Engine:
         if block.sealed:
             raise BlockSealedError(f"block {block.name!r} is sealed: it cannot be written", param="view")
         self._scheduler.check_writable(block)
+        self._residency.ensure_resident(view)
         return view
 
     def _tokens(self, text: str | None, token_ids: list[int] | None, param: str = "token_ids") -> list[int]:
@@ -394,3 +482,21 @@ def _kv_tokens_for_budget(path_or_name: str | Path, dtype: torch.dtype, budget: 
     cfg = load_config(resolve_model_path(path_or_name))
     per_token = 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
     return max(1, total // per_token) if per_token else 1
+
+
+def _deadline(deadline: float | datetime | None) -> float | None:
+    """A deadline on the scheduler's clock (time.perf_counter): seconds from now, or an aware
+    datetime (absolute)."""
+    if deadline is None:
+        return None
+    if isinstance(deadline, datetime):
+        if deadline.tzinfo is None:
+            raise InvalidParameterError("a datetime deadline must be timezone-aware", param="deadline")
+        seconds = (deadline - datetime.now(timezone.utc)).total_seconds()
+    elif isinstance(deadline, (int, float)) and not isinstance(deadline, bool):
+        seconds = float(deadline)
+    else:
+        raise InvalidParameterError(
+            "deadline must be seconds from now or an aware datetime", param="deadline"
+        )
+    return time.perf_counter() + seconds

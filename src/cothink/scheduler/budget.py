@@ -9,6 +9,7 @@ plus Gated DeltaNet records and summaries: `BlockStore.total_bytes`); it never f
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from cothink.errors import PoolExhaustedError
@@ -35,6 +36,8 @@ class MemoryBudget:
         self.store, self.on_full, self.wait_s = store, on_full, wait_s
         self._free = 0
         self._free_bytes: int | None = None  # left under the memory budget this step (None: no budget)
+        # frees memory by spilling idle blocks: (bytes, pages) short -> (bytes, pages) freed
+        self.reclaim: Callable[[int, int], tuple[int, int]] | None = None
         self._waiting_since: dict[int, float] = {}
         self._refusals: dict[int, _Refusal] = {}
 
@@ -74,6 +77,13 @@ class MemoryBudget:
         need = sum(self.pages(g) for g in growth)
         need_bytes = sum(self.bytes_needed(g) for g in growth) if self._free_bytes is not None else 0
         fits_bytes = self._free_bytes is None or need_bytes <= self._free_bytes
+        if not (need <= self._free and fits_bytes) and self.reclaim is not None:
+            short_bytes = 0 if self._free_bytes is None else max(0, need_bytes - self._free_bytes)
+            freed_bytes, freed_pages = self.reclaim(short_bytes, max(0, need - self._free))
+            self._free += freed_pages
+            if self._free_bytes is not None:
+                self._free_bytes += freed_bytes
+            fits_bytes = self._free_bytes is None or need_bytes <= self._free_bytes
         if need <= self._free and fits_bytes:
             self._free -= need
             if self._free_bytes is not None:

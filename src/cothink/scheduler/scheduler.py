@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cothink.errors import BlockBusyError, InputTooLongError
+from cothink.errors import BlockBusyError, DeadlineExceededError, InputTooLongError
 from cothink.execution.runner import ForwardResult, ModelRunner
 from cothink.execution.sampling import sample
 from cothink.execution.step import StepItem, ViewBatch
@@ -110,6 +110,7 @@ class Scheduler:
     def submit(self, work: Work) -> None:
         for b in work.reads:
             self.ownership.hold(b)
+            b.last_read = work.seq  # least recently read blocks are spilled first
         if work.writes_caller_block:
             self.writers[work.block.id] = work
         self.works.append(work)
@@ -253,6 +254,7 @@ class Scheduler:
 
     # ---- schedule ---------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
+        self._drop_overdue()
         self.budget.open_step()
         runnable = [w for w in self.works if w.runnable]
         from_cache = []
@@ -281,6 +283,15 @@ class Scheduler:
             read = sum(sum(b.length for b in i.view[:-1]) + i.block.length for i in items)
             plan.planned.append(Planned(work, n, items, read))
         return plan
+
+    def _drop_overdue(self) -> None:
+        """Fail every work past its deadline before it costs more compute (DeadlineExceededError)."""
+        now = time.perf_counter()
+        for work in [w for w in self.works if not w.finished and w.deadline is not None and now > w.deadline]:
+            late = now - work.deadline
+            self.fail(work, DeadlineExceededError(
+                f"{work.kind} of {work.coroutine!r} passed its deadline {late:.3f}s ago "
+                f"({work.served} tokens served)", param="deadline"))
 
     def _sample(self, works: list[GenerateWork]) -> None:
         """The batched sampling stage: every chosen generation whose next token is not sampled yet

@@ -61,6 +61,7 @@ class Work:
         self.served = 0  # tokens written for this work
         self.finished = False
         self.outcome = ""  # how it ended: 'done', a finish reason, 'cancelled' or the error's type
+        self.deadline: float | None = None  # time.perf_counter() after which it is dropped unrun
 
     @property
     def block(self) -> Block:
@@ -268,8 +269,7 @@ class GenerateWork(Work):
             out.logprobs.append(self._logprob)
             logprobs = [self._logprob]
         self.pending = None
-        constraint = self.sampler.constraint
-        if token in self.stop.token_ids or (constraint is not None and constraint.done()):
+        if token in self.stop.token_ids:  # a stop token ends the output; its text is not part of it
             return self._finish("stop", token, logprobs)
         if self._decoder is not None:
             searched = max(0, len(out.text) - max((len(s) for s in self.stop.strings), default=0))
@@ -278,6 +278,9 @@ class GenerateWork(Work):
             if found:
                 out.text = out.text[: min(found)]
                 return self._finish("stop", token, logprobs, flush=False)
+        constraint = self.sampler.constraint
+        if constraint is not None and constraint.done():  # the token that completed it is kept
+            return self._finish("stop", token, logprobs)
         if len(out.token_ids) >= self.stop.max_tokens:
             return self._finish("length", token, logprobs)
         ready = len(out.text) - self.stop.holdback

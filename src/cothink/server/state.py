@@ -45,7 +45,7 @@ class ServerState:
         # coroutine name -> owner (key fingerprint; a session id without keys), for /v1/timeline
         self.owners: OrderedDict[str, str] = OrderedDict()
         self.max_token_chars: int | None = None  # longest token text: bounds tokens from below by length
-        self.max_context: int | None = getattr(getattr(engine, "runner", None), "max_context", None)
+        self.max_context: int | None = getattr(engine, "max_context", None)
         self.reaper: asyncio.Task | None = None
         self.grammars: GrammarCompiler | None = None  # JSON schemas and tools -> token constraints
         self.warming: asyncio.Task | None = None

@@ -45,10 +45,9 @@ class GrammarConstraint:
             self.matcher.consume_token(int(token_id))
 
     def done(self) -> bool:
-        # The engine ends a generation when done() turns true and treats the token just sampled as a
-        # stop token (left out of the text). So the grammar's last token must not end it: done() turns
-        # true on the end-of-sequence token the grammar allows only once its output is complete.
-        return self.ended
+        # The engine ends the generation after the token that completed the grammar (that token is
+        # part of the text); an end-of-sequence token the grammar allows once complete also ends it.
+        return self.ended or self.matcher.is_stopped()
 
     @property
     def error(self) -> str | None:

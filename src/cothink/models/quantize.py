@@ -1,0 +1,100 @@
+"""Weight-only int8 quantization (opt-in: `load_model(..., quantize="int8")`).
+
+Every linear layer's weight becomes int8 with one bfloat16 scale per output row (symmetric,
+absmax / 127); activations, norms, attention and the KV pool keep the model's dtype. Decode reads
+half the weight bytes of bfloat16 through torch's CPU int8 weight-only kernel
+(`aten._weight_int8pack_mm`, the op gpt-fast uses), which takes bfloat16 activations. For wide
+inputs (prefill chunks) that kernel is slower than a dense matmul, so there the layer dequantizes
+its weight once per call and runs the ordinary bfloat16 GEMM: the cost is one weight read for many
+rows. The lm_head gets its own int8 copy; the (tied) embedding stays in the model dtype for lookup.
+
+Quality is reported, not assumed: docs/benchmarks.md gives greedy agreement and perplexity change.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cothink.errors import InvalidParameterError, UnsupportedModelError
+
+QUANTIZE_MODES = ("int8",)
+# Families whose every linear is a plain projection of the residual stream, validated for quality.
+# The Qwen3.5 hybrid's Gated DeltaNet gates (a few output rows driving exp/softplus decays) are not.
+INT8_FAMILIES = ("llama", "qwen3")
+# rows per call up to which the int8 kernel beats dequantize + dense GEMM (measured: bench/limits)
+INT8_KERNEL_MAX_ROWS = 16
+
+# fused module -> the HF-named parts it replaces (models/transformer.py, fuse())
+_FUSED_PARTS = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+    "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
+}
+
+_INT8_MM = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T (+ b) with W stored as int8 [out, in] and a bfloat16 scale per output row."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        w = weight.detach().float()
+        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        self.register_buffer("weight_int8", q.contiguous())
+        self.register_buffer("scale", scale.to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.weight_int8.to(dtype) * self.scale.to(dtype)[:, None]).to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if rows.shape[0] <= INT8_KERNEL_MAX_ROWS and _INT8_MM is not None and x.device.type == "cpu":
+            y = _INT8_MM(rows.to(torch.bfloat16).contiguous(), self.weight_int8, self.scale).to(x.dtype)
+        else:
+            y = F.linear(rows.to(torch.bfloat16), self.dequantized(torch.bfloat16)).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights"
+
+
+def check_quantize(mode: str | None, family: str) -> None:
+    """Raise a typed error unless `mode` (None: no quantization) applies to `family`."""
+    if mode is None:
+        return
+    if mode not in QUANTIZE_MODES:
+        raise InvalidParameterError(f"quantize must be one of {QUANTIZE_MODES} or None, got {mode!r}",
+                                    param="quantize")
+    if family not in INT8_FAMILIES:
+        raise UnsupportedModelError(
+            f"quantize={mode!r} supports the model families {INT8_FAMILIES}; this model is {family!r}",
+            param="quantize",
+        )
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """Replace every nn.Linear of `model` (after any projection fusion) by an Int8Linear, in place.
+
+    Projections that were fused are quantized once, through the fused module, and their HF-named
+    parts (views of the fused weight, unused by the fused forward) are dropped, so no dense copy of
+    a quantized weight stays alive. Per-row scales make the two orders identical.
+    """
+    for module in list(model.modules()):
+        for fused, parts in _FUSED_PARTS.items():
+            if getattr(module, fused, None) is not None:
+                for part in parts:
+                    setattr(module, part, None)
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, Int8Linear(child.weight, child.bias))
+    return model
