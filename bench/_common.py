@@ -150,3 +150,78 @@ def ratio(a: float, b: float) -> float:
 
 def fmt(x: float, digits: int = 1) -> str:
     return f"{x:,.{digits}f}"
+
+
+# ------------------------------------------------------------------------------------- machine limits
+
+# "int8" runs cothink with weight-only int8 linears (bfloat16 activations) against transformers bf16
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16}
+
+
+def quantize_of(dtype_name: str) -> str | None:
+    return "int8" if dtype_name == "int8" else None
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def linear_parameters(model: torch.nn.Module) -> int:
+    """Parameters of the linear layers (lm_head included): 2 x this is a token's matmul FLOPs."""
+    return sum(m.weight.numel() for m in _linears(model))
+
+
+def streamed_weight_bytes(model: torch.nn.Module, dtype_name: str) -> int:
+    """Bytes of weights one decode step reads: every linear (lm_head included; the embedding lookup
+    reads one row). "int8": one byte per weight plus a bfloat16 scale per output row."""
+    if dtype_name == "int8":
+        return sum(m.weight.numel() + 2 * m.weight.shape[0] for m in _linears(model))
+    elsize = torch.tensor([], dtype=DTYPES[dtype_name]).element_size()
+    return linear_parameters(model) * elsize
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_limits(dtype: torch.dtype, threads: int, quick: bool) -> dict[str, float]:
+    """This machine's limits, measured now with torch itself: GEMV bandwidth (a [1, K] x [K, N]
+    matmul over a weight larger than the caches: bytes / time) and GEMM throughput (GFLOP/s)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        k = 2048
+        elsize = torch.tensor([], dtype=dtype).element_size()
+        n = (64 if quick else 256) * 2**20 // (k * elsize)
+        w = torch.randn(n, k).to(dtype)
+        x = torch.randn(1, k).to(dtype)
+        with torch.inference_mode():
+            gemv_s = _best(lambda: torch.nn.functional.linear(x, w), 3 if quick else 8)
+            m = 256 if quick else 512
+            a, b = torch.randn(m, k).to(dtype), torch.randn(k, k).to(dtype)
+            gemm_s = _best(lambda: torch.nn.functional.linear(a, b), 2 if quick else 4)
+        return {"gemv_gb_s": n * k * elsize / gemv_s / 1e9, "gemm_gflop_s": 2 * m * k * k / gemm_s / 1e9}
+    finally:
+        torch.set_num_threads(before)
+
+
+class BusyCore:
+    """Another process keeping one core busy (a Python spin loop) while the block runs."""
+
+    def __enter__(self) -> BusyCore:
+        import subprocess
+        import sys
+
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.3)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()

@@ -10,7 +10,15 @@ transformers as ``model(ids, logits_to_keep=1)`` with a fresh DynamicCache. Deco
 (cothink: ``engine.generate``; transformers: a manual loop feeding each token with ``past_key_values``).
 Each measurement is the best of --repeats runs (after a warm-up at the first length); cothink and
 transformers alternate within each repeat. The ratios are cothink / transformers (above 1: cothink is
-faster). Writes prefill_decode.json and prefill_decode.png to --out.
+faster). Dtype "int8" is cothink with weight-only int8 linears (bfloat16 activations) against
+transformers in bfloat16.
+
+Limits, measured in the same run per dtype (bench/_common.py): GEMV bandwidth over a weight larger
+than the caches, and GEMM GFLOP/s. The decode limit is bandwidth / the bytes of weights a step reads;
+the prefill limit is GEMM GFLOP/s / (2 x linear parameters) tokens/s (attention not counted). Each
+cothink figure is also printed as a fraction of its limit. --contention (on by default in full runs)
+repeats decode and the first prefill length while another process keeps one core busy.
+Writes prefill_decode.json and prefill_decode.png to --out.
 """
 
 from __future__ import annotations
@@ -18,12 +26,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `import cothink` does; must precede torch
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
@@ -35,9 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--dtypes",
         nargs="+",
-        choices=list(C.DTYPES),
+        choices=list(C.COMPUTE_DTYPES),
         default=None,
-        help="dtypes to measure (default: float32 bfloat16)",
+        help="dtypes to measure (default: float32 bfloat16 int8)",
     )
     p.add_argument(
         "--lengths", type=int, nargs="+", default=None, help="prefill lengths (default: 128 512 2048)"
@@ -47,9 +57,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--decode-prompt", type=int, default=128, help="prompt length before decoding (default: 128)"
     )
     p.add_argument("--repeats", type=int, default=None, help="timed runs per measurement (default: 2)")
+    p.add_argument(
+        "--contention",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also measure with one core kept busy by another process (default: on, off with --quick)",
+    )
     args = p.parse_args(argv)
     quick = args.quick
-    args.dtypes = args.dtypes or ["float32", "bfloat16"]
+    args.contention = (not quick) if args.contention is None else args.contention
+    args.dtypes = args.dtypes or ["float32", "bfloat16", "int8"]
     args.lengths = args.lengths or ([128, 512] if quick else [128, 512, 2048])
     args.decode_tokens = args.decode_tokens or (16 if quick else 64)
     args.repeats = args.repeats or (1 if quick else 2)
@@ -117,7 +134,7 @@ async def measure_dtype(
 ) -> dict[str, Any]:
     import cothink
 
-    dtype = C.DTYPES[dtype_name]
+    dtype = C.COMPUTE_DTYPES[dtype_name]
     vocab = C.vocab_size(folder)
     gen = torch.Generator().manual_seed(args.seed)
     longest = max(max(args.lengths), args.decode_prompt + args.decode_tokens)
@@ -128,10 +145,24 @@ async def measure_dtype(
         kv_tokens=2 * longest + 256,
         max_batch_tokens=longest,
         max_prefill_chunk=longest,
+        quantize=C.quantize_of(dtype_name),
     )
     hf = C.load_hf(folder, dtype)
     console.print(f"[dim]{dtype_name}: loaded both models in {time.perf_counter() - t0:.1f}s[/dim]")
     out: dict[str, Any] = {"prefill": [], "decode": {}}
+    threads = torch.get_num_threads()
+    limits = C.measure_limits(dtype, threads, args.quick)
+    weight_bytes = C.streamed_weight_bytes(hf, dtype_name)
+    params = C.linear_parameters(hf)
+    limits["weight_bytes"] = weight_bytes
+    limits["decode_tok_s"] = limits["gemv_gb_s"] * 1e9 / weight_bytes
+    limits["prefill_tok_s"] = limits["gemm_gflop_s"] * 1e9 / (2 * params)
+    out["limits"] = limits
+    console.print(
+        f"  limits: GEMV {limits['gemv_gb_s']:.1f} GB/s over {weight_bytes / 2**20:.0f} MiB of weights -> "
+        f"decode {limits['decode_tok_s']:.1f} tok/s; GEMM {limits['gemm_gflop_s']:.0f} GFLOP/s -> "
+        f"prefill {limits['prefill_tok_s']:.0f} tok/s"
+    )
     async with engine:
         for length in args.lengths:
             ids = C.random_tokens(length, vocab, gen, low=100)
@@ -150,6 +181,7 @@ async def measure_dtype(
                 "hf_tok_s": length / min(hf_t),
             }
             row["ratio"] = C.ratio(row["cothink_tok_s"], row["hf_tok_s"])
+            row["of_limit"] = row["cothink_tok_s"] / limits["prefill_tok_s"]
             out["prefill"].append(row)
             console.print(
                 f"  prefill {length:>5}: cothink {row['cothink_tok_s']:8.1f} tok/s, "
@@ -179,26 +211,68 @@ async def measure_dtype(
             "greedy_tokens_agreeing": agree,
         }
         row["ratio"] = C.ratio(row["cothink_tok_s"], row["hf_tok_s"])
+        row["of_limit"] = row["cothink_tok_s"] / limits["decode_tok_s"]
         out["decode"] = row
         console.print(
             f"  decode  {n:>5}: cothink {row['cothink_tok_s']:8.1f} tok/s, "
             f"transformers {row['hf_tok_s']:8.1f} tok/s, ratio {row['ratio']:.2f} "
             f"(greedy tokens agree for the first {agree} of {n})"
         )
+        if args.contention:
+            out["contention"] = await contention(args, engine, hf, prompt, ids_first(args, vocab), out)
+            c = out["contention"]
+            console.print(
+                f"  one core busy: decode {c['decode_tok_s']:.1f} tok/s ({c['decode_of_quiet']:.2f} of quiet; "
+                f"transformers {c['hf_decode_tok_s']:.1f}), prefill {c['length']} "
+                f"{c['prefill_tok_s']:.1f} tok/s ({c['prefill_of_quiet']:.2f} of quiet)"
+            )
     del engine, hf
     gc.collect()
     return out
+
+
+def ids_first(args: argparse.Namespace, vocab: int) -> list[int]:
+    gen = torch.Generator().manual_seed(args.seed + 1)
+    return C.random_tokens(args.lengths[0], vocab, gen, low=100)
+
+
+async def contention(
+    args: argparse.Namespace, engine: Any, hf: Any, prompt: list[int], ids: list[int], quiet: dict[str, Any]
+) -> dict[str, Any]:
+    """Decode and the first prefill length again while another process keeps one core busy."""
+    n = args.decode_tokens
+    with C.BusyCore():
+        co_d = min([(await co_decode(engine, prompt, n))[0] for _ in range(args.repeats)])
+        hf_d = min([hf_decode(hf, prompt, n)[0] for _ in range(args.repeats)])
+        co_p = min([await co_prefill(engine, ids) for _ in range(args.repeats)])
+    decode, prefill = n / co_d, len(ids) / co_p
+    return {
+        "length": len(ids),
+        "decode_tok_s": decode,
+        "hf_decode_tok_s": n / hf_d,
+        "prefill_tok_s": prefill,
+        "decode_of_quiet": decode / quiet["decode"]["cothink_tok_s"],
+        "prefill_of_quiet": prefill / quiet["prefill"][0]["cothink_tok_s"],
+    }
 
 
 def tables(results: dict[str, Any]) -> list[Any]:
     from rich.table import Table
 
     pre = Table(title="prefill (tokens/s, best of repeats)", title_justify="left")
-    for col in ("dtype", "prompt tokens", "cothink", "transformers", "cothink / transformers"):
+    for col in ("dtype", "prompt tokens", "cothink", "transformers", "cothink / transformers", "of limit"):
         pre.add_column(col, justify="left" if col == "dtype" else "right")
     dec = Table(title="decode (tokens/s, greedy, best of repeats)", title_justify="left")
-    for col in ("dtype", "prompt + new tokens", "cothink", "transformers", "cothink / transformers"):
+    for col in ("dtype", "prompt + new tokens", "cothink", "transformers", "cothink / transformers",
+                "of limit", "vs cothink bf16"):
         dec.add_column(col, justify="left" if col == "dtype" else "right")
+    lim = Table(title="limits measured in this run", title_justify="left")
+    for col in ("dtype", "GEMV GB/s", "weights MiB", "decode limit tok/s", "GEMM GFLOP/s", "prefill limit tok/s"):
+        lim.add_column(col, justify="left" if col == "dtype" else "right")
+    con = Table(title="one core busy (another process), cothink", title_justify="left")
+    for col in ("dtype", "decode tok/s", "of quiet", "transformers decode", "prefill tok/s", "of quiet"):
+        con.add_column(col, justify="left" if col == "dtype" else "right")
+    bf16 = results.get("bfloat16", {}).get("decode", {}).get("cothink_tok_s")
     for dtype, res in results.items():
         for row in res["prefill"]:
             pre.add_row(
@@ -207,6 +281,7 @@ def tables(results: dict[str, Any]) -> list[Any]:
                 C.fmt(row["cothink_tok_s"]),
                 C.fmt(row["hf_tok_s"]),
                 f"{row['ratio']:.2f}",
+                f"{row['of_limit']:.2f}",
             )
         d = res["decode"]
         dec.add_row(
@@ -215,8 +290,29 @@ def tables(results: dict[str, Any]) -> list[Any]:
             C.fmt(d["cothink_tok_s"]),
             C.fmt(d["hf_tok_s"]),
             f"{d['ratio']:.2f}",
+            f"{d['of_limit']:.2f}",
+            f"{d['cothink_tok_s'] / bf16:.2f}" if bf16 else "",
         )
-    return [pre, dec]
+        li = res["limits"]
+        lim.add_row(
+            dtype,
+            C.fmt(li["gemv_gb_s"]),
+            C.fmt(li["weight_bytes"] / 2**20, 0),
+            C.fmt(li["decode_tok_s"]),
+            C.fmt(li["gemm_gflop_s"], 0),
+            C.fmt(li["prefill_tok_s"], 0),
+        )
+        c = res.get("contention")
+        if c:
+            con.add_row(
+                dtype,
+                C.fmt(c["decode_tok_s"]),
+                f"{c['decode_of_quiet']:.2f}",
+                C.fmt(c["hf_decode_tok_s"]),
+                f"{C.fmt(c['prefill_tok_s'])} ({c['length']})",
+                f"{c['prefill_of_quiet']:.2f}",
+            )
+    return [lim, pre, dec] + ([con] if any("contention" in r for r in results.values()) else [])
 
 
 def plot(results: dict[str, Any], path: Path, title: str) -> Path:
@@ -238,14 +334,14 @@ def plot(results: dict[str, Any], path: Path, title: str) -> Path:
                 [r[key] for r in results[dtype]["prefill"]],
                 width,
                 color=colors[who],
-                alpha=1.0 if dtype == "float32" else 0.55,
+                alpha={"float32": 1.0, "bfloat16": 0.6}.get(dtype, 0.35),
                 label=f"{who} {dtype}",
             )
             ax2.bar(
                 2 * di + si,
                 results[dtype]["decode"][key],
                 color=colors[who],
-                alpha=1.0 if dtype == "float32" else 0.55,
+                alpha={"float32": 1.0, "bfloat16": 0.6}.get(dtype, 0.35),
                 label=f"{who} {dtype}",
             )
     ax1.set_xticks(range(len(lengths)), [str(n) for n in lengths])

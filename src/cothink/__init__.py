@@ -6,7 +6,12 @@ Names are imported lazily so that `cothink --help` does not pay for importing to
 from __future__ import annotations
 
 import importlib
+import os
 from typing import TYPE_CHECKING, Any
+
+# Idle OpenMP threads sleep instead of spinning on cores other processes need (set before torch
+# loads libgomp, which reads it once; see cothink.execution.threads). A user's setting wins.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 _EXPORTS = {
     "Block": "cothink.memory.block",

@@ -23,6 +23,7 @@ def stream_generation(
     max_tokens: int,
     dtype: str,
     system: str | None = None,
+    quantize: str | None = None,
     raw: bool = False,
     out: TextIO | None = None,
     err: TextIO | None = None,
@@ -40,7 +41,7 @@ def stream_generation(
     err = sys.stderr if err is None else err
     t0 = time.perf_counter()
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    with SyncEngine.from_pretrained(model, dtype=torch_dtype) as engine:
+    with SyncEngine.from_pretrained(model, dtype=torch_dtype, quantize=quantize) as engine:
         ids = chat_prompt_ids(engine.tokenizer, prompt, system=system, raw=raw)
         t_loaded = time.perf_counter()
         prompt_block, answer = engine.block("prompt"), engine.block("answer")
@@ -58,7 +59,7 @@ def stream_generation(
     rate = (count - 1) / decode_s if count > 1 and decode_s > 0 else float("nan")
     print(
         f"[{count} tokens; load {t_loaded - t0:.2f}s, prompt {len(ids)} tokens + first token {first:.2f}s, "
-        f"decode {rate:.1f} tok/s, {dtype}]",
+        f"decode {rate:.1f} tok/s, {dtype}{', int8 weights' if quantize else ''}]",
         file=err,
     )
     return count
@@ -82,6 +83,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         system=args.system,
         raw=args.raw,
+        quantize=args.quantize,
     )
     return 0
 
@@ -122,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"most new tokens (default: {max_tokens})",
         )
         q.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: float32)")
+        q.add_argument("--quantize", choices=("int8",), default=None, help="weight-only int8 linear layers (Llama and Qwen3 families; default: none)")
 
     p = sub.add_parser(
         "generate",

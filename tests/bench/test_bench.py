@@ -72,8 +72,11 @@ def test_prefill_decode_quick(tiny_folder, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "prefill" in out and "decode" in out and "cothink / transformers" in out
     data = json.loads((tmp_path / "prefill_decode.json").read_text())
-    assert set(data["results"]) == {"float32", "bfloat16"}
+    assert set(data["results"]) == {"float32", "bfloat16", "int8"}
+    assert "limits measured in this run" in out and "of limit" in out
     for res in data["results"].values():
+        assert res["limits"]["gemv_gb_s"] > 0 and res["limits"]["decode_tok_s"] > 0
+        assert 0 < res["decode"]["of_limit"] and all(0 < r["of_limit"] for r in res["prefill"])
         assert [r["length"] for r in res["prefill"]] == [16, 48]
         assert all(r["cothink_tok_s"] > 0 and r["hf_tok_s"] > 0 and r["ratio"] > 0 for r in res["prefill"])
         assert res["decode"]["tokens"] == 4 and res["decode"]["cothink_tok_s"] > 0

@@ -34,7 +34,8 @@ async def test_overdue_works_are_dropped_unrun():
 async def test_work_waiting_for_memory_is_dropped_at_its_deadline():
     probe = make_engine("llama")
     per_token = probe.memory().kv_bytes_per_token
-    engine = make_engine("llama", page_size=16, memory_budget=64 * per_token, pool_wait_s=60)
+    # no spilling: the second extend has to wait for memory the first block keeps
+    engine = make_engine("llama", page_size=16, memory_budget=64 * per_token, pool_wait_s=60, spill=False)
     async with engine:
         first = engine.block("first")
         await engine.extend(first, token_ids=ids(64, 2))

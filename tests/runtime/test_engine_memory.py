@@ -57,7 +57,7 @@ async def test_budget_counts_gdn_records_in_admission():
 async def test_budget_waits_until_memory_is_released():
     probe = make_engine("qwen35", page_size=16)
     per_token = probe.memory().kv_bytes_per_token + probe.memory().linear_bytes_per_token
-    engine = make_engine("qwen35", page_size=16, memory_budget=100 * per_token, pool_wait_s=30)
+    engine = make_engine("qwen35", page_size=16, memory_budget=100 * per_token, pool_wait_s=30, spill=False)
     async with engine:
         first = engine.block("first")
         await engine.extend(first, token_ids=ids(64, 3))

@@ -15,7 +15,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from cothink.scheduler.policy import Admission, FairShares, Priority, PriorityClass, SchedulerConfig, plan_step
+from cothink.scheduler.policy import (
+    Admission,
+    FairShares,
+    Priority,
+    PriorityClass,
+    SchedulerConfig,
+    plan_step,
+)
 from support import ids, make_engine, until
 
 INTERACTIVE, BACKGROUND = PriorityClass.INTERACTIVE, PriorityClass.BACKGROUND

@@ -385,6 +385,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype (default: float32)"
     )
+    p.add_argument("--quantize", choices=("int8",), default=None, help="weight-only int8 linear layers (Llama and Qwen3 families; default: none)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0; decoding is greedy)")
     p.add_argument(
         "--narrate-every",
@@ -444,7 +445,7 @@ def run_with_result(args: argparse.Namespace, console: Any = None) -> DemoResult
 
     t0 = time.perf_counter()
     with console.status(f"loading {args.model} ({args.dtype})…", spinner="dots") if live else _nullcontext():
-        engine = cothink.Engine.from_pretrained(args.model, dtype=dtype)
+        engine = cothink.Engine.from_pretrained(args.model, dtype=dtype, quantize=args.quantize)
     console.print(
         f"[dim]loaded {args.model} ({args.dtype}, {torch.get_num_threads()} threads) "
         f"in {time.perf_counter() - t0:.1f}s[/dim]"

@@ -55,6 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="soak duration in seconds per model (default: 30 with --quick, 600 otherwise)",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
+    p.add_argument("--quantize", choices=("int8",), default=None, help="weight-only int8 linear layers (Llama and Qwen3 families; default: none)")
     p.add_argument(
         "--threads",
         default="auto",
@@ -162,7 +163,7 @@ def run(args: argparse.Namespace) -> int:
     with console.status("loading models") as status:
         for key in model_keys:
             status.update(f"loading {key}")
-            loaded.append(model_zoo.load(key, dtype))
+            loaded.append(model_zoo.load(key, dtype, quantize=args.quantize))
             status.update(f"calibrating {key}")
             speed = _calibrate(loaded[-1])
             loaded[-1].info["calibration"] = {
@@ -182,7 +183,8 @@ def run(args: argparse.Namespace) -> int:
         f"(estimated from the calibration above; load on the machine changes it)"
     )
 
-    config = report.environment(command, threads, reason, args.dtype, loaded)
+    dtype_label = f"{args.dtype} (int8 weights)" if args.quantize else args.dtype
+    config = report.environment(command, threads, reason, dtype_label, loaded)
     config.update(quick=args.quick, suites=suites, plans=plans, seed=args.seed, expected_duration_s=expected)
     results: list[SuiteResult] = []
     progress = Progress(

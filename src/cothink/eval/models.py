@@ -175,8 +175,11 @@ class ModelHandle:
         return chat_prompt_ids(self.tokenizer, user, system=system)
 
 
-def load(key: str, dtype: torch.dtype = torch.float32, max_context: int = 20000) -> ModelHandle:
-    """Load 'smollm2', 'qwen35-random' or a local folder (which must have a tokenizer)."""
+def load(
+    key: str, dtype: torch.dtype = torch.float32, max_context: int = 20000, quantize: str | None = None
+) -> ModelHandle:
+    """Load 'smollm2', 'qwen35-random' or a local folder (which must have a tokenizer); `quantize`
+    as in load_model ("int8" refuses model families it does not support)."""
     from cothink.execution.runner import load_model
     from cothink.models.hub import resolve_model_path
 
@@ -192,7 +195,7 @@ def load(key: str, dtype: torch.dtype = torch.float32, max_context: int = 20000)
         )
     t0 = time.perf_counter()
     # A minimal pool for the loading runner: the suites make their own engines.
-    runner = load_model(folder, "cpu", dtype, kv_tokens=16, max_context=max_context)
+    runner = load_model(folder, "cpu", dtype, kv_tokens=16, max_context=max_context, quantize=quantize)
     load_s = time.perf_counter() - t0
     if runner.tokenizer is None:
         raise ValueError(f"model {key!r} has no tokenizer; the evaluation needs one")

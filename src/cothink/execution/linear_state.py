@@ -88,9 +88,13 @@ def apply_block(
 def seal_records(mixer: GatedDeltaNet, rec: LinearRecords, length: int) -> LinearRecords | SealedRecords:
     """What a sealed block of `length` tokens keeps for this layer (see SealedRecords).
 
-    Blocks shorter than 2W+1 tokens keep their records: they are as small as a sealed form."""
-    w = mixer.cfg.conv_kernel - 1
-    if w == 0 or length < 2 * (w + 1) + 1:
+    A block whose records are no larger than the sealed form (a [HV, K, V+K] fp32 summary plus 2W-1
+    token records; short blocks) keeps its records: sealing never makes a block bigger."""
+    g = mixer.cfg
+    w = g.conv_kernel - 1
+    row_bytes = rec.rows.row_bytes + rec.g.row_bytes + rec.beta.row_bytes
+    summary_bytes = g.num_v_heads * g.k_dim * (g.v_dim + g.k_dim) * 4
+    if w == 0 or length < 2 * (w + 1) + 1 or length * row_bytes <= summary_bytes + (2 * w + 1) * row_bytes:
         return rec
     body_end = length - 1  # the summary stops before the last token, so L-1 stays readable
     if rec.summary is not None and rec.summary_covers == body_end:

@@ -199,6 +199,11 @@ class ViewBatch:
             {} for _ in items
         ]
 
+    @property
+    def rows(self) -> int:
+        """Token rows this step computes (every item's new tokens)."""
+        return sum(p.size for p in self.plans)
+
     @staticmethod
     def _starts(items: list[StepItem]) -> list[int]:
         starts, row = [], 0

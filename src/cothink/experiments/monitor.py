@@ -512,6 +512,12 @@ def run_experiment(
     return save(out, config, rows, final=True)
 
 
+def render(out: Path) -> Results[MonitorConfig, MonitorRow]:
+    """Recompute the summary, report and plot of a saved results.json (e.g. of a run cut short)."""
+    saved = harness.read_results(out / "results.json", MonitorConfig, MonitorRow)
+    return save(out, saved.config, saved.rows, final=True)
+
+
 def save(out: Path, config: MonitorConfig, rows: list[MonitorRow], *, final: bool
          ) -> Results[MonitorConfig, MonitorRow]:
     """Write results.json and report.md (after every task too, so a cut-short run keeps its rows);

@@ -337,6 +337,8 @@ def summarize(rows: Sequence[VizdoomRow]) -> dict[str, Any]:
             ):
                 m, se = mean_se([float(getattr(r, attr)) for r in rs])
                 entry[f"{key}_mean"], entry[f"{key}_se"] = m, se
+            # episodes that ended before the agent pressed anything have no latency (not averaged in)
+            entry["episodes_without_action"] = sum(r.actions == 0 for r in rs)
             out[sc][st] = entry
     return out
 
@@ -397,6 +399,7 @@ def report(results: Results[VizdoomConfig, VizdoomRow]) -> str:
                     "± se",
                     "forward passes",
                     "actions",
+                    "episodes without action",
                 ],
                 [
                     [
@@ -408,6 +411,7 @@ def report(results: Results[VizdoomConfig, VizdoomRow]) -> str:
                         e["latency_se"],
                         e["forward_passes_mean"],
                         e["actions_mean"],
+                        int(e.get("episodes_without_action", 0)),
                     ]
                     for st, e in by_strategy.items()
                 ],
@@ -512,6 +516,7 @@ def run_experiment(
                 "attempts": len(outcome.attempts),
                 "issues": [str(i) for a in outcome.attempts for i in a.issues][:10],
                 "layout": outcome.layout.name,
+                "proposals": [a.text[:400] for a in outcome.attempts],
             }
     with harness.progress(len(jobs), "vizdoom episodes", enabled=show_progress) as advance:
         for sc_name, strategy, episode in jobs:
@@ -529,6 +534,12 @@ def run_experiment(
             save(out, config, rows, final=False)
     config.wall_s = time.perf_counter() - t0
     return save(out, config, rows, final=True)
+
+
+def render(out: Path) -> Results[VizdoomConfig, VizdoomRow]:
+    """Recompute the summary, report and plot of a saved results.json (e.g. of a run cut short)."""
+    saved = harness.read_results(out / "results.json", VizdoomConfig, VizdoomRow)
+    return save(out, saved.config, saved.rows, final=True)
 
 
 def save(out: Path, config: VizdoomConfig, rows: list[VizdoomRow], *, final: bool

@@ -31,7 +31,26 @@ class Rotary:
         self.scaling = float(scaling)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [len(positions), rotary_dim] in fp32 (halves duplicated, HF layout)."""
+        """cos and sin of shape [len(positions), rotary_dim] in fp32 (halves duplicated, HF layout).
+
+        On CPU, non-negative positions are looked up in a table computed with the same formula
+        (grown by doubling), so a step pays two index ops per run instead of building them."""
+        if positions.device.type == "cpu" and positions.numel():
+            lo, hi = int(positions.min()), int(positions.max())
+            if lo >= 0:
+                if hi >= self._table_size:
+                    self._grow(hi + 1)
+                return self._cos[positions], self._sin[positions]
+        return self._compute(positions)
+
+    _table_size = 0
+
+    def _grow(self, n: int) -> None:
+        size = max(n, 2 * self._table_size, 1024)
+        self._cos, self._sin = self._compute(torch.arange(size, device=self.inv_freq.device))
+        self._table_size = size
+
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos() * self.scaling, emb.sin() * self.scaling

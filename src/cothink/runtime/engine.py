@@ -72,7 +72,9 @@ __all__ = [
 
 log = logging.getLogger("cothink.engine")
 
-_RUNNER_KEYS = {"kv_tokens", "page_size", "max_context", "dense_summary_min_tokens", "attention_backend"}
+_RUNNER_KEYS = {
+    "kv_tokens", "page_size", "max_context", "dense_summary_min_tokens", "attention_backend", "quantize",
+}
 
 
 @dataclass
@@ -121,7 +123,7 @@ class Engine:
         **limits: Any,
     ) -> Engine:
         """Load a model; limits: kv_tokens, page_size, max_context, dense_summary_min_tokens,
-        attention_backend (runner),
+        attention_backend, quantize ("int8": weight-only int8 linears) (runner),
         max_batch_tokens, max_batch_items, max_prefill_chunk, background_min_tokens,
         interactive_step_tokens (scheduler), on_pool_full, pool_wait_s, max_input_tokens, threads,
         memory_budget (engine). With a memory_budget and no kv_tokens, the KV pool is sized so the

@@ -29,6 +29,7 @@ from cothink.errors import BlockBusyError, DeadlineExceededError, InputTooLongEr
 from cothink.execution.runner import ForwardResult, ModelRunner
 from cothink.execution.sampling import sample
 from cothink.execution.step import StepItem, ViewBatch
+from cothink.execution.threads import step_threads, use_threads
 from cothink.memory.block import Block
 from cothink.scheduler.accounting import Accounting, StepItemRecord, StepRecord
 from cothink.scheduler.budget import MemoryBudget
@@ -246,8 +247,8 @@ class Scheduler:
     def _forward(self, batch: ViewBatch) -> ForwardResult:
         """Worker thread: one forward pass; holds the memory lock `_run` took for it."""
         try:
-            if torch.get_num_threads() != self.threads:
-                torch.set_num_threads(self.threads)
+            # small decode steps stream weights on one thread; wide steps use them all
+            use_threads(step_threads(batch.rows, self.threads))
             return self.runner.forward(batch)
         finally:
             self.ownership.memory_lock.release()

@@ -60,6 +60,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="at shutdown, write the step timeline as a Chrome trace (FILE, .json) and a PNG next to it",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--quantize", choices=("int8",), default=None, help="weight-only int8 linear layers (Llama and Qwen3 families; default: none)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-tokens", type=_positive, default=None, help="KV pool size in tokens")
     p.add_argument("--max-tokens-per-request", type=_positive, default=d.max_tokens_per_request)
@@ -160,6 +161,8 @@ def run(args: argparse.Namespace) -> int:
         )
     provider = configure_tracing()
     limits = {"kv_tokens": args.kv_tokens} if args.kv_tokens else {}
+    if args.quantize:
+        limits["quantize"] = args.quantize
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     log.info("loading model %s", args.model)
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, **limits)

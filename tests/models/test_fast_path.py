@@ -1,0 +1,112 @@
+"""The fast path (fused projections, RoPE tables, per-step threads) against the eager path and
+transformers, and the opt-in weight-only int8 (quality bound, refusal of unsupported families)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference import max_err, random_ids
+
+import cothink
+from cothink.errors import InvalidParameterError, UnsupportedModelError
+from cothink.execution.threads import SINGLE_THREAD_MAX_ROWS, step_threads
+from cothink.models.quantize import Int8Linear
+from cothink.ops.rope import Rotary
+
+EXACT = 1e-4  # fp32 logits: fast path vs eager path vs transformers
+FAMILIES = ["llama", "llama3", "qwen3", "qwen35"]
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_fast_path_fp32_logits_match_eager_and_transformers(tiny_model, record_error, name):
+    tm = tiny_model(name)
+    ids = random_ids(40, seed=5)
+    fast, eager = tm.runner(), tm.runner(fast=False)
+    assert fast.model.model.layers[0].mlp.gate_up_proj is not None
+    assert eager.model.model.layers[0].mlp.gate_up_proj is None
+    want = tm.logits(ids)
+    logits = {}
+    for label, runner in (("fast", fast), ("eager", eager)):
+        block = runner.new_block()
+        prefill = runner.extend(block, ids[:32])
+        decode = torch.cat([runner.extend(block, [t]) for t in ids[32:]])
+        logits[label] = torch.cat([prefill, decode])
+    assert record_error("fast vs eager", name, max_err(logits["fast"], logits["eager"])) < EXACT
+    assert record_error("fast vs transformers", name, max_err(logits["fast"], want)) < EXACT
+
+
+def test_fused_parts_view_the_fused_weight(tiny_model):
+    """The HF-named projections keep working after fusion and cost no memory of their own."""
+    attn = tiny_model("llama").runner().model.model.layers[0].self_attn
+    fused = attn.qkv_proj.weight
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.untyped_storage().data_ptr()
+    assert torch.equal(torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]), fused)
+
+
+def test_rope_table_equals_the_formula():
+    from transformers import LlamaConfig
+
+    rotary = Rotary(LlamaConfig(rope_parameters={"rope_type": "default", "rope_theta": 10000.0}), 16)
+    pos = torch.tensor([0, 5, 1023, 3000, 7])  # 3000 grows the table
+    cos, sin = rotary.cos_sin(pos)
+    cos_ref, sin_ref = rotary._compute(pos)
+    assert torch.equal(cos, cos_ref) and torch.equal(sin, sin_ref)
+    neg = torch.tensor([-3, 2])  # negative positions take the formula
+    assert torch.equal(rotary.cos_sin(neg)[0], rotary._compute(neg)[0])
+
+
+def test_step_threads_policy():
+    assert step_threads(1, 2) == 1 and step_threads(SINGLE_THREAD_MAX_ROWS, 8) == 1
+    assert step_threads(SINGLE_THREAD_MAX_ROWS + 1, 2) == 2 and step_threads(512, 0) == 1
+
+
+def test_passive_openmp_is_the_default_unless_set():
+    import os
+
+    assert os.environ.get("OMP_WAIT_POLICY")  # import cothink sets it when the user did not
+
+
+# ---- weight-only int8 ------------------------------------------------------------------------------
+
+
+def test_int8_logits_close_and_greedy_mostly_agrees(tiny_model, record_error):
+    tm = tiny_model("llama")
+    q = tm.runner(quantize="int8")
+    layers = q.model.model.layers
+    assert isinstance(layers[0].self_attn.qkv_proj, Int8Linear) and isinstance(q.model.lm_head, Int8Linear)
+    assert layers[0].self_attn.q_proj is None  # no dense copy of a quantized weight stays alive
+    ids = random_ids(24, seed=7)
+    want = tm.logits(ids)
+    block = q.new_block()
+    got = torch.cat([q.extend(block, ids[:20]), *(q.extend(block, [t]) for t in ids[20:])])  # both kernels
+    rel = max_err(got, want) / want.abs().max().item()
+    record_error("int8 vs fp32 (relative)", "llama", rel)
+    assert rel < 0.05  # per-row int8 weights with bf16 activations: a few percent, never garbage
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= 0.75
+
+
+def test_int8_kernel_and_dequantized_paths_agree():
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(64, 48, bias=True)
+    layer = Int8Linear(dense.weight, dense.bias)
+    x = torch.randn(40, 64)
+    wide, narrow = layer(x), torch.cat([layer(x[i : i + 1]) for i in range(40)])
+    assert max_err(wide, narrow) < 0.05
+    assert max_err(wide, dense(x)) < 0.05 * dense(x).abs().max().item()
+
+
+def test_int8_refuses_unsupported_families_and_modes(tiny_model):
+    with pytest.raises(UnsupportedModelError, match="quantize"):
+        tiny_model("qwen35").runner(quantize="int8")
+    with pytest.raises(InvalidParameterError, match="quantize"):
+        tiny_model("llama").runner(quantize="int4")
+
+
+async def test_engine_from_pretrained_int8(tiny_model):
+    engine = cothink.Engine.from_pretrained(tiny_model("qwen3").folder, quantize="int8")
+    async with engine:
+        block = engine.block("q")
+        await engine.extend(block, token_ids=random_ids(6, seed=9))
+        result = await engine.generate(block, max_tokens=4, stop_at_eos=False).collect()
+    assert len(result.token_ids) == 4
