@@ -23,12 +23,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `import cothink` does; must precede torch
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402

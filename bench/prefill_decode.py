@@ -222,7 +222,8 @@ async def measure_dtype(
             out["contention"] = await contention(args, engine, hf, prompt, ids_first(args, vocab), out)
             c = out["contention"]
             console.print(
-                f"  one core busy: decode {c['decode_tok_s']:.1f} tok/s ({c['decode_of_quiet']:.2f} of quiet; "
+                f"  one core busy: decode {c['decode_tok_s']:.1f} tok/s "
+                f"({c['decode_of_quiet']:.2f} of quiet; "
                 f"transformers {c['hf_decode_tok_s']:.1f}), prefill {c['length']} "
                 f"{c['prefill_tok_s']:.1f} tok/s ({c['prefill_of_quiet']:.2f} of quiet)"
             )
@@ -267,7 +268,8 @@ def tables(results: dict[str, Any]) -> list[Any]:
                 "of limit", "vs cothink bf16"):
         dec.add_column(col, justify="left" if col == "dtype" else "right")
     lim = Table(title="limits measured in this run", title_justify="left")
-    for col in ("dtype", "GEMV GB/s", "weights MiB", "decode limit tok/s", "GEMM GFLOP/s", "prefill limit tok/s"):
+    for col in ("dtype", "GEMV GB/s", "weights MiB", "decode limit tok/s", "GEMM GFLOP/s",
+                "prefill limit tok/s"):
         lim.add_column(col, justify="left" if col == "dtype" else "right")
     con = Table(title="one core busy (another process), cothink", title_justify="left")
     for col in ("dtype", "decode tok/s", "of quiet", "transformers decode", "prefill tok/s", "of quiet"):

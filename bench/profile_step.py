@@ -59,7 +59,8 @@ def _profile(fn, steps: int) -> dict[str, Any]:
         "op_ms": op_us / 1e3,
         "ops_per_step": count,
         "top": [
-            {"op": e.key, "ms": e.self_cpu_time_total / steps / 1e3, "count": e.count / steps} for e in top[:40]
+            {"op": e.key, "ms": e.self_cpu_time_total / steps / 1e3, "count": e.count / steps}
+            for e in top[:40]
         ],
     }
 
@@ -68,7 +69,6 @@ def profile_dtype(args: argparse.Namespace, folder: Path, dtype_name: str) -> di
     from transformers import DynamicCache
 
     from cothink.execution.runner import load_model
-    from cothink.execution.step import StepItem
 
     dtype = C.DTYPES[dtype_name]
     vocab = C.vocab_size(folder)
@@ -107,7 +107,9 @@ def profile_dtype(args: argparse.Namespace, folder: Path, dtype_name: str) -> di
     def hf_prefill() -> None:
         hf(torch.tensor([prompt]), past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
 
-    out["decode"] = {"cothink": _profile(co_decode, args.steps), "transformers": _profile(hf_decode, args.steps)}
+    out["decode"] = {
+        "cothink": _profile(co_decode, args.steps), "transformers": _profile(hf_decode, args.steps)
+    }
     out["prefill"] = {"cothink": _profile(co_prefill, 2), "transformers": _profile(hf_prefill, 2)}
     return out
 
@@ -118,7 +120,8 @@ def report(console: Any, dtype: str, res: dict[str, Any], top: int) -> None:
         console.print(
             f"[bold]{dtype} {phase}[/bold]: cothink {co['wall_ms']:.1f} ms/step "
             f"(ops {co['op_ms']:.1f} ms, {co['ops_per_step']:.0f} ops), transformers {hf['wall_ms']:.1f} ms "
-            f"(ops {hf['op_ms']:.1f} ms, {hf['ops_per_step']:.0f} ops); ratio {hf['wall_ms'] / co['wall_ms']:.2f}"
+            f"(ops {hf['op_ms']:.1f} ms, {hf['ops_per_step']:.0f} ops); "
+            f"ratio {hf['wall_ms'] / co['wall_ms']:.2f}"
         )
         for name, side in (("cothink", co), ("transformers", hf)):
             rows = ", ".join(f"{t['op']} {t['ms']:.2f}ms x{t['count']:.0f}" for t in side["top"][:top])
@@ -131,15 +134,22 @@ def main(argv: list[str] | None = None) -> int:
     console = C.console()
     folder = C.model_folder(args.model)
     info = C.machine()
-    console.print(f"profile: {args.model} on {info['processor']}, {args.threads} threads, load {info['load_avg_1min_at_start']}")
+    console.print(
+        f"profile: {args.model} on {info['processor']}, {args.threads} threads, "
+        f"load {info['load_avg_1min_at_start']}"
+    )
     results = {}
     for dtype in args.dtypes:
         results[dtype] = profile_dtype(args, folder, dtype)
         report(console, dtype, results[dtype], args.top)
     C.write_json(
         args.out / "profile_step.json",
-        {"benchmark": "profile_step", "machine": info, "settings": {k: v for k, v in vars(args).items() if k != "out"},
-         "results": results},
+        {
+            "benchmark": "profile_step",
+            "machine": info,
+            "settings": {k: v for k, v in vars(args).items() if k != "out"},
+            "results": results,
+        },
     )
     return 0
 

@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"most new tokens (default: {max_tokens})",
         )
         q.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: float32)")
-        q.add_argument("--quantize", choices=("int8",), default=None, help="weight-only int8 linear layers (Llama and Qwen3 families; default: none)")
+        q.add_argument("--quantize", choices=("int8",), default=None, help="int8 weights (Llama, Qwen3)")
 
     p = sub.add_parser(
         "generate",

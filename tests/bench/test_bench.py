@@ -83,6 +83,20 @@ def test_prefill_decode_quick(tiny_folder, tmp_path, capsys):
     assert (tmp_path / "prefill_decode.png").stat().st_size > 1000
 
 
+def test_prefill_decode_contention_and_int8(tiny_folder, tmp_path, capsys):
+    bench = _load("prefill_decode")
+    argv = ["--quick", "--model", str(tiny_folder), "--out", str(tmp_path), "--dtypes", "bfloat16", "int8",
+            "--lengths", "48", "--decode-tokens", "4", "--decode-prompt", "8", "--repeats", "1",
+            "--contention"]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "one core busy" in out and "vs cothink bf16" in out
+    data = json.loads((tmp_path / "prefill_decode.json").read_text())
+    for res in data["results"].values():
+        c = res["contention"]
+        assert c["decode_tok_s"] > 0 and c["prefill_tok_s"] > 0 and c["decode_of_quiet"] > 0
+
+
 def test_coroutines_quick(tiny_folder, tmp_path, capsys):
     bench = _load("coroutines")
     argv = [

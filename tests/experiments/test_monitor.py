@@ -242,4 +242,5 @@ def test_quick_run_rows(tiny, tmp_path):
     summary = raw["summary"]
     assert {"focus-on", "focus-off", "turn-based"} <= set(summary)
     assert {"accuracy", "forward_passes", "processed_share"} <= set(summary["turn-based"])
+    assert [r.model_dump() for r in mon.render(out).rows] == rows
     assert _children() == before

@@ -107,6 +107,7 @@ def test_quick_run_rows_latency_in_passes(tiny, tmp_path):
             assert seq.mean_latency_passes > actor.mean_latency_passes
         assert rows[(sc, "random")].forward_passes == 0 and rows[(sc, "random")].mean_latency_passes == 0
     assert set(results.summary) == set(SCENARIOS)
+    assert vd.render(out).rows == results.rows  # a saved run re-renders (summary, report, plot)
     entry = results.summary["deadly_corridor"]["async"]
     assert {"reward_mean", "reward_se", "latency_mean", "latency_se"} <= set(entry)
 

@@ -77,7 +77,8 @@ def test_linear_bytes_per_token_matches_the_records(store):
     g = store.cfg.gdn
     # per linear layer: the pre-conv row (fp32 here) and g, beta (fp32, one per value head)
     assert store.linear_bytes_per_token == len(store.linear_slot) * (g.conv_dim * 4 + 2 * g.num_v_heads * 4)
-    assert store.kv_bytes_per_token == 2 * len(store.attn_slot) * store.cfg.num_kv_heads * store.cfg.head_dim * 4
+    cfg = store.cfg
+    assert store.kv_bytes_per_token == 2 * len(store.attn_slot) * cfg.num_kv_heads * cfg.head_dim * 4
     block = store.new_block()
     _grow(store, block, 10)
     stats = store.stats()

@@ -110,3 +110,31 @@ async def test_engine_from_pretrained_int8(tiny_model):
         await engine.extend(block, token_ids=random_ids(6, seed=9))
         result = await engine.generate(block, max_tokens=4, stop_at_eos=False).collect()
     assert len(result.token_ids) == 4
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen35"])
+def test_bf16_prepacked_linears_match_the_eager_bf16_path(tiny_model, record_error, name):
+    from cothink.models.packing import PackedLinear, can_pack
+
+    if not can_pack(torch.bfloat16, "cpu"):
+        pytest.skip("oneDNN without bfloat16 kernels on this CPU")
+    tm = tiny_model(name)
+    fast, eager = tm.runner(dtype=torch.bfloat16), tm.runner(dtype=torch.bfloat16, fast=False)
+    assert isinstance(fast.model.lm_head, PackedLinear)
+    ids = random_ids(24, seed=11)
+    got = {}
+    for label, runner in (("fast", fast), ("eager", eager)):
+        block = runner.new_block()
+        prefill = runner.extend(block, ids[:16])
+        got[label] = torch.cat([prefill, *(runner.extend(block, [t]) for t in ids[16:])])
+    err = max_err(got["fast"], got["eager"])
+    record_error("bf16 packed vs eager", name, err)
+    assert err < 0.02 * got["eager"].abs().max().item()
+    # batch invariance: the same decode step alone and next to a prefill chunk
+    block_a, block_b = fast.new_block(), fast.new_block()
+    fast.extend(block_a, ids[:8])
+    alone = fast.extend(fast.fork(block_a), [ids[8]])
+    from cothink.execution.step import StepItem
+
+    together = fast.step([StepItem(block_a, [ids[8]]), StepItem(block_b, ids[:12])])[0]
+    assert torch.equal(alone, together)

@@ -163,3 +163,33 @@ async def test_sealed_block_refuses_mutation():
             engine.fork(block)
         assert issubclass(BlockSealedError, ValueError) and engine.memory().sealed_blocks == 1
         assert len(block) == 40
+
+
+async def test_sealing_a_short_block_keeps_its_records():
+    engine = make_engine("qwen35")
+    async with engine:
+        block = engine.block("short")
+        await engine.extend(block, token_ids=ids(12, 7))  # records smaller than a summary
+        before = engine.memory().linear_bytes_used
+        engine.seal(block)
+        assert block.sealed and engine.memory().linear_bytes_used == before
+
+
+async def test_auto_seal_seals_finished_generations_only_when_asked():
+    for auto in (False, True):
+        engine = make_engine("qwen35", auto_seal=auto)
+        async with engine:
+            ctx, out = engine.block("ctx"), engine.block("out")
+            await engine.extend(ctx, token_ids=ids(30, 8))
+            result = await engine.generate([ctx, out], max_tokens=40, stop_at_eos=False).collect()
+            assert result.finish_reason == "length"
+            assert out.sealed is auto and not ctx.sealed
+            if auto:
+                with pytest.raises(BlockSealedError):
+                    await engine.extend(out, token_ids=[1])
+                # a cancelled generation's block is not sealed
+                other = engine.block("other")
+                gen = engine.generate([ctx, other], max_tokens=1000, stop_at_eos=False)
+                async for _ in gen:
+                    break
+                assert not other.sealed

@@ -34,6 +34,8 @@ _EXPORTS = {
     "Monitor": "cothink.agents.monitor",
     "MonitorResult": "cothink.agents.monitor",
     "Finding": "cothink.agents.monitor",
+    "RollingContext": "cothink.agents.rolling",
+    "RollingStats": "cothink.agents.rolling",
 }
 __all__ = sorted(_EXPORTS)
 

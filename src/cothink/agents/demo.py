@@ -385,7 +385,7 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype (default: float32)"
     )
-    p.add_argument("--quantize", choices=("int8",), default=None, help="weight-only int8 linear layers (Llama and Qwen3 families; default: none)")
+    p.add_argument("--quantize", choices=("int8",), default=None, help="int8 weights (Llama, Qwen3)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0; decoding is greedy)")
     p.add_argument(
         "--narrate-every",

@@ -55,7 +55,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="soak duration in seconds per model (default: 30 with --quick, 600 otherwise)",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-    p.add_argument("--quantize", choices=("int8",), default=None, help="weight-only int8 linear layers (Llama and Qwen3 families; default: none)")
+    p.add_argument("--quantize", choices=("int8",), default=None, help="int8 weights (Llama, Qwen3)")
     p.add_argument(
         "--threads",
         default="auto",

@@ -57,10 +57,13 @@ class KeyRun:
     """
 
     slots: torch.Tensor  # [L] flat pool slots of the run's keys
-    cos: torch.Tensor  # [T, rotary_dim]: rotate the item's queries to positions relative to the run's block
+    # [T, 1, rotary_dim] in the model dtype (Rotary.prepare): rotate the item's queries to positions
+    # relative to the run's block
+    cos: torch.Tensor
     sin: torch.Tensor
     causal: bool  # T == L and query row t sees keys 0..t (the tokens the item writes in this step)
     shared: RunKey | None  # set for a block before the writer (another item may read it); None: the writer's
+    span: tuple[int, int] | None = None  # slots are exactly the range [a, b): read keys as a view, no gather
 
 
 @dataclass
@@ -181,7 +184,7 @@ class ViewBatch:
         self.cache = cache if cache is not None else ExecutionCache()
         self.scale = store.cfg.head_dim**-0.5
         self.plans = [self._plan(item, row) for item, row in zip(items, self._starts(items))]
-        self.key_rotation = rotary.cos_sin(
+        self.key_rotation = self._rotation(
             torch.cat([torch.arange(p.start, p.start + p.size) for p in self.plans]).to(store.device)
         )
         # this step's keys go to the slots after each writer's old tokens
@@ -224,26 +227,39 @@ class ViewBatch:
         offset = 0
         for block, length in zip(item.view[:-1], before):
             if length:
-                cos, sin = self.rotary.cos_sin(writer_pos - offset)  # positions relative to this block
-                run = KeyRun(store.slots(block, 0, length), cos, sin, False, RunKey(block.id, length))
+                cos, sin = self._rotation(writer_pos - offset)  # positions relative to this block
+                slots = store.slots(block, 0, length)
+                run = KeyRun(slots, cos, sin, False, RunKey(block.id, length), _span(slots))
                 plan.runs.append(run)
             offset += length
-        cos, sin = self.rotary.cos_sin(writer_pos - offset)  # positions relative to the writer block
+        cos, sin = self._rotation(writer_pos - offset)  # positions relative to the writer block
         slots = store.slots(item.block, 0, start + n)
         plan.new_slots = slots[start:]
         if n == 1:  # a single new token sees its whole block: one run
-            plan.runs.append(KeyRun(slots, cos, sin, False, None))
+            plan.runs.append(KeyRun(slots, cos, sin, False, None, _span(slots)))
         else:
             if start:
-                plan.runs.append(KeyRun(slots[:start], cos, sin, False, None))
-            plan.runs.append(KeyRun(slots[start:], cos, sin, True, None))
+                plan.runs.append(KeyRun(slots[:start], cos, sin, False, None, _span(slots[:start])))
+            plan.runs.append(KeyRun(slots[start:], cos, sin, True, None, _span(slots[start:])))
         return plan
+
+    def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepared rotation tables (Rotary.prepare) for `positions`, in the pool's dtype."""
+        return self.rotary.prepare(*self.rotary.cos_sin(positions), self.store.dtype)
+
+    def _keys(self, slot: int, run: KeyRun) -> tuple[torch.Tensor, torch.Tensor]:
+        """A run's keys and values in one layer: a view when its slots are one range, else gathered."""
+        pool = self.store.pool
+        if run.span is not None:
+            a, b = run.span
+            return pool.k[slot, a:b], pool.v[slot, a:b]
+        return pool.k[slot, run.slots], pool.v[slot, run.slots]
 
     # ---- full attention --------------------------------------------------------------------
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         slot = self.store.attn_slot[layer]
         pool, backend = self.store.pool, self.backend
-        pool.k[slot, self.write_slots] = self.rotary.apply(k, *self.key_rotation)
+        pool.k[slot, self.write_slots] = self.rotary.apply_prepared(k, *self.key_rotation)
         pool.v[slot, self.write_slots] = v
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if self.decode is not None:
@@ -251,7 +267,7 @@ class ViewBatch:
             outs, lses, owners = [], [], []
             for run in d.shared:
                 o, lse = backend.run(
-                    self.rotary.apply(q[run.rows], run.cos, run.sin),
+                    self.rotary.apply_prepared(q[run.rows], run.cos, run.sin),
                     pool.k[slot, run.slots],
                     pool.v[slot, run.slots],
                     self.scale,
@@ -261,7 +277,7 @@ class ViewBatch:
                 owners.append(run.owner)
             if d.rows.numel():
                 o, lse = backend.padded(
-                    self.rotary.apply(q[d.rows], d.cos, d.sin),
+                    self.rotary.apply_prepared(q[d.rows], d.cos, d.sin),
                     pool.k[slot, d.slots],
                     pool.v[slot, d.slots],
                     d.valid,
@@ -277,12 +293,9 @@ class ViewBatch:
             q_item = q[plan.rows]
             outs, lses = [], []
             for run in plan.runs:
+                k_run, v_run = self._keys(slot, run)
                 o, lse = backend.run(
-                    self.rotary.apply(q_item, run.cos, run.sin),
-                    pool.k[slot, run.slots],
-                    pool.v[slot, run.slots],
-                    self.scale,
-                    run.causal,
+                    self.rotary.apply_prepared(q_item, run.cos, run.sin), k_run, v_run, self.scale, run.causal
                 )
                 outs.append(o)
                 lses.append(lse)
@@ -355,6 +368,17 @@ class ViewBatch:
             elif item.logits == "last":
                 rows.append(plan.rows.stop - 1)
         return torch.tensor(rows, dtype=torch.long)
+
+
+def _span(slots: torch.Tensor) -> tuple[int, int] | None:
+    """(a, b) when `slots` is exactly the range a..b-1 (pages allocated one after another)."""
+    n = slots.numel()
+    if n == 0:
+        return None
+    a = int(slots[0])
+    if int(slots[-1]) != a + n - 1 or (n > 1 and not bool((slots[1:] - slots[:-1] == 1).all())):
+        return None
+    return a, a + n
 
 
 def undo(store: BlockStore, item: StepItem) -> None:

@@ -81,6 +81,16 @@ def check_quantize(mode: str | None, family: str) -> None:
         )
 
 
+def drop_fused_parts(model: nn.Module) -> None:
+    """Set the HF-named parts of every fused projection to None (the fused forward does not use
+    them; they are views that would keep the dense fused weight alive)."""
+    for module in list(model.modules()):
+        for fused, parts in _FUSED_PARTS.items():
+            if getattr(module, fused, None) is not None:
+                for part in parts:
+                    setattr(module, part, None)
+
+
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Replace every nn.Linear of `model` (after any projection fusion) by an Int8Linear, in place.
 
@@ -88,11 +98,7 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     parts (views of the fused weight, unused by the fused forward) are dropped, so no dense copy of
     a quantized weight stays alive. Per-row scales make the two orders identical.
     """
-    for module in list(model.modules()):
-        for fused, parts in _FUSED_PARTS.items():
-            if getattr(module, fused, None) is not None:
-                for part in parts:
-                    setattr(module, part, None)
+    drop_fused_parts(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):

@@ -59,6 +59,23 @@ class Rotary:
         """Rotate x [T, heads, head_dim] so that row t sits at positions[t]."""
         return self.apply(x, *self.cos_sin(positions))
 
+    def prepare(
+        self, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, rotary_dim] -> [T, 1, rotary_dim] in `dtype`, the sign of rotate_half folded
+        into sin, for `apply_prepared` (built once per step, used by every layer)."""
+        half = self.rotary_dim // 2
+        signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return cos.to(dtype)[:, None, :], signed.to(dtype)[:, None, :]
+
+    def apply_prepared(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """`apply` with tables from `prepare`: bit-identical ((-a) * s == a * (-s)), fewer ops."""
+        if self.rotary_dim == x.shape[-1]:
+            return x * cos + x.roll(self.rotary_dim // 2, dims=-1) * signed_sin
+        rot, rest = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        out = rot * cos + rot.roll(self.rotary_dim // 2, dims=-1) * signed_sin
+        return torch.cat((out, rest), dim=-1)
+
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate x [T, heads, head_dim] with precomputed cos/sin [T, rotary_dim] (see cos_sin)."""
         cos, sin = cos.to(x.dtype)[:, None, :], sin.to(x.dtype)[:, None, :]

@@ -88,7 +88,10 @@ class EngineLimits:
     threads: int | None = None  # torch threads for forward passes (default: the creating thread's)
     # bound on all block memory (KV pages + GDN records and summaries): bytes or "2GiB"; None: the pool
     memory_budget: int | str | None = None
-    spill: bool = True  # under memory pressure, write idle unpinned blocks to disk (least recently read)
+    # with a memory_budget: under memory pressure, write idle unpinned blocks to disk (least recently read)
+    spill: bool = True
+    # seal the block of every generation that finishes with "stop" or "length" (docs/runtime.md, Memory)
+    auto_seal: bool = False
     spill_dir: str | Path | None = None  # default: <cache dir>/spill/<pid>-<n>
 
 
@@ -105,13 +108,15 @@ class Engine:
             raise InvalidParameterError(str(exc), param="memory_budget") from None
         budget = MemoryBudget(runner.store, self.limits.on_pool_full, self.limits.pool_wait_s)
         spill_dir = Path(self.limits.spill_dir) if self.limits.spill_dir is not None else None
-        self._residency = Residency(runner, self._ownership, spill_dir, self.limits.spill)
-        if self.limits.spill:
+        spill = self.limits.spill and runner.store.budget_bytes is not None
+        self._residency = Residency(runner, self._ownership, spill_dir, spill)
+        if spill:
             budget.reclaim = self._residency.reclaim
         threads = self.limits.threads or torch.get_num_threads()
         self._scheduler = Scheduler(
             runner, self.limits.scheduler, budget, self._accounting, self._ownership, threads
         )
+        self._scheduler.auto_seal = self.limits.auto_seal
         self._loop_task: asyncio.Task | None = None
 
     @classmethod
@@ -126,8 +131,8 @@ class Engine:
         attention_backend, quantize ("int8": weight-only int8 linears) (runner),
         max_batch_tokens, max_batch_items, max_prefill_chunk, background_min_tokens,
         interactive_step_tokens (scheduler), on_pool_full, pool_wait_s, max_input_tokens, threads,
-        memory_budget (engine). With a memory_budget and no kv_tokens, the KV pool is sized so the
-        whole budget could be KV pages."""
+        memory_budget, spill, spill_dir, auto_seal (engine). With a memory_budget and no kv_tokens,
+        the KV pool is sized so the whole budget could be KV pages."""
         sched_keys = set(SchedulerConfig.__dataclass_fields__)
         if limits.get("memory_budget") is not None and "kv_tokens" not in limits:
             limits["kv_tokens"] = _kv_tokens_for_budget(path_or_name, dtype, limits["memory_budget"])

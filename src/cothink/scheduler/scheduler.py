@@ -93,6 +93,7 @@ class Scheduler:
         self.steps = 0
         self._seq = 0
         self._in_flight: set[Work] = set()
+        self.auto_seal = False  # seal a generation's block when it finishes (EngineLimits.auto_seal)
         self._wake: asyncio.Event | None = None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="cothink-step")
 
@@ -354,6 +355,8 @@ class Scheduler:
                 self._event(work, "first_token", ttft)
             if work.finished:
                 self._release_writer(work)
+                if self.auto_seal and isinstance(work, GenerateWork) and work.outcome in ("stop", "length"):
+                    self.runner.seal(work.block)  # between steps: no forward pass is running
         self.steps += 1
         self.accounting.step(StepRecord(self.steps, start, end, tuple(records)))
         # Retire finished works now, before their callers resume: scratch blocks and holds go at once.

@@ -60,7 +60,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="at shutdown, write the step timeline as a Chrome trace (FILE, .json) and a PNG next to it",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--quantize", choices=("int8",), default=None, help="weight-only int8 linear layers (Llama and Qwen3 families; default: none)")
+    p.add_argument("--quantize", choices=("int8",), default=None, help="int8 weights (Llama, Qwen3)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-tokens", type=_positive, default=None, help="KV pool size in tokens")
     p.add_argument("--max-tokens-per-request", type=_positive, default=d.max_tokens_per_request)
