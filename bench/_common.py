@@ -201,14 +201,28 @@ def measure_limits(dtype: torch.dtype, threads: int, quick: bool) -> dict[str, f
         n = (64 if quick else 256) * 2**20 // (k * elsize)
         w = torch.randn(n, k).to(dtype)
         x = torch.randn(1, k).to(dtype)
+        m = 256 if quick else 512
+        a, b = torch.randn(m, k).to(dtype), torch.randn(k, k).to(dtype)
         with torch.inference_mode():
             gemv_s = _best(lambda: torch.nn.functional.linear(x, w), 3 if quick else 8)
-            m = 256 if quick else 512
-            a, b = torch.randn(m, k).to(dtype), torch.randn(k, k).to(dtype)
             gemm_s = _best(lambda: torch.nn.functional.linear(a, b), 2 if quick else 4)
+            if _packable(dtype):  # the fastest kernel torch has for this dtype sets the limit
+                wp, bp = (torch.ops.mkldnn._reorder_linear_weight(t) for t in (w, b))
+                gemv_s = min(gemv_s, _best(lambda: _packed(x, wp), 3 if quick else 8))
+                gemm_s = min(gemm_s, _best(lambda: _packed(a, bp), 2 if quick else 4))
         return {"gemv_gb_s": n * k * elsize / gemv_s / 1e9, "gemm_gflop_s": 2 * m * k * k / gemm_s / 1e9}
     finally:
         torch.set_num_threads(before)
+
+
+def _packable(dtype: torch.dtype) -> bool:
+    from cothink.models.packing import can_pack
+
+    return can_pack(dtype, "cpu")
+
+
+def _packed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
 
 class BusyCore:

@@ -64,7 +64,8 @@ async def test_summary_of_evicted_blocks_stays_in_front():
 
 @pytest.mark.slow
 async def test_20k_streamed_tokens_on_smollm2():
-    """The same promise on the real SmolLM2 (slow: about 20,000 tokens of prefill)."""
+    """The same promise on the real SmolLM2 (slow: about 20,000 tokens of prefill, minutes on 2 cores).
+    Appends are one block long, so every append is in the same phase of the block chain."""
     from support import smollm2_dir
 
     from cothink import Engine
@@ -73,10 +74,11 @@ async def test_20k_streamed_tokens_on_smollm2():
     async with engine:
         ctx = RollingContext(engine, "log", block_tokens=256, max_tokens=2048)
         totals, spans = [], []
-        for i in range(STREAM // 250):
-            await ctx.append(token_ids=ids(250, i, high=engine.runner.config.vocab_size))
+        for i in range(-(-STREAM // 256)):
+            await ctx.append(token_ids=ids(256, i, high=engine.runner.config.vocab_size))
             totals.append(engine.memory().total_bytes_used)
             spans.append(ctx.position_span)
         half = len(totals) // 2
-        assert ctx.stats.appended_tokens == STREAM and max(spans) <= 2048 + 256
+        assert ctx.stats.appended_tokens >= STREAM and max(spans) <= 2048 + 256
         assert max(totals[half:]) <= max(totals[:half])
+        assert max(totals) <= (2048 // 16 + 9) * engine.memory().page_bytes  # 8 blocks + the newest

@@ -231,6 +231,9 @@ def test_quick_run_rows(tiny, tmp_path):
     assert set(raw) == {"config", "rows", "summary"}
     assert (out / "report.md").exists() and (out / "monitor.png").stat().st_size > 1000
     assert (out / "traces.jsonl").exists()
+    probes = [json.loads(line) for line in (out / "probes.jsonl").read_text().splitlines()]
+    assert {p["condition"] for p in probes} == {"focus-on", "focus-off", "turn-based"}
+    assert all(0.0 <= p["p_yes"] <= 1.0 and p["t"] >= 0 for p in probes)
     rows = raw["rows"]
     assert len(rows) == 2 * 3
     for row in rows:

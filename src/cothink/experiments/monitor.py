@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import statistics
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,7 @@ class PacedStream:
     events_processed: int = 0
     events_dropped: int = 0
     _next: int = 0  # next observation not yet handed out or dropped
+    last_index: int = -1  # the observation handed out last
     _started: bool = False
     texts: list[str] = field(default_factory=list)  # what was handed out
 
@@ -156,6 +158,7 @@ class PacedStream:
                     self.events_dropped += due - self.backlog - self._next
                     self._next = due - self.backlog
                 text = self.trace.observations[self._next].text()
+                self.last_index = self._next
                 self._next += 1
                 self.events_processed += 1
                 self.texts.append(text)
@@ -179,8 +182,23 @@ class Report:
     at_passes: int | None  # stream clock at the report (None: no finding)
 
 
+@dataclass
+class ProbeLog:
+    """P(anomaly) of every anomaly probe, with the scenario time of the newest observation it read:
+    written to `probes.jsonl` (the threshold's headroom: how far each condition's answers move)."""
+
+    entries: list[dict[str, Any]] = field(default_factory=list)
+
+    def note(self, trace: Trace, stream: PacedStream, condition: str, p_yes: float) -> None:
+        t = trace.observations[stream.last_index].t if stream.last_index >= 0 else 0.0
+        self.entries.append({"scenario": trace.scenario.id, "anomaly": trace.scenario.anomaly,
+                             "onset_s": trace.scenario.onset_s, "condition": condition, "t": t,
+                             "p_yes": round(p_yes, 5)})
+
+
 async def run_monitor_pattern(
-    engine: Any, stream: PacedStream, focus: bool, config: MonitorConfig, seed: int
+    engine: Any, stream: PacedStream, focus: bool, config: MonitorConfig, seed: int,
+    on_probe: Callable[[float], None] = lambda p: None,
 ) -> Report:
     from cothink.agents.monitor import Monitor
 
@@ -198,6 +216,7 @@ async def run_monitor_pattern(
         stop_on_finding=True,
         system=SYSTEM,
         seed=seed,
+        on_event=lambda e: on_probe(e.value) if e.kind == "probe" and e.value is not None else None,
     )
     result = await agent.run(stream)
     if result.findings:
@@ -205,7 +224,12 @@ async def run_monitor_pattern(
     return Report("none", None)
 
 
-async def run_turn_based(engine: Any, stream: PacedStream, config: MonitorConfig) -> Report:
+async def run_turn_based(
+    engine: Any,
+    stream: PacedStream,
+    config: MonitorConfig,
+    on_probe: Callable[[float], None] = lambda p: None,
+) -> Report:
     """Text passing: every observation re-encodes the whole log in a fresh context, then probes."""
     from cothink.agents.chat import ChatFormat
 
@@ -223,6 +247,7 @@ async def run_turn_based(engine: Any, stream: PacedStream, config: MonitorConfig
             )
             await engine.extend(block, prompt, name="turn-based", priority="interactive")
             p = await engine.probe([block], chat.question(QUESTION), ("Yes", "No"), name="turn-based")
+            on_probe(p["Yes"])
             if p["Yes"] >= config.threshold:
                 kinds = await engine.probe(
                     [block],
@@ -237,16 +262,23 @@ async def run_turn_based(engine: Any, stream: PacedStream, config: MonitorConfig
 
 
 async def run_condition(
-    handle: Any, trace: Trace, condition: str, config: MonitorConfig, seed: int
+    handle: Any, trace: Trace, condition: str, config: MonitorConfig, seed: int,
+    probes: ProbeLog | None = None,
 ) -> MonitorRow:
     engine = handle.engine(kv_tokens=16384)
     async with engine:
         stream = PacedStream(engine, trace, config.passes_per_event, config.backlog)
         engine.step_listeners.append(stream.on_step)
+
+        def on_probe(p: float) -> None:
+            if probes is not None:
+                probes.note(trace, stream, condition, p)
+
         if condition == "turn-based":
-            report = await run_turn_based(engine, stream, config)
+            report = await run_turn_based(engine, stream, config, on_probe)
         else:
-            report = await run_monitor_pattern(engine, stream, condition == "focus-on", config, seed)
+            focus = condition == "focus-on"
+            report = await run_monitor_pattern(engine, stream, focus, config, seed, on_probe)
         tokens = sum(s.tokens_written for s in engine.stats.values())
     sc = trace.scenario
     detect = None
@@ -501,9 +533,11 @@ def run_experiment(
     order = sorted(range(len(traces)), key=lambda i: (sum(t.scenario.anomaly == traces[i].scenario.anomaly
                                                           for t in traces[:i]), i))
     jobs = [(traces[i], c) for i in order for c in config.conditions]
+    probes = ProbeLog()
     with harness.progress(len(jobs), "monitor tasks", enabled=show_progress) as advance:
         for trace, condition in jobs:
-            rows.append(asyncio.run(run_condition(handle, trace, condition, config, config.seed)))
+            rows.append(asyncio.run(run_condition(handle, trace, condition, config, config.seed, probes)))
+            (out / "probes.jsonl").write_text("".join(json.dumps(e) + "\n" for e in probes.entries))
             advance(1)
             log.info("%d/%d %s", len(rows), len(jobs), rows[-1].model_dump_json())
             config.wall_s = time.perf_counter() - t0

@@ -68,7 +68,7 @@ class VizdoomRow(Row):
     episode: int
     seed: int
     reward: float
-    mean_latency_passes: float
+    mean_latency_passes: float | None  # None: the episode ended before the agent pressed anything
     forward_passes: int
     actions: int
 
@@ -116,8 +116,8 @@ class PassClock:
         self.latencies.append(self.passes - observed_at)
 
     @property
-    def mean_latency(self) -> float:
-        return statistics.fmean(self.latencies) if self.latencies else float("nan")
+    def mean_latency(self) -> float | None:
+        return statistics.fmean(self.latencies) if self.latencies else None
 
 
 @dataclass
@@ -335,7 +335,7 @@ def summarize(rows: Sequence[VizdoomRow]) -> dict[str, Any]:
                 ("forward_passes", "forward_passes"),
                 ("actions", "actions"),
             ):
-                m, se = mean_se([float(getattr(r, attr)) for r in rs])
+                m, se = mean_se([float(v) for r in rs if (v := getattr(r, attr)) is not None])
                 entry[f"{key}_mean"], entry[f"{key}_se"] = m, se
             # episodes that ended before the agent pressed anything have no latency (not averaged in)
             entry["episodes_without_action"] = sum(r.actions == 0 for r in rs)
