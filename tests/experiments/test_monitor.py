@@ -247,3 +247,21 @@ def test_quick_run_rows(tiny, tmp_path):
     assert {"accuracy", "forward_passes", "processed_share"} <= set(summary["turn-based"])
     assert [r.model_dump() for r in mon.render(out).rows] == rows
     assert _children() == before
+
+
+def test_replayed_traces_subset_and_truncation(tmp_path):
+    from cothink.experiments.monitor_sim import load_traces, save_traces
+
+    a, b = _fake_trace(6), _fake_trace(4)
+    b.scenario = b.scenario.model_copy(update={"id": "other"})
+    save_traces([a, b], tmp_path / "t.jsonl")
+    assert [t.scenario.id for t in load_traces(tmp_path / "t.jsonl")] == ["fake", "other"]
+    parser = argparse.ArgumentParser()
+    harness.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["experiment", "monitor", "--traces", str(tmp_path / "t.jsonl"),
+                              "--only", "fake", "--max-events", "3"])
+    scenarios, traces = mon.load_inputs(args)
+    assert [s.id for s in scenarios] == ["fake"] and len(traces[0].observations) == 3
+    assert traces[0].observations[2].text().splitlines()[0] == "t=2s"
+    assert mon._conditions(parser.parse_args(["experiment", "monitor", "--focus", "on"])) == ["focus-on",
+                                                                                             "turn-based"]

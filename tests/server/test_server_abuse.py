@@ -245,7 +245,7 @@ def _prefilled_tokens(srv, name_prefix: str) -> int:
 
 @pytest.mark.parametrize("stream", [False, True])
 def test_a_disconnect_during_prefill_stops_the_work(stream):
-    engine = tiny_engine(max_prefill_chunk=8)  # 1900 tokens: ~240 steps
+    engine = tiny_engine(max_prefill_chunk=1)  # 1900 tokens: ~1900 steps, far longer than 0.4 s
     with running_server(engine, ServerSettings(model_name="tiny")) as srv:
         before = live_blocks(srv)
         body = {"model": "tiny", "prompt": [9] * 1900, "max_tokens": 8, "stream": stream}
@@ -259,7 +259,7 @@ def test_a_disconnect_during_prefill_stops_the_work(stream):
 
 
 def test_a_disconnect_during_a_session_extend_stops_the_work():
-    engine = tiny_engine(max_prefill_chunk=8)
+    engine = tiny_engine(max_prefill_chunk=1)  # ~1900 steps: far longer than the 0.4 s timeout
     settings = ServerSettings(model_name="tiny")
     with running_server(engine, settings) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
         sid = http.post("/v1/sessions").json()["id"]
