@@ -620,7 +620,8 @@ def report(results: Results[MathConfig, MathRow], plot_name: str = "math500_shar
         "answer cue. Read the curves' shape and the costs, not the absolute accuracy.",
         "- The splitter is a heuristic: the removed sentence is a stated condition, but not always one the "
         "problem cannot be solved without (then `partial` stays close to `full`).",
-        "- `insert` and `restart` at k=0 are the same computation by construction (nothing to re-encode).",
+        "- `insert` and `restart` at k=0 are the same computation by construction (nothing to re-encode); "
+        "a difference between them is floating-point noise of batched decoding flipping a greedy choice.",
         "- `tokens encoded` = tokens the engine wrote for the row minus the sampled ones: the prompt, the "
         "supplement, the answer cue, for `restart` the re-encoded thoughts, and a one-token re-read when a "
         "generation starts on a view whose last write was not its last block (k=0). Thinking before the "
