@@ -80,7 +80,7 @@ def test_interactive_class_before_background():
 
 def test_background_shrinks_while_an_interactive_generation_decodes():
     """The latency rule: with an interactive decoder in the step, background work fills it only up to
-    interactive_step_tokens (or its background_min_tokens reserve, if larger)."""
+    interactive_step_tokens in all (the background reserve shrinks to fit, but to no less than one)."""
     works = _numbered(Fake("int-decode", INTERACTIVE, decode=True), Fake("bg-pre", BACKGROUND, wanted=500),
                       Fake("bg-pre2", BACKGROUND, wanted=500))
     plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16,
@@ -88,7 +88,10 @@ def test_background_shrinks_while_an_interactive_generation_decodes():
     assert plan == {"int-decode": 1, "bg-pre": 31} and sum(plan.values()) == 32
     plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=24,
                       interactive_step_tokens=8))
-    assert plan == {"int-decode": 1, "bg-pre": 24}, "the background reserve still holds"
+    assert plan == {"int-decode": 1, "bg-pre": 7}, "the cap holds the background reserve too"
+    plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16,
+                      interactive_step_tokens=1))
+    assert plan == {"int-decode": 1, "bg-pre": 1}, "background never starves: at least one token a step"
     # an interactive prefill (a probe) is not capped: only background work shrinks
     works.append(Fake("int-pre", INTERACTIVE, wanted=100, seq=9))
     plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16,
@@ -271,10 +274,14 @@ async def test_probe_within_bound_behind_4k_background_prefill(decoders):
     assert probe_steps == list(range(submitted + 1, probe_steps[-1] + 1)), "and in every step until done"
     assert at["finish", "probe"] - submitted <= bound, (at["finish", "probe"] - submitted, bound)
     assert at["finish", "probe"] == probe_steps[-1]
-    # while the probe was served, the background prefill kept progressing by at least background_min_tokens
+    # while the probe was served, the background prefill kept progressing by its reserve:
+    # background_min_tokens, or while interactive generations decode, what the step cap leaves
+    # (interactive_step_tokens - 1, default 3; at least one token)
+    reserve = LIMITS["background_min_tokens"] if not decoders else min(
+        LIMITS["background_min_tokens"], SchedulerConfig().interactive_step_tokens - 1)
     for i in range(submitted + 1, probe_steps[-1] + 1):
         bg = [it.tokens for it in steps[i].items if it.coroutine == "bg"]
-        assert bg and bg[0] >= LIMITS["background_min_tokens"], (i, steps[i].items)
+        assert bg and bg[0] >= reserve, (i, steps[i].items)
         assert steps[i].tokens <= LIMITS["max_batch_tokens"]
         assert sum(1 for it in steps[i].items if it.coroutine.startswith("i")) == decoders
 

@@ -8,9 +8,10 @@ Order of service (network flow control in spirit):
    (tokens served to the coroutine / weight) first, so a coroutine that submits many short works
    gets the same share as one that submits one long work.
 
-Latency bound: while an interactive generation is decoding, background work fills a step only up
-to `interactive_step_tokens` tokens in all (or its `background_min_tokens` reserve, if larger):
-background prefill chunks shrink or wait, so each interactive token costs about one small step.
+Latency bound: while an interactive generation is decoding, a step carries at most
+`interactive_step_tokens` tokens in all (background work's reserve shrinks to fit, but to no less
+than one token, so background never starves): background prefill chunks and decode tokens wait,
+and each interactive token costs about one small step.
 An interactive item of q tokens, behind d interactive decoders and no other interactive prefill,
 is fully served within ceil(q / min(max_prefill_chunk, max_batch_tokens - background_min_tokens - d))
 steps, however much background work is queued.
@@ -60,7 +61,7 @@ class SchedulerConfig:
     max_batch_items: int = 64
     max_prefill_chunk: int = 128
     background_min_tokens: int = 16
-    interactive_step_tokens: int = 32  # step size cap while an interactive generation decodes
+    interactive_step_tokens: int = 4  # step size cap while an interactive generation decodes
 
     def __post_init__(self) -> None:
         if min(self.max_batch_tokens, self.max_batch_items, self.max_prefill_chunk) < 1:
@@ -143,6 +144,8 @@ def plan_step(
     budget = cfg.max_batch_tokens
     waiting_background = any(w.priority.klass == PriorityClass.BACKGROUND for w in works)
     reserve = cfg.background_min_tokens if waiting_background else 0
+    if interactive_decode:  # the cap holds the reserve too, leaving the interactive token its room
+        reserve = min(reserve, max(1, background_cap - 1))
     order = sorted(works, key=lambda w: (w.priority.klass, not w.is_decode, shares.of(w), w.seq))
     for work in order:
         if len(choice.chosen) == cfg.max_batch_items:

@@ -348,7 +348,7 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, results: dict, p: dict) -> Non
         f"prompt; background jobs: {p['bg_prompt']}-token prompt + {p['bg_tokens']} tokens, greedy",
         "CPU, forward passes in the engine's worker thread; default scheduler limits (256 tokens, 64 items "
         "per step, prefill chunks of 128, 16 tokens per step reserved for background work, steps capped at "
-        "32 tokens while the interactive foreground decodes)",
+        "4 tokens while the interactive foreground decodes)",
         "turn-based baseline = the kindest turn-based server (foreground first at request boundaries); a "
         "FIFO "
         "server would make the foreground wait for the whole background backlog",
