@@ -74,7 +74,13 @@ __all__ = [
 log = logging.getLogger("cothink.engine")
 
 _RUNNER_KEYS = {
-    "kv_tokens", "page_size", "max_context", "dense_summary_min_tokens", "attention_backend", "quantize", "fast",
+    "kv_tokens",
+    "page_size",
+    "max_context",
+    "dense_summary_min_tokens",
+    "attention_backend",
+    "quantize",
+    "fast",
 }
 
 
