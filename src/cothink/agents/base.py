@@ -33,6 +33,8 @@ class Agent:
     """Base of the patterns: an engine, a name prefix for coroutines, an event log and an optional
     ``on_event`` callback (called synchronously for each event, in order)."""
 
+    system = ""  # the system prompt a pattern's context starts with (set by each pattern)
+
     def __init__(self, engine: Any, *, name: str = "", on_event: Callable[[AgentEvent], None] | None = None):
         if engine.tokenizer is None:
             raise ValueError("agents need a model with a tokenizer")
@@ -76,6 +78,22 @@ class Agent:
 
     def of_kind(self, kind: EventKind) -> list[AgentEvent]:
         return [e for e in self.events if e.kind == kind]
+
+    async def open_context(
+        self, task: str, role: str, window: str, *, chunk_tokens: int, max_tokens: int
+    ) -> tuple[Any, ObservationWindow]:
+        """What every pattern starts from: a context block holding the system prompt and the task
+        (through the chat template, prefilled by coroutine `role`), and the bounded window its
+        observations go into."""
+        ctx = self.engine.block(self.coroutine("ctx"))
+        turns = [{"role": "system", "content": self.system}, {"role": "user", "content": task}]
+        await self.engine.extend(
+            ctx, self.chat.conversation(turns), name=self.coroutine(role), priority="interactive"
+        )
+        observations = ObservationWindow(
+            self.engine, self.coroutine(window), chunk_tokens=chunk_tokens, max_tokens=max_tokens
+        )
+        return ctx, observations
 
     async def probe_yes(
         self,

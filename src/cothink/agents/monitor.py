@@ -103,19 +103,8 @@ class Monitor(Agent):
         engine = self.engine
         self._start_clock()
         watcher = self.coroutine("watcher")
-        ctx = engine.block(self.coroutine("ctx"))
-        await engine.extend(
-            ctx,
-            self.chat.conversation(
-                [{"role": "system", "content": self.system}, {"role": "user", "content": self._task_text()}]
-            ),
-            name=watcher,
-            priority="interactive",
-        )
-        window = ObservationWindow(
-            engine,
-            self.coroutine("observations"),
-            chunk_tokens=self.chunk_tokens,
+        ctx, window = await self.open_context(
+            self._task_text(), "watcher", "observations", chunk_tokens=self.chunk_tokens,
             max_tokens=self.window_tokens,
         )
         stop = asyncio.Event()

@@ -203,20 +203,8 @@ class StrategistActor(Agent):
         """Play `ticks` ticks (or until ``env.done``); returns the actions, plans and costs."""
         engine = self.engine
         self._start_clock()
-        ctx = engine.block(self.coroutine("ctx"))
-        await engine.extend(
-            ctx,
-            self.chat.conversation(
-                [{"role": "system", "content": self.system}, {"role": "user", "content": self.task}]
-            ),
-            name=self.coroutine("actor"),
-            priority="interactive",
-        )
-        window = ObservationWindow(
-            engine,
-            self.coroutine("observations"),
-            chunk_tokens=self.chunk_tokens,
-            max_tokens=self.window_tokens,
+        ctx, window = await self.open_context(
+            self.task, "actor", "observations", chunk_tokens=self.chunk_tokens, max_tokens=self.window_tokens
         )
         stop = asyncio.Event()
         strategist = (

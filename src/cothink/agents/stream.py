@@ -23,7 +23,7 @@ from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cothink.agents.base import Agent, AgentEvent, BackgroundThinker, ObservationWindow
+from cothink.agents.base import Agent, AgentEvent, BackgroundThinker
 
 
 @dataclass(frozen=True)
@@ -90,17 +90,8 @@ class StreamAgent(Agent):
     async def run(self, events: AsyncIterable[str]) -> StreamResult:
         engine = self.engine
         self._start_clock()
-        ctx = engine.block(self.coroutine("ctx"))
-        await engine.extend(
-            ctx,
-            self.chat.conversation(
-                [{"role": "system", "content": self.system}, {"role": "user", "content": self.task}]
-            ),
-            name=self.coroutine("coordinator"),
-            priority="interactive",
-        )
-        window = ObservationWindow(
-            engine, self.coroutine("window"), chunk_tokens=self.chunk_tokens, max_tokens=self.window_tokens
+        ctx, window = await self.open_context(
+            self.task, "coordinator", "window", chunk_tokens=self.chunk_tokens, max_tokens=self.window_tokens
         )
         pending: deque[tuple[int, str]] = deque()
         arrived = asyncio.Event()
