@@ -180,6 +180,16 @@ class ModelRunner:
                         f"sealed block {b.name!r} can be read only at its length or one token less",
                         param="read_lengths",
                     )
+        self.check_context(view, new_tokens, read_lengths)
+
+    def check_context(
+        self, view: list[Block], new_tokens: int, read_lengths: list[int] | None = None
+    ) -> None:
+        """The context part of the view rule: the view (read up to `read_lengths` before its last
+        block) plus `new_tokens` fits the model's context. The engine checks this at every step, as
+        views grow; the rest of the rule holds from submission on."""
+        spans = [b.position_span for b in view]
+        if read_lengths is not None:
             spans[:-1] = read_lengths
         total = sum(spans) + new_tokens
         if total > self.max_context:

@@ -337,8 +337,7 @@ class Engine:
             self._scheduler.next_seq(),
             tokens,
         )
-        work.deadline = due
-        self._scheduler.submit(work)
+        self._scheduler.submit(work, deadline=due)
         await self._wait(work)
 
     def generate(
@@ -390,8 +389,7 @@ class Engine:
             StopRule(max_tokens, frozenset(stop_ids), stops),
             self.tokenizer,
         )
-        work.deadline = due
-        self._scheduler.submit(work)
+        self._scheduler.submit(work, deadline=due)
         return Generation(work, self._scheduler)
 
     async def probe(
@@ -426,8 +424,7 @@ class Engine:
             q,
             encoded,
         )
-        work.deadline = due
-        self._scheduler.submit(work)
+        self._scheduler.submit(work, deadline=due)
         return await self._wait(work)
 
     # ---- the boundary: every check happens here, once ------------------------------------------

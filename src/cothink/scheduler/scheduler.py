@@ -109,7 +109,9 @@ class Scheduler:
                 f"block {block.name!r} is being written by coroutine {writer.coroutine!r}", param="block"
             )
 
-    def submit(self, work: Work) -> None:
+    def submit(self, work: Work, deadline: float | None = None) -> None:
+        """Register a work; past `deadline` (a time.perf_counter() value) it is dropped unrun."""
+        work.deadline = deadline
         for b in work.reads:
             self.ownership.hold(b)
             b.last_read = work.seq  # least recently read blocks are spilled first
@@ -117,7 +119,7 @@ class Scheduler:
             self.writers[work.block.id] = work
         self.works.append(work)
         self.accounting.of(work.coroutine).works += 1
-        log.debug("submit %s", work.kind, extra={"coroutine": work.coroutine, "block": _target(work)})
+        log.debug("submit %s", work.kind, extra={"coroutine": work.coroutine, "block": work.target_name})
         self._event(work, "submit")
         self.kick()
 
@@ -125,7 +127,9 @@ class Scheduler:
         """Stop `work` before its next step; its block is free for a new writer at once."""
         if not work.finished:
             work.cancel()
-            log.info("cancelled %s", work.kind, extra={"coroutine": work.coroutine, "block": _target(work)})
+            log.info(
+                "cancelled %s", work.kind, extra={"coroutine": work.coroutine, "block": work.target_name}
+            )
         self._release_writer(work)
         if work not in self._in_flight:
             self._retire(work)
@@ -134,7 +138,10 @@ class Scheduler:
     def fail(self, work: Work, exc: BaseException) -> None:
         if not work.finished:
             log.warning(
-                "%s failed: %s", work.kind, exc, extra={"coroutine": work.coroutine, "block": _target(work)}
+                "%s failed: %s",
+                work.kind,
+                exc,
+                extra={"coroutine": work.coroutine, "block": work.target_name},
             )
             work.fail(exc)
         self._release_writer(work)
@@ -173,7 +180,7 @@ class Scheduler:
 
     def _event(self, work: Work, event: str, value: float = 0.0, detail: str = "") -> None:
         priority = work.priority.klass.name.lower()
-        self.accounting.event(event, work.coroutine, work.kind, priority, _target(work), value, detail)
+        self.accounting.event(event, work.coroutine, work.kind, priority, work.target_name, value, detail)
 
     # ---- the loop ---------------------------------------------------------------------------------
     async def run_forever(self) -> None:
@@ -291,9 +298,14 @@ class Scheduler:
         now = time.perf_counter()
         for work in [w for w in self.works if not w.finished and w.deadline is not None and now > w.deadline]:
             late = now - work.deadline
-            self.fail(work, DeadlineExceededError(
-                f"{work.kind} of {work.coroutine!r} passed its deadline {late:.3f}s ago "
-                f"({work.served} tokens served)", param="deadline"))
+            self.fail(
+                work,
+                DeadlineExceededError(
+                    f"{work.kind} of {work.coroutine!r} passed its deadline {late:.3f}s ago "
+                    f"({work.served} tokens served)",
+                    param="deadline",
+                ),
+            )
 
     def _sample(self, works: list[GenerateWork]) -> None:
         """The batched sampling stage: every chosen generation whose next token is not sampled yet
@@ -311,7 +323,7 @@ class Scheduler:
         try:
             items = work.items(n, self.runner)
             for item in items:
-                self.runner.check_view(item.view, len(item.token_ids), item.read_lengths)
+                self.runner.check_context(item.view, len(item.token_ids), item.read_lengths)
             return items
         except InputTooLongError as exc:
             if isinstance(work, GenerateWork):  # the context is full: a generation ends there
@@ -375,8 +387,3 @@ class Scheduler:
     # ---- shutdown ---------------------------------------------------------------------------------
     def close(self) -> None:
         self._executor.shutdown(wait=True)
-
-
-def _target(work: Work) -> str:
-    """The name of the block a work writes (a probe: its scratch block)."""
-    return work.block.name if work.writes_caller_block else getattr(work, "target_name", "")

@@ -78,6 +78,11 @@ class Work:
         return True
 
     @property
+    def target_name(self) -> str:
+        """The name of the block this work writes (for logs and events)."""
+        return self.block.name
+
+    @property
     def runnable(self) -> bool:
         return not self.finished
 
