@@ -23,7 +23,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="smollm2",
-        help="embedded model name or a local Hugging Face folder (default: smollm2)",
+        help="embedded model name, qwen35-random (the eval suite's random Qwen3.5 hybrid) "
+        "or a local Hugging Face folder (default: smollm2)",
     )
     p.add_argument(
         "--threads",
@@ -93,8 +94,13 @@ def machine() -> dict[str, Any]:
 
 
 def model_folder(model: str) -> Path:
+    """An embedded name, "qwen35-random" (the eval suite's random Qwen3.5 hybrid, built once) or a folder."""
     from cothink.models.hub import resolve_model_path
 
+    if model == "qwen35-random":
+        from cothink.eval.models import build_qwen35_random
+
+        return build_qwen35_random()
     return Path(resolve_model_path(model))
 
 

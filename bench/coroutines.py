@@ -23,13 +23,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `import cothink` does; must precede torch
+import cothink  # noqa: E402  sets the OpenMP wait policy, so it precedes torch
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -60,12 +59,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="largest N for which transformers sequential is measured (default: 4; quick: 2)",
     )
+    p.add_argument(
+        "--contention",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="also run cothink at the largest N while another process keeps one core busy "
+        "(default: on, off with --quick)",
+    )
     args = p.parse_args(argv)
     q = args.quick
     args.coroutines = args.coroutines or ([1, 2, 4, 8] if q else [1, 2, 4, 8, 16, 32])
     args.context = args.context or (128 if q else 256)
     args.new_tokens = args.new_tokens or (16 if q else 32)
     args.sequential_max = args.sequential_max if args.sequential_max is not None else (2 if q else 4)
+    args.contention = (not q) if args.contention is None else args.contention
     return args
 
 
@@ -126,7 +133,7 @@ def hf_batched(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[st
     """All prompts (same length) as one batch: prefill, then new_tokens one-token forwards."""
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    cache = DynamicCache(config=model.config)  # per layer type (hybrid models need it)
     t0 = time.perf_counter()
     out = model(torch.tensor(prompts), past_key_values=cache, use_cache=True, logits_to_keep=1)
     nxt = out.logits[:, -1].argmax(-1, keepdim=True)
@@ -159,7 +166,6 @@ def hf_sequential(model: Any, prompts: list[list[int]], new_tokens: int) -> dict
 
 
 async def measure(args: argparse.Namespace, folder: Path, console: Any) -> dict[str, Any]:
-    import cothink
 
     dtype = C.DTYPES[args.dtype]
     vocab = C.vocab_size(folder)
@@ -224,14 +230,28 @@ async def measure(args: argparse.Namespace, folder: Path, console: Any) -> dict[
                 f"KV cothink {co['kv_bytes_used'] / 2**20:.1f} MiB, "
                 f"HF cache {hb['cache_bytes'] / 2**20:.1f} MiB; {agree}/{n} greedy sequences equal HF's"
             )
-    if single_kv is None:  # N=1 not in the sweep: measure it
-        async with engine:
+    contention = None
+    async with engine:
+        if single_kv is None:  # N=1 not in the sweep: measure it
             single_kv = (await co_run(engine, ctx_ids, suffixes[:1], args.new_tokens))["kv_bytes_used"]
+        if args.contention:
+            with C.BusyCore():
+                busy = await co_run(engine, ctx_ids, suffixes[:n_max], args.new_tokens)
+            tok_s = busy["generated"] / busy["decode_s"]
+            contention = {
+                "n": n_max,
+                "decode_tok_s": tok_s,
+                "of_quiet": tok_s / rows[-1]["cothink_decode_tok_s"],
+            }
+            console.print(
+                f"  one core busy, N={n_max}: cothink decode {tok_s:.1f} tok/s "
+                f"({contention['of_quiet']:.2f} of quiet)"
+            )
     for row in rows:
         row["n_copies_kv_bytes"] = row["n"] * single_kv
     del engine, hf
     gc.collect()
-    return {"rows": rows, "single_coroutine_kv_bytes": single_kv}
+    return {"rows": rows, "single_coroutine_kv_bytes": single_kv, "contention": contention}
 
 
 def tables(res: dict[str, Any]) -> list[Any]:

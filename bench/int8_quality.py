@@ -13,13 +13,12 @@ and position by position). Writes int8_quality.json to --out.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as `import cothink` does; must precede torch
+import cothink  # noqa: E402,F401  sets the OpenMP wait policy, so it precedes torch
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -95,7 +95,7 @@ def profile_dtype(args: argparse.Namespace, folder: Path, dtype_name: str) -> di
         runner.extend(b, prompt, logits="last")
         runner.free(b)
 
-    cache = DynamicCache()
+    cache = DynamicCache(config=hf.config)
     with torch.inference_mode():
         hf(torch.tensor([context]), past_key_values=cache, use_cache=True, logits_to_keep=1)
 
@@ -105,7 +105,8 @@ def profile_dtype(args: argparse.Namespace, folder: Path, dtype_name: str) -> di
 
     @torch.inference_mode()
     def hf_prefill() -> None:
-        hf(torch.tensor([prompt]), past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)
+        cache = DynamicCache(config=hf.config)
+        hf(torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
 
     out["decode"] = {
         "cothink": _profile(co_decode, args.steps), "transformers": _profile(hf_decode, args.steps)

@@ -9,9 +9,11 @@ import importlib
 import os
 from typing import TYPE_CHECKING, Any
 
-# Idle OpenMP threads sleep instead of spinning on cores other processes need (set before torch
-# loads libgomp, which reads it once; see cothink.execution.threads). A user's setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Idle OpenMP threads spin only through the short gaps inside a step, then sleep instead of
+# burning cores other processes need (set before torch loads libgomp, which reads it once; the
+# value is cothink.execution.threads.SPIN_COUNT). A user's policy wins.
+if "OMP_WAIT_POLICY" not in os.environ and "GOMP_SPINCOUNT" not in os.environ:
+    os.environ["GOMP_SPINCOUNT"] = "30000"
 
 _EXPORTS = {
     "Block": "cothink.memory.block",

@@ -109,3 +109,23 @@ def test_runner_fork_then_write_leaves_the_parent_exact():
     for b in (parent, child, probe):
         runner.free(b)
     assert runner.store.pool.used_pages == 0 and not any(runner.store.pool.refcount)
+
+
+def test_span_from_pages_matches_the_slots(store):
+    """`span` (from the page list) says when a token range is one slot range; slots agree either way."""
+    a, b = store.new_block("a"), store.new_block("b")
+    for n in range(1, 4 * PAGE + 1):  # two writers growing in turn: their pages interleave
+        _write(store, a, n, 1.0)
+        _write(store, b, n, 2.0)
+    for block in (a, b):
+        for start in range(block.length):
+            for stop in range(start + 1, block.length + 1):
+                pos = torch.arange(start, stop)
+                pages = torch.tensor(block.pages)[pos // PAGE]
+                expect = pages * PAGE + pos % PAGE
+                assert torch.equal(store.slots(block, start, stop), expect)
+                span = store.span(block, start, stop)
+                contiguous = bool((expect[1:] - expect[:-1] == 1).all())
+                assert (span is not None) == contiguous
+                if span is not None:
+                    assert span == (int(expect[0]), int(expect[-1]) + 1)

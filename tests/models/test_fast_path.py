@@ -9,7 +9,7 @@ from reference import max_err, random_ids
 
 import cothink
 from cothink.errors import InvalidParameterError, UnsupportedModelError
-from cothink.execution.threads import SINGLE_THREAD_MAX_ROWS, step_threads
+from cothink.execution.threads import SINGLE_THREAD_MAX_ROWS, SPIN_COUNT, ThreadChooser, step_threads
 from cothink.models.quantize import Int8Linear
 from cothink.ops.rope import Rotary
 
@@ -60,10 +60,38 @@ def test_step_threads_policy():
     assert step_threads(SINGLE_THREAD_MAX_ROWS + 1, 2) == 2 and step_threads(512, 0) == 1
 
 
-def test_passive_openmp_is_the_default_unless_set():
+def _run_chooser(chooser: ThreadChooser, rows: int, per_row: dict[int, float], steps: int) -> list[int]:
+    picked = []
+    for _ in range(steps):
+        n = chooser.choose(rows)
+        chooser.observe(rows, n, per_row[n] * rows)
+        picked.append(n)
+    return picked
+
+
+def test_thread_chooser_follows_measured_speed_and_notices_contention():
+    chooser = ThreadChooser(2)
+    assert chooser.choose(SINGLE_THREAD_MAX_ROWS) == 1  # small steps never measure
+    quiet = {2: 1.0, 1: 1.6}  # two threads faster
+    picked = _run_chooser(chooser, 32, quiet, 100)
+    assert picked[:2] == [2, 1]  # both measured first
+    assert picked[2:].count(2) > 90  # then the faster one, with rare re-tries of the other
+    busy = {2: 8.0, 1: 1.6}  # another process takes a core: 2-thread regions wait on it
+    picked = _run_chooser(chooser, 32, busy, 300)
+    assert picked[0] == 2 and picked[1:4] == [1, 1, 1]  # one slow step is enough to switch
+    retries = picked[1:].count(2)
+    assert 1 <= retries <= 8  # re-tries back off while they confirm the choice
+    picked = _run_chooser(chooser, 32, quiet, 400)  # contention gone: found again by a re-try
+    assert picked[-50:].count(2) >= 45
+    assert chooser.choose(8) in (1, 2)  # other widths keep their own measurements
+    assert ThreadChooser(1).choose(64) == 1
+
+
+def test_openmp_wait_policy_is_set_unless_the_user_did():
     import os
 
-    assert os.environ.get("OMP_WAIT_POLICY")  # import cothink sets it when the user did not
+    # import cothink sets a short spin (then sleep) when the user set no policy
+    assert os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT") == SPIN_COUNT
 
 
 # ---- weight-only int8 ------------------------------------------------------------------------------

@@ -46,6 +46,8 @@ class ExecutionCache:
     def __init__(self) -> None:
         self._writer: dict[int, WriterState] = {}
         self._logits: dict[int, LastLogits] = {}
+        # entries set by the last step whose logits are still rows of that step's output tensor
+        self._borrowed: list[tuple[int, LastLogits]] = []
 
     # ---- writer state --------------------------------------------------------------------------
     def writer_state(self, block: Block, view: ViewKey) -> WriterState | None:
@@ -63,8 +65,16 @@ class ExecutionCache:
         self._writer[block.id] = entry
 
     # ---- last logits ---------------------------------------------------------------------------
-    def set_last_logits(self, block: Block, entry: LastLogits) -> None:
-        self._logits[block.id] = entry
+    def set_step_logits(self, entries: list[tuple[Block, LastLogits]]) -> None:
+        """A step's last logits, as rows of the step's logits tensor (no copy). A row is copied out
+        only if its entry is still there after the next step: most are replaced by then (decoding
+        writers), and none keeps a whole step's tensor alive longer than one step."""
+        for block, entry in entries:
+            self._logits[block.id] = entry
+        for block_id, entry in self._borrowed:  # the previous step's rows not replaced just now
+            if self._logits.get(block_id) is entry:
+                self._logits[block_id] = LastLogits(entry.view, entry.logits.clone())
+        self._borrowed = [(block.id, entry) for block, entry in entries]
 
     def last_logits(self, prefix: list[Block]) -> torch.Tensor | None:
         """Logits after the last token of `prefix` (a view ending with a non-empty block) if the last

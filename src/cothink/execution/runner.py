@@ -274,9 +274,7 @@ class ModelRunner:
         """Publish a forward pass (items with keep[i] False are dropped instead); returns the logits."""
         batch = result.batch
         batch.commit(keep)
-        for i, (item, logits) in enumerate(zip(batch.items, result.logits)):
-            if len(logits) and (keep is None or keep[i]):
-                batch.remember_logits(i, logits[-1].clone())
+        batch.remember_logits(result.logits, keep)
         return result.logits
 
 

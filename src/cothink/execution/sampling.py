@@ -8,6 +8,7 @@ and seed: never on which other rows share the batch, and not on pauses between t
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -75,7 +76,9 @@ class SamplerState:
 
     def __post_init__(self) -> None:
         seed = self.params.seed
-        self.generator.manual_seed(seed if seed is not None else int(torch.seed()))
+        # unseeded: fresh OS entropy (torch.seed() would also reseed the global generator and
+        # walk every accelerator backend, ~1 ms per request)
+        self.generator.manual_seed(seed if seed is not None else secrets.randbits(63))
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,8 @@ def sample(logits: torch.Tensor, states: list[SamplerState]) -> list[Sampled]:
 
 def _apply_masks(logits: torch.Tensor, states: list[SamplerState]) -> torch.Tensor:
     """Banned tokens and constraints set to -inf (a copy; the raw logits stay for logprobs)."""
+    if not any(s.params.banned_token_ids or s.constraint is not None for s in states):
+        return logits
     masked = logits.clone()
     for r, s in enumerate(states):
         if s.params.banned_token_ids:

@@ -183,6 +183,7 @@ class ViewBatch:
         self.backend = backend if backend is not None else TorchAttention()
         self.cache = cache if cache is not None else ExecutionCache()
         self.scale = store.cfg.head_dim**-0.5
+        self._read_slots: dict[tuple[int, int], tuple[torch.Tensor, tuple[int, int] | None]] = {}
         self.plans = [self._plan(item, row) for item, row in zip(items, self._starts(items))]
         self.key_rotation = self._rotation(
             torch.cat([torch.arange(p.start, p.start + p.size) for p in self.plans]).to(store.device)
@@ -228,24 +229,34 @@ class ViewBatch:
         for block, length in zip(item.view[:-1], before):
             if length:
                 cos, sin = self._rotation(writer_pos - offset)  # positions relative to this block
-                slots = store.slots(block, 0, length)
-                run = KeyRun(slots, cos, sin, False, RunKey(block.id, length), _span(slots))
+                slots, span = self._block_slots(block, length)
+                run = KeyRun(slots, cos, sin, False, RunKey(block.id, length), span)
                 plan.runs.append(run)
             offset += length
         cos, sin = self._rotation(writer_pos - offset)  # positions relative to the writer block
-        slots = store.slots(item.block, 0, start + n)
+        slots, block = store.slots(item.block, 0, start + n), item.block
         plan.new_slots = slots[start:]
         if n == 1:  # a single new token sees its whole block: one run
-            plan.runs.append(KeyRun(slots, cos, sin, False, None, _span(slots)))
+            plan.runs.append(KeyRun(slots, cos, sin, False, None, store.span(block, 0, start + n)))
         else:
             if start:
-                plan.runs.append(KeyRun(slots[:start], cos, sin, False, None, _span(slots[:start])))
-            plan.runs.append(KeyRun(slots[start:], cos, sin, True, None, _span(slots[start:])))
+                plan.runs.append(KeyRun(slots[:start], cos, sin, False, None, store.span(block, 0, start)))
+            plan.runs.append(KeyRun(slots[start:], cos, sin, True, None, store.span(block, start, start + n)))
         return plan
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Prepared rotation tables (Rotary.prepare) for `positions`, in the pool's dtype."""
-        return self.rotary.prepare(*self.rotary.cos_sin(positions), self.store.dtype)
+        return self.rotary.prepared(positions, self.store.dtype)
+
+    def _block_slots(self, block: Block, length: int) -> tuple[torch.Tensor, tuple[int, int] | None]:
+        """Slots (and span) of a block read before the writer, built once per step however many
+        items read it (decoding coroutines sharing a context)."""
+        key = (block.id, length)
+        found = self._read_slots.get(key)
+        if found is None:
+            found = (self.store.slots(block, 0, length), self.store.span(block, 0, length))
+            self._read_slots[key] = found
+        return found
 
     def _keys(self, slot: int, run: KeyRun) -> tuple[torch.Tensor, torch.Tensor]:
         """A run's keys and values in one layer: a view when its slots are one range, else gathered."""
@@ -351,9 +362,15 @@ class ViewBatch:
                 layers = [states[s] for s in range(len(states))]
                 self.cache.set_writer_state(item.block, WriterState(self.key_after(i), layers))
 
-    def remember_logits(self, i: int, logits: torch.Tensor) -> None:
-        """Cache item i's logits after its last token (call after commit)."""
-        self.cache.set_last_logits(self.items[i].block, LastLogits(self.key_after(i), logits))
+    def remember_logits(self, logits: list[torch.Tensor], keep: list[bool] | None = None) -> None:
+        """Cache each kept item's logits after its last token (call after commit)."""
+        self.cache.set_step_logits(
+            [
+                (item.block, LastLogits(self.key_after(i), rows[-1]))
+                for i, (item, rows) in enumerate(zip(self.items, logits))
+                if len(rows) and (keep is None or keep[i])
+            ]
+        )
 
     def key_after(self, i: int) -> ViewKey:
         """The view key of item i once the step is committed."""
@@ -368,17 +385,6 @@ class ViewBatch:
             elif item.logits == "last":
                 rows.append(plan.rows.stop - 1)
         return torch.tensor(rows, dtype=torch.long)
-
-
-def _span(slots: torch.Tensor) -> tuple[int, int] | None:
-    """(a, b) when `slots` is exactly the range a..b-1 (pages allocated one after another)."""
-    n = slots.numel()
-    if n == 0:
-        return None
-    a = int(slots[0])
-    if int(slots[-1]) != a + n - 1 or (n > 1 and not bool((slots[1:] - slots[:-1] == 1).all())):
-        return None
-    return a, a + n
 
 
 def undo(store: BlockStore, item: StepItem) -> None:

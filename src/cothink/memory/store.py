@@ -204,8 +204,23 @@ class BlockStore:
         """Return pages beyond the block's committed length (after a failed step)."""
         self._drop_pages_after(block, block.length)
 
+    def span(self, block: Block, start: int, stop: int) -> tuple[int, int] | None:
+        """(a, b) when the block's tokens [start, stop) sit in the pool slots a..b-1 (their pages
+        were allocated one after another), else None; from the page list, no tensor work."""
+        if stop <= start:
+            return None
+        ps, pages = self.page_size, block.pages
+        first, last = start // ps, (stop - 1) // ps
+        if any(pages[i + 1] != pages[i] + 1 for i in range(first, last)):
+            return None
+        a = pages[first] * ps + start % ps
+        return a, a + (stop - start)
+
     def slots(self, block: Block, start: int, stop: int) -> torch.Tensor:
         """Flat pool slots of the block's tokens [start, stop)."""
+        span = self.span(block, start, stop)
+        if span is not None:
+            return torch.arange(*span, device=self.pool.k.device)
         pos = torch.arange(start, stop)
         pages = torch.tensor(block.pages, dtype=torch.long)[pos // self.page_size] if stop > start else pos
         return (pages * self.page_size + pos % self.page_size).to(self.pool.k.device)

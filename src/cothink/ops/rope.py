@@ -49,6 +49,20 @@ class Rotary:
         size = max(n, 2 * self._table_size, 1024)
         self._cos, self._sin = self._compute(torch.arange(size, device=self.inv_freq.device))
         self._table_size = size
+        self._prepared: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def prepared(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prepare(*cos_sin(positions), dtype)`, looked up in a prepared table when the positions
+        allow (CPU, non-negative): two index ops per key run instead of building the tables."""
+        if positions.device.type != "cpu" or not positions.numel() or int(positions.min()) < 0:
+            return self.prepare(*self.cos_sin(positions), dtype)
+        hi = int(positions.max())
+        if hi >= self._table_size:
+            self._grow(hi + 1)
+        table = self._prepared.get(dtype)
+        if table is None:
+            table = self._prepared[dtype] = self.prepare(self._cos, self._sin, dtype)
+        return table[0][positions], table[1][positions]
 
     def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]

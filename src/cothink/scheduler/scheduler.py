@@ -29,7 +29,7 @@ from cothink.errors import BlockBusyError, DeadlineExceededError, InputTooLongEr
 from cothink.execution.runner import ForwardResult, ModelRunner
 from cothink.execution.sampling import sample
 from cothink.execution.step import StepItem, ViewBatch
-from cothink.execution.threads import step_threads, use_threads
+from cothink.execution.threads import ThreadChooser, use_threads
 from cothink.memory.block import Block
 from cothink.scheduler.accounting import Accounting, StepItemRecord, StepRecord
 from cothink.scheduler.budget import MemoryBudget
@@ -86,7 +86,8 @@ class Scheduler:
         threads: int,
     ):
         self.runner, self.config, self.budget = runner, config, budget
-        self.accounting, self.ownership, self.threads = accounting, ownership, threads
+        self.accounting, self.ownership = accounting, ownership
+        self.threads = ThreadChooser(threads)
         self.works: list[Work] = []
         self.writers: dict[int, Work] = {}
         self.shares = FairShares()
@@ -255,9 +256,12 @@ class Scheduler:
     def _forward(self, batch: ViewBatch) -> ForwardResult:
         """Worker thread: one forward pass; holds the memory lock `_run` took for it."""
         try:
-            # small decode steps stream weights on one thread; wide steps use them all
-            use_threads(step_threads(batch.rows, self.threads))
-            return self.runner.forward(batch)
+            threads = self.threads.choose(batch.rows)
+            use_threads(threads)
+            start = time.perf_counter()
+            result = self.runner.forward(batch)
+            self.threads.observe(batch.rows, threads, time.perf_counter() - start)
+            return result
         finally:
             self.ownership.memory_lock.release()
 
