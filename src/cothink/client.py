@@ -156,6 +156,15 @@ class Client:
     def session(self, name: str | None = None) -> Session:
         return Session(self, self.request("POST", "/v1/sessions", json=_clean({"name": name})))
 
+    def restore(self, snapshot: str, name: str | None = None) -> Session:
+        """A new session from a snapshot (`Session.snapshot()`); its blocks keep their ids
+        (`session.restored_blocks`)."""
+        body = _clean({"snapshot": snapshot, "name": name})
+        return Session(self, self.request("POST", "/v1/sessions/restore", json=body))
+
+    def delete_snapshot(self, snapshot: str) -> None:
+        self.request("DELETE", f"/v1/sessions/snapshots/{snapshot}")
+
     def close(self) -> None:
         self.http.close()
 
@@ -172,6 +181,8 @@ class Session:
     def __init__(self, client: Client, info: dict[str, Any]):
         self.client, self.id, self.info = client, info["id"], info
         self.path = f"/v1/sessions/{self.id}"
+        # a session restored from a snapshot: its blocks, in the order they were saved
+        self.restored_blocks = [BlockRef.parse(b) for b in info.get("blocks", [])]
 
     def _call(self, method: str, path: str = "", **kwargs: Any) -> Any:
         return self.client.request(method, self.path + path, **kwargs)
@@ -310,6 +321,11 @@ class Session:
     def cancel(self, coroutine_id: str) -> dict[str, Any]:
         return self._call("POST", f"/coroutines/{coroutine_id}/cancel")
 
+    def snapshot(self, blocks: Sequence[BlockLike] | None = None) -> dict[str, Any]:
+        """Save the session's blocks (or `blocks`) on the server; returns the snapshot (its "id")."""
+        body = {"blocks": [_id(b) for b in blocks]} if blocks is not None else None
+        return self._call("POST", "/snapshot", json=body)
+
     def delete(self) -> None:
         self._call("DELETE")
 
@@ -353,6 +369,13 @@ class AsyncClient:
     async def session(self, name: str | None = None) -> AsyncSession:
         return AsyncSession(self, await self.request("POST", "/v1/sessions", json=_clean({"name": name})))
 
+    async def restore(self, snapshot: str, name: str | None = None) -> AsyncSession:
+        body = _clean({"snapshot": snapshot, "name": name})
+        return AsyncSession(self, await self.request("POST", "/v1/sessions/restore", json=body))
+
+    async def delete_snapshot(self, snapshot: str) -> None:
+        await self.request("DELETE", f"/v1/sessions/snapshots/{snapshot}")
+
     async def close(self) -> None:
         await self.http.aclose()
 
@@ -367,6 +390,7 @@ class AsyncSession:
     def __init__(self, client: AsyncClient, info: dict[str, Any]):
         self.client, self.id, self.info = client, info["id"], info
         self.path = f"/v1/sessions/{self.id}"
+        self.restored_blocks = [BlockRef.parse(b) for b in info.get("blocks", [])]
 
     async def _call(self, method: str, path: str = "", **kwargs: Any) -> Any:
         return await self.client.request(method, self.path + path, **kwargs)
@@ -503,6 +527,10 @@ class AsyncSession:
 
     async def cancel(self, coroutine_id: str) -> dict[str, Any]:
         return await self._call("POST", f"/coroutines/{coroutine_id}/cancel")
+
+    async def snapshot(self, blocks: Sequence[BlockLike] | None = None) -> dict[str, Any]:
+        body = {"blocks": [_id(b) for b in blocks]} if blocks is not None else None
+        return await self._call("POST", "/snapshot", json=body)
 
     async def delete(self) -> None:
         await self._call("DELETE")

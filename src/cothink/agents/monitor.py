@@ -15,16 +15,25 @@ Coroutines (engine names ``<name>.watcher`` / ``<name>.thinker``):
 ``focus`` (optional) is added to the task: the paper reports that without a focus prompt the model
 overthinks. The stream is any async iterator of strings; ``stop_on_finding`` ends the run at the first
 finding.
+
+Intake: by default the watcher pulls one observation at a time, so a source that can wait is never
+dropped from (back-pressure). A live source cannot wait: with ``max_pending=N`` an intake task reads
+it eagerly into a queue of at most N observations and, under a storm, drops the oldest (counted in
+``MonitorResult.observations_dropped``, as "dropped" events and in the Prometheus counter
+``cothink_stream_events_dropped_total{agent="<name>"}``), as the StreamAgent's coordinator does.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterable, Callable, Sequence
+from collections import deque
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cothink.agents.base import Agent, AgentEvent, BackgroundThinker, ObservationWindow
+from cothink.observability.metrics import count_dropped_events
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,7 @@ class MonitorResult:
     events: list[AgentEvent] = field(default_factory=list)
     watcher_forward_passes: int = 0
     thinker_forward_passes: int = 0
+    observations_dropped: int = 0  # dropped from a full intake queue (only with max_pending)
 
 
 class Monitor(Agent):
@@ -53,7 +63,8 @@ class Monitor(Agent):
     choices), ``focus`` (optional focus prompt), ``question`` (the anomaly probe), ``threshold``,
     ``check_every`` (observations between probes), ``window_tokens`` / ``chunk_tokens`` (memory bound),
     ``think_tokens`` (0: no thinker), ``mode`` ("async" | "sequential"), ``evidence`` (observations kept
-    in a finding), ``stop_on_finding``, ``name``, ``on_event``."""
+    in a finding), ``stop_on_finding``, ``max_pending`` (None: pull one observation at a time; N: read
+    eagerly into a queue of at most N, dropping the oldest), ``name``, ``on_event``."""
 
     def __init__(
         self,
@@ -71,6 +82,7 @@ class Monitor(Agent):
         mode: Literal["async", "sequential"] = "async",
         evidence: int = 5,
         stop_on_finding: bool = True,
+        max_pending: int | None = None,
         system: str | None = None,
         name: str = "",
         on_event: Callable[[AgentEvent], None] | None = None,
@@ -91,6 +103,8 @@ class Monitor(Agent):
         self.mode = mode
         self.evidence = evidence
         self.stop_on_finding = stop_on_finding
+        self.max_pending = None if max_pending is None else max(1, max_pending)
+        self.observations_dropped = 0
         self.system = system or "You watch a live stream of observations and report anomalies."
         self.seed = seed
 
@@ -112,33 +126,35 @@ class Monitor(Agent):
         thinker_task: asyncio.Task | None = None
         findings: list[Finding] = []
         checks = count = 0
+        self.observations_dropped = 0
         try:
-            async for obs in observations:
-                await window.append(obs.rstrip("\n") + "\n", watcher)
-                self.emit("input", "watcher", obs)
-                count += 1
-                if thinker is None and self.mode == "async" and self.think_tokens > 0:
-                    # started after the first observation: the window has a block to read
-                    thinker = BackgroundThinker(
-                        self,
-                        "thinker",
-                        [ctx],
-                        window,
-                        self.chat.question("Note briefly what you see in the stream."),
-                        max_tokens=self.think_tokens,
-                    )
-                    thinker_task = asyncio.create_task(thinker.run(stop), name=self.coroutine("thinker"))
-                if count % self.check_every:
-                    continue
-                checks += 1
-                view = [ctx, *window.blocks]
-                if thinker is not None and len(thinker.block):
-                    view.append(thinker.block)
-                finding = await self._check(view, count - 1, window)
-                if finding is not None:
-                    findings.append(finding)
-                    if self.stop_on_finding:
-                        break
+            async with aclosing(self._intake(observations)) as intake:
+                async for obs in intake:
+                    await window.append(obs.rstrip("\n") + "\n", watcher)
+                    self.emit("input", "watcher", obs)
+                    count += 1
+                    if thinker is None and self.mode == "async" and self.think_tokens > 0:
+                        # started after the first observation: the window has a block to read
+                        thinker = BackgroundThinker(
+                            self,
+                            "thinker",
+                            [ctx],
+                            window,
+                            self.chat.question("Note briefly what you see in the stream."),
+                            max_tokens=self.think_tokens,
+                        )
+                        thinker_task = asyncio.create_task(thinker.run(stop), name=self.coroutine("thinker"))
+                    if count % self.check_every:
+                        continue
+                    checks += 1
+                    view = [ctx, *window.blocks]
+                    if thinker is not None and len(thinker.block):
+                        view.append(thinker.block)
+                    finding = await self._check(view, count - 1, window)
+                    if finding is not None:
+                        findings.append(finding)
+                        if self.stop_on_finding:
+                            break
         finally:
             stop.set()
             if thinker_task is not None:
@@ -159,7 +175,47 @@ class Monitor(Agent):
             list(self.events),
             self.forward_passes("watcher"),
             self.forward_passes("thinker"),
+            self.observations_dropped,
         )
+
+    async def _intake(self, observations: AsyncIterable[str]) -> AsyncIterator[str]:
+        """The observations to watch: all of them, pulled one at a time (max_pending None), or read
+        eagerly into a queue of at most max_pending from which the oldest are dropped."""
+        if self.max_pending is None:
+            async for obs in observations:
+                yield obs
+            return
+        limit = self.max_pending
+        pending: deque[str] = deque()
+        arrived = asyncio.Event()
+
+        async def read() -> None:
+            try:
+                async for obs in observations:
+                    pending.append(obs)
+                    while len(pending) > limit:
+                        stale = pending.popleft()
+                        self.observations_dropped += 1
+                        count_dropped_events(self.name)  # cothink_stream_events_dropped_total
+                        self.emit("dropped", "watcher", stale)
+                    arrived.set()
+            finally:
+                arrived.set()
+
+        reader = asyncio.create_task(read(), name=self.coroutine("intake"))
+        try:
+            while True:
+                if pending:
+                    yield pending.popleft()
+                    continue
+                if reader.done():
+                    reader.result()  # the source's error, if it failed
+                    return
+                arrived.clear()
+                await arrived.wait()
+        finally:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
 
     async def _check(self, view: list[Any], index: int, window: ObservationWindow) -> Finding | None:
         engine, watcher = self.engine, self.coroutine("watcher")

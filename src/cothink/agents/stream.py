@@ -2,8 +2,10 @@
 
 - **coordinator** (no model calls): pulls events from the input (any async iterator; text now, frames
   once vision exists) into a bounded queue; under a storm (more than ``max_pending`` waiting) it drops the
-  oldest, stale events ("dropped" events); it enforces timing: never speak within ``min_gap_s`` of the
-  last utterance, and speak after ``max_silence_s`` of silence if anything new happened since;
+  oldest, stale events ("dropped" events, also counted in the Prometheus counter
+  ``cothink_stream_events_dropped_total{agent="<name>"}``); it enforces timing: never speak within
+  ``min_gap_s`` of the last utterance, and speak after ``max_silence_s`` of silence if anything new
+  happened since;
 - **event probe** (``<name>.event``): each incoming event is appended to the bounded observation window
   and a probe asks "did something new happen?" over ``[ctx, *window]``;
 - **thinker** (``<name>.thinker``, background): keeps writing notes that link events, reading the window
@@ -24,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cothink.agents.base import Agent, AgentEvent, BackgroundThinker
+from cothink.observability.metrics import count_dropped_events
 
 
 @dataclass(frozen=True)
@@ -88,128 +91,159 @@ class StreamAgent(Agent):
         self.seed = seed
 
     async def run(self, events: AsyncIterable[str]) -> StreamResult:
-        engine = self.engine
         self._start_clock()
         ctx, window = await self.open_context(
             self.task, "coordinator", "window", chunk_tokens=self.chunk_tokens, max_tokens=self.window_tokens
         )
-        pending: deque[tuple[int, str]] = deque()
-        arrived = asyncio.Event()
-        ended = asyncio.Event()
-        stop = asyncio.Event()
-        state = {
-            "seen": 0,
-            "dropped": 0,
-            "new": 0,
-            "unsaid": 0,
-            "last_said": time.perf_counter() - self.min_gap_s,
-        }
-        utterances: list[Utterance] = []
-        thinker: BackgroundThinker | None = None
-        thinker_task: asyncio.Task | None = None
-
-        async def intake() -> None:  # coordinator: input -> bounded queue, dropping stale events
-            try:
-                async for ev in events:
-                    pending.append((state["seen"], ev))
-                    state["seen"] += 1
-                    while len(pending) > self.max_pending:
-                        index, stale = pending.popleft()
-                        state["dropped"] += 1
-                        self.emit("dropped", "coordinator", f"[{index}] {stale}")
-                    arrived.set()
-            finally:
-                ended.set()
-                arrived.set()
-
-        async def speak(index: int, forced: bool) -> None:
-            view = [ctx, *window.blocks, *([thinker.block] if thinker is not None else [])]
-            text, n = await self.say(
-                view,
-                "In one short sentence, what is happening now?",
-                "describer",
-                max_tokens=self.describe_tokens,
-                stop=("\n", "."),
-                seed=self.seed,
-            )
-            utterances.append(Utterance(text, round(self.elapsed(), 4), index, forced, n))
-            self.emit("said", "describer", text, tokens=n)
-            state["last_said"] = time.perf_counter()
-            state["unsaid"] = 0
-
-        async def process() -> None:
-            nonlocal thinker, thinker_task
-            while True:
-                if not pending:
-                    if ended.is_set():
-                        return
-                    arrived.clear()
-                    timeout = None
-                    if state["unsaid"]:
-                        timeout = max(0.0, state["last_said"] + self.max_silence_s - time.perf_counter())
-                    try:
-                        await asyncio.wait_for(arrived.wait(), timeout)
-                    except asyncio.TimeoutError:
-                        await speak(state["seen"] - 1, forced=True)  # too long silent with news unsaid
-                    continue
-                index, ev = pending.popleft()
-                await window.append(f"[{index}] {ev}\n", self.coroutine("event"))
-                self.emit("event", "event", ev)
-                if thinker is None and self.think_tokens > 0:
-                    thinker = BackgroundThinker(
-                        self,
-                        "thinker",
-                        [ctx],
-                        window,
-                        self.chat.question("Note how the events connect."),
-                        max_tokens=self.think_tokens,
-                    )
-                    thinker_task = asyncio.create_task(thinker.run(stop), name=self.coroutine("thinker"))
-                p_new = await self.probe_yes(
-                    [ctx, *window.blocks],
-                    "Did something new happen in the last event? Answer Yes or No.",
-                    "event",
-                )
-                self.emit("probe", "event", "new?", value=p_new)
-                if p_new < self.event_threshold:
-                    continue
-                state["new"] += 1
-                state["unsaid"] += 1
-                since = time.perf_counter() - state["last_said"]
-                if since < self.min_gap_s:
-                    continue  # too soon after the last utterance: keep it for later
-                if since >= self.max_silence_s:
-                    await speak(index, forced=True)
-                    continue
-                view = [ctx, *window.blocks, *([thinker.block] if thinker is not None else [])]
-                p_say = await self.probe_yes(
-                    view, "Is there something worth saying now? Answer Yes or No.", "output"
-                )
-                self.emit("probe", "output", "say?", value=p_say)
-                if p_say >= self.output_threshold:
-                    await speak(index, forced=False)
-
-        reader = asyncio.create_task(intake(), name=self.coroutine("coordinator"))
+        stream = _StreamRun(self, ctx, window)
         try:
-            await process()
+            await stream.run(events)
         finally:
-            stop.set()
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
-            if thinker_task is not None:
-                try:
-                    await asyncio.wait_for(thinker_task, timeout=60)
-                except (asyncio.TimeoutError, asyncio.CancelledError):
-                    thinker_task.cancel()
-            if thinker is not None:
-                thinker.close()
+            await stream.close()
             window.close()
-            engine.release(ctx)
+            self.engine.release(ctx)
+        c = stream.counters
         return StreamResult(
-            utterances,
-            state["seen"],
-            state["dropped"],
-            state["new"],
+            stream.utterances,
+            c.seen,
+            c.dropped,
+            c.new,
             list(self.events),
             {r: self.forward_passes(r) for r in self.ROLES},
         )
+
+
+@dataclass
+class _Counters:
+    seen: int = 0  # events read from the input
+    dropped: int = 0  # stale events dropped from the queue
+    new: int = 0  # events the event probe judged new
+    unsaid: int = 0  # new events since the last utterance
+    last_said: float = 0.0  # time.perf_counter() of the last utterance
+
+
+class _StreamRun:
+    """One `StreamAgent.run`: the coordinator's queue and timing, the probes and the speaker."""
+
+    def __init__(self, agent: StreamAgent, ctx: Any, window: Any):
+        self.agent, self.ctx, self.window = agent, ctx, window
+        self.pending: deque[tuple[int, str]] = deque()
+        self.arrived, self.ended, self.stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        self.counters = _Counters(last_said=time.perf_counter() - agent.min_gap_s)
+        self.utterances: list[Utterance] = []
+        self.thinker: BackgroundThinker | None = None
+        self.thinker_task: asyncio.Task | None = None
+        self.reader: asyncio.Task | None = None
+
+    async def run(self, events: AsyncIterable[str]) -> None:
+        self.reader = asyncio.create_task(self.intake(events), name=self.agent.coroutine("coordinator"))
+        await self.process()
+
+    async def intake(self, events: AsyncIterable[str]) -> None:
+        """Coordinator: input -> bounded queue, dropping the oldest (stale) events under a storm."""
+        agent, c = self.agent, self.counters
+        try:
+            async for ev in events:
+                self.pending.append((c.seen, ev))
+                c.seen += 1
+                while len(self.pending) > agent.max_pending:
+                    index, stale = self.pending.popleft()
+                    c.dropped += 1
+                    count_dropped_events(agent.name)  # cothink_stream_events_dropped_total
+                    agent.emit("dropped", "coordinator", f"[{index}] {stale}")
+                self.arrived.set()
+        finally:
+            self.ended.set()
+            self.arrived.set()
+
+    def view(self, notes: bool = True) -> list[Any]:
+        tail = [self.thinker.block] if notes and self.thinker is not None else []
+        return [self.ctx, *self.window.blocks, *tail]
+
+    async def speak(self, index: int, forced: bool) -> None:
+        agent = self.agent
+        text, n = await agent.say(
+            self.view(),
+            "In one short sentence, what is happening now?",
+            "describer",
+            max_tokens=agent.describe_tokens,
+            stop=("\n", "."),
+            seed=agent.seed,
+        )
+        self.utterances.append(Utterance(text, round(agent.elapsed(), 4), index, forced, n))
+        agent.emit("said", "describer", text, tokens=n)
+        self.counters.last_said = time.perf_counter()
+        self.counters.unsaid = 0
+
+    async def next_event(self) -> tuple[int, str] | None:
+        """The next queued event; None when the input ended. Speaks if silent too long meanwhile."""
+        c = self.counters
+        while not self.pending:
+            if self.ended.is_set():
+                return None
+            self.arrived.clear()
+            timeout = None
+            if c.unsaid:
+                timeout = max(0.0, c.last_said + self.agent.max_silence_s - time.perf_counter())
+            try:
+                await asyncio.wait_for(self.arrived.wait(), timeout)
+            except asyncio.TimeoutError:
+                await self.speak(c.seen - 1, forced=True)  # too long silent with news unsaid
+        return self.pending.popleft()
+
+    def start_thinker(self) -> None:
+        agent = self.agent
+        self.thinker = BackgroundThinker(
+            agent,
+            "thinker",
+            [self.ctx],
+            self.window,
+            agent.chat.question("Note how the events connect."),
+            max_tokens=agent.think_tokens,
+        )
+        self.thinker_task = asyncio.create_task(self.thinker.run(self.stop), name=agent.coroutine("thinker"))
+
+    async def process(self) -> None:
+        agent, c = self.agent, self.counters
+        while (queued := await self.next_event()) is not None:
+            index, ev = queued
+            await self.window.append(f"[{index}] {ev}\n", agent.coroutine("event"))
+            agent.emit("event", "event", ev)
+            if self.thinker is None and agent.think_tokens > 0:
+                self.start_thinker()
+            p_new = await agent.probe_yes(
+                self.view(notes=False),
+                "Did something new happen in the last event? Answer Yes or No.",
+                "event",
+            )
+            agent.emit("probe", "event", "new?", value=p_new)
+            if p_new < agent.event_threshold:
+                continue
+            c.new += 1
+            c.unsaid += 1
+            since = time.perf_counter() - c.last_said
+            if since < agent.min_gap_s:
+                continue  # too soon after the last utterance: keep it for later
+            if since >= agent.max_silence_s:
+                await self.speak(index, forced=True)
+                continue
+            p_say = await agent.probe_yes(
+                self.view(), "Is there something worth saying now? Answer Yes or No.", "output"
+            )
+            agent.emit("probe", "output", "say?", value=p_say)
+            if p_say >= agent.output_threshold:
+                await self.speak(index, forced=False)
+
+    async def close(self) -> None:
+        """Stop the coordinator and the thinker (given a minute to finish its current note)."""
+        self.stop.set()
+        if self.reader is not None:
+            self.reader.cancel()
+            await asyncio.gather(self.reader, return_exceptions=True)
+        if self.thinker_task is not None:
+            try:
+                await asyncio.wait_for(self.thinker_task, timeout=60)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self.thinker_task.cancel()
+        if self.thinker is not None:
+            self.thinker.close()

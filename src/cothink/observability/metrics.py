@@ -4,7 +4,9 @@
     metrics.attach()
     text = metrics.exposition()                # Prometheus text format
 
-Every name starts with ``cothink_``. Memory gauges are read from ``engine.memory()`` at scrape time.
+Every name starts with ``cothink_``. Memory gauges are read from ``engine.memory()`` at scrape time;
+``cothink_stream_events_dropped_total{agent}`` counts what agents' bounded queues dropped
+(`count_dropped_events`).
 """
 
 from __future__ import annotations
@@ -13,13 +15,13 @@ from collections import Counter as _Tally
 from typing import TYPE_CHECKING, Any, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
     from cothink.runtime.engine import Engine, StepRecord, WorkEvent
 
-__all__ = ["CONTENT_TYPE", "EngineMetrics"]
+__all__ = ["CONTENT_TYPE", "EngineMetrics", "count_dropped_events", "dropped_events"]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -58,14 +60,66 @@ class _MemoryCollector(Collector):
                 m.linear_bytes,
             ),
             ("cothink_live_blocks", "Blocks alive in memory (including scratch blocks)", m.live_blocks),
+            # the memory budget's accounting (docs/runtime.md, "Memory"); shared bytes counted once
+            (
+                "cothink_linear_bytes_used",
+                "Bytes of Gated DeltaNet records, summaries and sealed state in memory",
+                m.linear_bytes_used,
+            ),
+            (
+                "cothink_total_bytes_used",
+                "Block memory in use: KV pages plus linear records (what memory_budget bounds)",
+                m.total_bytes_used,
+            ),
+            ("cothink_spilled_bytes", "Block memory spilled to disk (not resident)", m.spilled_bytes),
+            ("cothink_sealed_blocks", "Sealed (immutable) blocks", m.sealed_blocks),
+            ("cothink_spilled_blocks", "Blocks spilled to disk", m.spilled_blocks),
+            ("cothink_kv_bytes_per_token", "KV bytes of one token (attention layers)", m.kv_bytes_per_token),
+            (
+                "cothink_linear_bytes_per_token",
+                "Gated DeltaNet record bytes of one token in an unsealed block (all linear layers)",
+                m.linear_bytes_per_token,
+            ),
             (
                 "cothink_live_coroutines",
                 "Coroutines (by name) with a running work",
                 self.metrics.live_coroutines,
             ),
         ]
+        if m.budget_bytes is not None:  # no sample without a budget (only the KV pool bounds memory)
+            values.append(("cothink_memory_budget_bytes", "The engine's memory_budget", m.budget_bytes))
         for name, doc, value in values:
             yield GaugeMetricFamily(name, doc, value=value)
+
+
+# Events agents dropped from their bounded intake queues (drop-oldest under a storm), per agent name,
+# for the whole process: agents count here and every EngineMetrics registry (the server's /metrics)
+# exports the tally. Kept as a plain tally, not a prometheus Counter, so that it needs no registry.
+_DROPPED_EVENTS: _Tally[str] = _Tally()
+
+
+def count_dropped_events(agent: str, n: int = 1) -> None:
+    """Record that agent `agent` (its name; "" for unnamed agents) dropped `n` stale events."""
+    _DROPPED_EVENTS[agent] += n
+
+
+def dropped_events(agent: str) -> int:
+    return _DROPPED_EVENTS[agent]
+
+
+class _AgentCollector(Collector):
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        return []
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "cothink_stream_events_dropped",
+            "Events agents dropped from a full intake queue (the oldest first), by agent name",
+            labels=["agent"],
+        )
+        for agent, n in sorted(_DROPPED_EVENTS.items()):
+            family.add_metric([agent], n)
+        yield family
 
 
 class EngineMetrics:
@@ -137,6 +191,7 @@ class EngineMetrics:
         )
         self._active_names: _Tally[str] = _Tally()
         r.register(_MemoryCollector(engine, self))
+        r.register(_AgentCollector())
         self._attached = False
 
     @property

@@ -346,6 +346,8 @@ class Scheduler:
             work, count = p.work, len(p.items)
             mine = logits[row : row + count]
             row += count
+            if work.finished:  # cancelled while the step ran: its items were dropped, as if not run
+                continue
             tokens = sum(len(i.token_ids) for i in p.items)
             self._account(p, tokens, counted)
             records.append(
@@ -357,8 +359,6 @@ class Scheduler:
                     work.priority.klass.name.lower(),
                 )
             )
-            if work.finished:  # cancelled while the step ran: its items were not committed
-                continue
             emitted_before = len(work.out.token_ids) if isinstance(work, GenerateWork) else 0
             try:
                 work.after_step(mine, self.runner)

@@ -17,25 +17,21 @@ import logging
 import secrets
 import time
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from fastapi import Depends, FastAPI, Query, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi import FastAPI
 from opentelemetry import trace
 
 from cothink.observability.logs import request_var
-from cothink.observability.metrics import CONTENT_TYPE
-from cothink.observability.timeline import chrome_trace, render_timeline_png, write_chrome_trace
-from cothink.server import openai_api, session_api
-from cothink.server.errors import ERROR_RESPONSES, APIError, install_error_handlers
-from cothink.server.schemas import Health
+from cothink.observability.timeline import render_timeline_png, write_chrome_trace
+from cothink.server import openai_api, session_api, system_api
+from cothink.server.errors import APIError, install_error_handlers
 from cothink.server.settings import ServerSettings
-from cothink.server.state import ServerState, get_state
+from cothink.server.state import ServerState
 
 if TYPE_CHECKING:
-    from cothink.runtime.engine import StepRecord
+    pass
 
 log = logging.getLogger("cothink.server")
 
@@ -301,62 +297,7 @@ def create_app(
     app.state.cothink = state
     install_error_handlers(app)
 
-    @app.get(
-        "/health",
-        tags=["system"],
-        response_model=Health,
-        summary="Liveness (no API key needed)",
-        responses={503: {"model": Health, "description": "Draining, or the engine's step loop stopped"}},
-    )
-    async def health(request: Request) -> Response:
-        if state.draining:
-            status = "draining"
-        else:
-            status = "ok" if engine.running else "engine_stopped"
-        memory = state.memory() if engine.running else None
-        if status == "ok" and memory is not None and memory["pressure"]:
-            status = "memory_pressure"
-        body = Health(status=status, engine_running=engine.running, steps=engine.steps, memory=memory)
-        code = 200 if status in ("ok", "memory_pressure") else 503
-        return JSONResponse(body.model_dump(), status_code=code)
-
-    @app.get(
-        "/metrics",
-        tags=["system"],
-        summary="Prometheus metrics",
-        responses={
-            200: {"content": {"text/plain": {}}, "description": "Prometheus text format"},
-            401: ERROR_RESPONSES[401],
-        },
-    )
-    async def metrics(request: Request) -> Response:
-        return Response(state.metrics.exposition(), media_type=CONTENT_TYPE)
-
-    @app.get(
-        "/v1/timeline",
-        tags=["system"],
-        summary="Recent engine steps as a Chrome/Perfetto trace",
-        responses={
-            200: {
-                "content": {"application/json": {}},
-                "description": "Chrome trace JSON: one track per coroutine, one X event per step item",
-            },
-            401: ERROR_RESPONSES[401],
-        },
-    )
-    async def timeline(
-        request: Request,
-        state: ServerState = Depends(get_state),
-        steps: int | None = Query(
-            None, ge=1, le=1_000_000, description="How many recent steps (default 10000)"
-        ),
-    ) -> Response:
-        records = list(state.engine.timeline)
-        records = records[-(steps or settings.timeline_default_steps) :]
-        if request.scope.get("cothink.admin") is not True:
-            records = own_items(records, state, request.scope.get("cothink.principal", "anonymous"))
-        return JSONResponse(chrome_trace(records))
-
+    app.include_router(system_api.router)
     app.include_router(openai_api.router)
     app.include_router(session_api.router)
 
@@ -374,19 +315,6 @@ def create_app(
     app.add_middleware(HostOriginMiddleware, settings=settings)
     app.add_middleware(ObserveMiddleware, state=state)
     return app
-
-
-def own_items(records: list[StepRecord], state: ServerState, me: str) -> list[StepRecord]:
-    """The timeline a non-admin caller sees: its own coroutines by name; everyone else's items are
-    kept (load is not a secret) under the one lane 'others', with no ids."""
-    out = []
-    for record in records:
-        items = tuple(
-            item if state.owners.get(item.coroutine) == me else replace(item, coroutine="others")
-            for item in record.items
-        )
-        out.append(replace(record, items=items))
-    return out
 
 
 def app_state(app: FastAPI) -> ServerState:

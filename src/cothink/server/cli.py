@@ -107,6 +107,25 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         help="release blocks unused this long, in seconds (default: as sessions)",
     )
+    p.add_argument(
+        "--memory-budget",
+        default=None,
+        metavar="BYTES",
+        help="bound all block memory (KV pages and GDN records), e.g. 2GiB; blocks no work reads are "
+        "spilled to disk beyond it (docs/runtime.md, \"Memory\")",
+    )
+    p.add_argument(
+        "--snapshot-dir",
+        default=None,
+        metavar="DIR",
+        help="where POST /v1/sessions/{id}/snapshot writes (default: <cache dir>/snapshots)",
+    )
+    p.add_argument(
+        "--key-max-snapshots",
+        type=_positive,
+        default=d.key_max_snapshots,
+        help=f"snapshots one API key may keep (default {d.key_max_snapshots})",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -137,6 +156,8 @@ def settings_from_args(args: argparse.Namespace):
         key_max_sessions=args.key_max_sessions,
         session_idle_s=args.session_idle_s or None,
         block_idle_s=args.block_idle_s or None,
+        snapshot_dir=args.snapshot_dir,
+        key_max_snapshots=args.key_max_snapshots,
     )
 
 
@@ -163,6 +184,8 @@ def run(args: argparse.Namespace) -> int:
     limits = {"kv_tokens": args.kv_tokens} if args.kv_tokens else {}
     if args.quantize:
         limits["quantize"] = args.quantize
+    if args.memory_budget:
+        limits["memory_budget"] = args.memory_budget
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     log.info("loading model %s", args.model)
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, **limits)

@@ -83,6 +83,8 @@ _MAP: list[tuple[type[BaseException], int, str, str]] = [
     (ce.EngineClosedError, 503, "server_overloaded", "engine_closed"),
     (ce.ModelNotFoundError, 404, "not_found_error", "model_not_found"),
     (ce.UnsupportedModelError, 400, "invalid_request_error", "unsupported"),
+    (ce.SnapshotMismatchError, 409, "conflict_error", "snapshot_mismatch"),  # saved from another model
+    (ce.SnapshotError, 400, "invalid_request_error", "snapshot_invalid"),  # not a (readable) snapshot
     (ce.InvalidParameterError, 400, "invalid_request_error", "invalid_value"),  # param names the field
 ]
 

@@ -149,7 +149,8 @@ class MemoryLedger:
         parent = self.charges.get(fork_of.id) if fork_of is not None else None
         shared = (fork_of.length // self.geometry.page_size) if fork_of is not None else 0
         charge = Charge(block, account, session, shared_pages=shared if parent else 0, parent=parent)
-        extra_tokens = fork_of.length if fork_of is not None else 0
+        # a fork holds its parent's tokens; a block restored from a snapshot holds its own already
+        extra_tokens = fork_of.length if fork_of is not None else block.length
         self.check_request(charge.pages(self.geometry), "a new block")
         self._check(account, session, charge.pages(self.geometry), extra_tokens, what="a new block")
         self.charges[block.id] = charge

@@ -367,6 +367,39 @@ class CoroutineList(BaseModel):
     data: list[CoroutineInfo]
 
 
+class SnapshotCreate(Strict):
+    blocks: list[BlockId] | None = Field(
+        None, min_length=1, description="Blocks to save, in order (default: all the session's blocks)"
+    )
+
+
+class SnapshotBlockInfo(BaseModel):
+    id: str = Field(description="The block's id; the restored block has the same id in its new session")
+    name: str | None = None
+    length: int
+
+
+class SnapshotInfo(BaseModel):
+    id: str = Field(description="Unguessable snapshot id; only the API key that saved it can restore it")
+    object: Literal["session.snapshot"] = "session.snapshot"
+    session: str = Field(description="The session it was saved from")
+    created: int = Field(description="Unix time")
+    model: str = Field(description="The model it was saved from (restoring needs the same model and dtype)")
+    blocks: list[SnapshotBlockInfo]
+    tokens: int = Field(description="Tokens in all its blocks")
+    bytes: int = Field(description="Size of the snapshot on disk")
+
+
+class RestoreRequest(Strict):
+    snapshot: str = Field(min_length=1, max_length=64, description="A snapshot id from POST .../snapshot")
+    name: Label | None = Field(None, description="Label of the new session (default: the saved one's)")
+
+
+class RestoredSession(SessionInfo):
+    snapshot: str = Field(description="The snapshot it was restored from")
+    blocks: list[BlockInfo] = Field(description="Its blocks, in the order they were saved")
+
+
 class Deleted(BaseModel):
     id: str
     object: str

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import pathlib
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,6 +15,7 @@ from fastapi.responses import JSONResponse
 from opentelemetry import trace
 from pydantic import TypeAdapter, ValidationError
 
+from cothink.errors import SnapshotError
 from cothink.observability.logs import coroutine_var, session_var
 from cothink.server.openai_features import structured_for
 from cothink.server.errors import ERROR_RESPONSES, APIError, from_exception, validation_error
@@ -29,8 +32,13 @@ from cothink.server.schemas import (
     GenerateResult,
     ProbeRequest,
     ProbeResult,
+    RestoredSession,
+    RestoreRequest,
     SessionCreate,
     SessionInfo,
+    SnapshotBlockInfo,
+    SnapshotCreate,
+    SnapshotInfo,
     TruncateRequest,
     WsCancel,
     WsExtend,
@@ -39,6 +47,7 @@ from cothink.server.schemas import (
     WsProbe,
 )
 from cothink.server.sessions import BlockEntry, CoroutineEntry, Session
+from cothink.server.snapshots import BLOCKS_FILE, SnapshotBlock, SnapshotManifest
 from cothink.server.streaming import EventStream, abort_on_disconnect, cancel_on_disconnect
 from cothink.server.state import ServerState, get_state, get_ws_state, principal
 
@@ -731,6 +740,168 @@ async def cancel_coroutine(
     return coroutine_info(co)
 
 
+# ---------------------------------------------------------------------------------------- snapshots
+
+SnapshotIdPath = Path(..., min_length=1, max_length=64, description="Snapshot id")
+
+
+def _clean_snapshot_error(exc: SnapshotError, folder: pathlib.Path, snapshot_id: str) -> APIError:
+    """The APIError for a snapshot the engine refused, naming the snapshot id, never a server path."""
+    err = from_exception(exc)
+    for place in (str(folder / BLOCKS_FILE), str(folder)):
+        err.message = err.message.replace(place, snapshot_id)
+    err.param = "snapshot"
+    return err
+
+
+@router.post(
+    "/{session_id}/snapshot",
+    status_code=201,
+    response_model=SnapshotInfo,
+    summary="Save the session's blocks to disk",
+    description="Writes the blocks (all, or `blocks` in order) with their tokens, KV, Gated DeltaNet "
+    "state, ids and labels to a snapshot on the server (never a path you choose) and returns its id; "
+    "POST /v1/sessions/restore brings them back into a new session, also after a restart. A block "
+    "being written is saved as far as it is written.",
+    responses=_errors(429, 503),
+)
+async def snapshot_session(
+    request: Request,
+    body: SnapshotCreate | None = Body(None),
+    session: Session = Depends(get_session),
+    state: ServerState = Depends(get_state),
+) -> SnapshotInfo:
+    state.check_open()
+    if body is not None and body.blocks is not None:
+        entries = session.view(body.blocks)  # checks ids, duplicates and the view size limit
+    else:
+        entries = [e for e in session.blocks.values() if not e.block.freed]
+    if not entries:
+        raise APIError(400, "the session has no blocks to save", "invalid_request_error", "empty_input")
+    snapshot_id, folder = state.snapshots.create(principal(request))
+    try:
+        async with abort_on_disconnect(request):
+            await state.wait(state.engine.save(folder / BLOCKS_FILE, [e.block for e in entries]))
+        manifest = SnapshotManifest(
+            snapshot_id,
+            session.id,
+            session.name,
+            int(time.time()),
+            state.settings.model_name,
+            [SnapshotBlock(e.id, e.name, e.block.length) for e in entries],
+        )
+        await asyncio.to_thread(state.snapshots.write_manifest, folder, manifest)
+    except OSError:
+        state.snapshots.discard(folder)
+        log.exception("writing snapshot %s failed", snapshot_id)
+        raise APIError(
+            500, "the snapshot could not be written", "server_error", "snapshot_write_failed"
+        ) from None
+    except BaseException:
+        state.snapshots.discard(folder)
+        raise
+    log.info("session saved to snapshot %s (%d blocks)", snapshot_id, len(entries))
+    return snapshot_info(state, folder, manifest)
+
+
+def snapshot_info(state: ServerState, folder: pathlib.Path, manifest: SnapshotManifest) -> SnapshotInfo:
+    return SnapshotInfo(
+        id=manifest.id,
+        session=manifest.source_session,
+        created=manifest.created,
+        model=manifest.model,
+        blocks=[SnapshotBlockInfo(id=b.id, name=b.name, length=b.length) for b in manifest.blocks],
+        tokens=manifest.tokens,
+        bytes=state.snapshots.file_bytes(folder),
+    )
+
+
+@router.post(
+    "/restore",
+    status_code=201,
+    response_model=RestoredSession,
+    summary="A new session from a snapshot",
+    description="Loads a snapshot this API key saved into a new session: its blocks keep their ids, "
+    "labels, tokens and memory (next-token logits equal the saved session's). 404: no such snapshot "
+    "for this key; 409 `snapshot_mismatch`: saved from another model or dtype; 400 `snapshot_invalid`: "
+    "the snapshot is damaged. Counts against the session, block and memory quotas like new blocks.",
+    responses=_errors(409, 429, 503),
+)
+async def restore_session(
+    request: Request, body: RestoreRequest, state: ServerState = Depends(get_state)
+) -> RestoredSession:
+    state.check_open()
+    owner = principal(request)
+    folder = state.snapshots.folder(owner, body.snapshot)
+    try:
+        manifest = state.snapshots.read_manifest(folder)
+    except SnapshotError as exc:
+        raise _clean_snapshot_error(exc, folder, body.snapshot) from None
+    if len(manifest.blocks) > state.settings.session_max_blocks:
+        raise APIError(
+            429,
+            f"the snapshot holds {len(manifest.blocks)} blocks; a session may hold "
+            f"{state.settings.session_max_blocks}",
+            "quota_error",
+            "session_block_quota",
+        )
+    session = state.sessions.create(owner, body.name if body.name is not None else manifest.session_name)
+    session_var.set(session.id)
+    try:
+        try:
+            blocks = state.call(state.engine.load, folder / BLOCKS_FILE)
+        except APIError as exc:
+            if isinstance(exc.__cause__, SnapshotError):
+                raise _clean_snapshot_error(exc.__cause__, folder, body.snapshot) from None
+            raise
+        except Exception:  # the file reader's own errors (a damaged tensor section): nothing was loaded
+            log.warning("snapshot %s could not be read", body.snapshot, exc_info=True)
+            raise APIError(
+                400, "the snapshot is damaged", "invalid_request_error", "snapshot_invalid", "snapshot"
+            ) from None
+        if [b.name for b in blocks] != [b.id for b in manifest.blocks]:
+            for block in blocks:
+                state.engine.release(block)
+            raise APIError(
+                400,
+                "the snapshot's blocks do not match its session record",
+                "invalid_request_error",
+                "snapshot_invalid",
+                "snapshot",
+            )
+        for i, (block, saved) in enumerate(zip(blocks, manifest.blocks)):
+            try:
+                session.adopt_block(saved.id, block, saved.name)
+            except BaseException:
+                for rest in blocks[i + 1 :]:
+                    state.engine.release(rest)
+                raise
+    except BaseException:
+        state.sessions.delete(session.id, owner)  # releases the blocks it took in
+        raise
+    log.info("session restored from snapshot %s (%d blocks)", manifest.id, len(blocks))
+    info = session_info(session)
+    return RestoredSession(
+        **info.model_dump(),
+        snapshot=manifest.id,
+        blocks=[block_info(state, session, session.blocks[b.id]) for b in manifest.blocks],
+    )
+
+
+@router.delete(
+    "/snapshots/{snapshot_id}",
+    response_model=Deleted,
+    summary="Delete a snapshot",
+    description="Removes a snapshot this API key saved (each key may keep `key_max_snapshots`).",
+    responses=_errors(),
+)
+async def delete_snapshot(
+    request: Request, snapshot_id: str = SnapshotIdPath, state: ServerState = Depends(get_state)
+) -> Deleted:
+    await asyncio.to_thread(state.snapshots.delete, principal(request), snapshot_id)
+    return Deleted(id=snapshot_id, object="session.snapshot")
+
+
 # ---------------------------------------------------------------------------------------- websocket
 
 _WS_MESSAGE = TypeAdapter(WsMessage)
@@ -761,112 +932,128 @@ async def session_socket(websocket: WebSocket, session_id: str) -> None:
     await websocket.accept()
     session_var.set(session.id)
     state.streams_gauge.inc()
-    lock = asyncio.Lock()
-    tasks: set[asyncio.Task] = set()
-    mine: dict[str, Running] = {}
-
-    async def send(event: dict, ref: str | None) -> None:
-        if ref is not None:
-            event = {**event, "id": ref}
-        async with lock:
-            await websocket.send_text(json.dumps(event, ensure_ascii=False, separators=(",", ":")))
-
-    async def send_error(exc: BaseException, ref: str | None, coroutine: str | None = None) -> None:
-        err = from_exception(exc)
-        await send({"type": "error", "coroutine": coroutine, **err.body()}, ref)
-
-    async def run_generate(msg: WsGenerate) -> None:
-        try:
-            running = start_generation(state, session, msg)
-        except Exception as exc:
-            await send_error(exc, msg.id)
-            return
-        mine[running.co.id] = running
-        try:
-            async for event in running.events():
-                await send(event, msg.id)
-        finally:
-            mine.pop(running.co.id, None)
-
-    async def run_extend(msg: WsExtend) -> None:
-        try:
-            entry = session.block(msg.block)
-            ids = await input_ids(state, msg.text, msg.token_ids)
-            await do_extend(state, session, entry, ids, msg.view, msg.priority, msg.name)
-            await send({"type": "extended", "block": entry.id, "length": entry.block.length}, msg.id)
-        except Exception as exc:
-            await send_error(exc, msg.id)
-
-    async def run_probe(msg: WsProbe) -> None:
-        try:
-            result = await do_probe(state, session, msg)
-            await send({"type": "probe", **result.model_dump()}, msg.id)
-        except Exception as exc:
-            await send_error(exc, msg.id)
-
-    async def cancel(msg: WsCancel) -> None:
-        if msg.coroutine is not None:
-            try:
-                targets = [session.coroutine(msg.coroutine)]
-            except APIError as exc:
-                await send_error(exc, msg.id)
-                return
-        else:
-            targets = [r.co for r in mine.values()]
-        cancelled = [co.id for co in targets if co.cancel()]
-        await send({"type": "cancelled", "coroutines": cancelled}, msg.id)
-
-    def spawn(coro) -> None:
-        task = asyncio.create_task(coro)
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-
-    limit = state.settings.max_body_bytes
     session.sockets += 1
+    socket = _SessionSocket(websocket, state, session)
     try:
-        while True:
-            message = await websocket.receive()
-            if message["type"] == "websocket.disconnect":
-                break
-            raw = message.get("text")
-            if raw is None:
-                err = APIError(
-                    400, "binary frames are not supported: send JSON as text", code="invalid_message"
-                )
-                await send({"type": "error", **err.body()}, None)
-                continue
-            # the same size limit as HTTP bodies, checked before parsing or tokenizing anything
-            if len(raw) > limit and len(raw.encode("utf-8", "surrogatepass")) > limit:
-                err = APIError(413, f"message exceeds {limit} bytes", code="body_too_large")
-                await send({"type": "error", **err.body()}, None)
-                continue
-            try:  # json.loads, as for HTTP bodies: a lone surrogate escape is then a 400 naming its field
-                msg = _WS_MESSAGE.validate_python(json.loads(raw))
-            except json.JSONDecodeError:
-                err = APIError(400, "the message is not valid JSON", code="invalid_json")
-                await send({"type": "error", **err.body()}, None)
-                continue
-            except ValidationError as exc:
-                await send({"type": "error", **ws_validation_error(exc).body()}, None)
-                continue
-            if isinstance(msg, WsGenerate):
-                spawn(run_generate(msg))
-            elif isinstance(msg, WsExtend):
-                spawn(run_extend(msg))
-            elif isinstance(msg, WsProbe):
-                spawn(run_probe(msg))
-            else:
-                await cancel(msg)
+        await socket.serve()
     except WebSocketDisconnect:
         pass
     except RuntimeError:  # the socket closed under us (server shutdown)
         pass
     finally:
         session.sockets -= 1
-        for running in list(mine.values()):
-            running.co.cancel()
-        for task in list(tasks):
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
+        await socket.close()
         state.streams_gauge.dec()
+
+
+class _SessionSocket:
+    """One WebSocket on a session: reads messages, runs each request as its own task, sends events
+    (one sender at a time) and cancels what it started when the socket goes."""
+
+    def __init__(self, websocket: WebSocket, state: ServerState, session: Session):
+        self.websocket, self.state, self.session = websocket, state, session
+        self.lock = asyncio.Lock()
+        self.tasks: set[asyncio.Task] = set()
+        self.mine: dict[str, Running] = {}
+
+    async def serve(self) -> None:
+        while True:
+            message = await self.websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                return
+            msg = await self.parse(message.get("text"))
+            if msg is None:
+                continue
+            if isinstance(msg, WsGenerate):
+                self.spawn(self.run_generate(msg))
+            elif isinstance(msg, WsExtend):
+                self.spawn(self.run_extend(msg))
+            elif isinstance(msg, WsProbe):
+                self.spawn(self.run_probe(msg))
+            else:
+                await self.cancel(msg)
+
+    async def parse(self, raw: str | None) -> Any:
+        """The message, or None after sending the client an error for it."""
+        if raw is None:
+            err = APIError(400, "binary frames are not supported: send JSON as text", code="invalid_message")
+            await self.send({"type": "error", **err.body()}, None)
+            return None
+        # the same size limit as HTTP bodies, checked before parsing or tokenizing anything
+        limit = self.state.settings.max_body_bytes
+        if len(raw) > limit and len(raw.encode("utf-8", "surrogatepass")) > limit:
+            err = APIError(413, f"message exceeds {limit} bytes", code="body_too_large")
+            await self.send({"type": "error", **err.body()}, None)
+            return None
+        try:  # json.loads, as for HTTP bodies: a lone surrogate escape is then a 400 naming its field
+            return _WS_MESSAGE.validate_python(json.loads(raw))
+        except json.JSONDecodeError:
+            err = APIError(400, "the message is not valid JSON", code="invalid_json")
+            await self.send({"type": "error", **err.body()}, None)
+        except ValidationError as exc:
+            await self.send({"type": "error", **ws_validation_error(exc).body()}, None)
+        return None
+
+    async def send(self, event: dict, ref: str | None) -> None:
+        if ref is not None:
+            event = {**event, "id": ref}
+        async with self.lock:
+            await self.websocket.send_text(json.dumps(event, ensure_ascii=False, separators=(",", ":")))
+
+    async def send_error(self, exc: BaseException, ref: str | None) -> None:
+        err = from_exception(exc)
+        await self.send({"type": "error", "coroutine": None, **err.body()}, ref)
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def run_generate(self, msg: WsGenerate) -> None:
+        try:
+            running = start_generation(self.state, self.session, msg)
+        except Exception as exc:
+            await self.send_error(exc, msg.id)
+            return
+        self.mine[running.co.id] = running
+        try:
+            async for event in running.events():
+                await self.send(event, msg.id)
+        finally:
+            self.mine.pop(running.co.id, None)
+
+    async def run_extend(self, msg: WsExtend) -> None:
+        try:
+            entry = self.session.block(msg.block)
+            ids = await input_ids(self.state, msg.text, msg.token_ids)
+            await do_extend(self.state, self.session, entry, ids, msg.view, msg.priority, msg.name)
+            await self.send({"type": "extended", "block": entry.id, "length": entry.block.length}, msg.id)
+        except Exception as exc:
+            await self.send_error(exc, msg.id)
+
+    async def run_probe(self, msg: WsProbe) -> None:
+        try:
+            result = await do_probe(self.state, self.session, msg)
+            await self.send({"type": "probe", **result.model_dump()}, msg.id)
+        except Exception as exc:
+            await self.send_error(exc, msg.id)
+
+    async def cancel(self, msg: WsCancel) -> None:
+        if msg.coroutine is not None:
+            try:
+                targets = [self.session.coroutine(msg.coroutine)]
+            except APIError as exc:
+                await self.send_error(exc, msg.id)
+                return
+        else:
+            targets = [r.co for r in self.mine.values()]
+        cancelled = [co.id for co in targets if co.cancel()]
+        await self.send({"type": "cancelled", "coroutines": cancelled}, msg.id)
+
+    async def close(self) -> None:
+        for running in list(self.mine.values()):
+            running.co.cancel()
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.gather(*self.tasks, return_exceptions=True)

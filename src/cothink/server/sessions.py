@@ -138,20 +138,40 @@ class Session:
         if self.closed:
             raise not_found("session", self.id, "session_not_found")
 
-    def new_block(self, name: str | None, fork_of: BlockEntry | None = None) -> BlockEntry:
-        self._check_open()
-        if len(self.blocks) >= self.settings.session_max_blocks:
+    def check_block_quota(self, more: int = 1) -> None:
+        if len(self.blocks) + more > self.settings.session_max_blocks:
             raise APIError(
                 429,
                 f"session block quota reached ({self.settings.session_max_blocks} blocks)",
                 "quota_error",
                 "session_block_quota",
             )
+
+    def new_block(self, name: str | None, fork_of: BlockEntry | None = None) -> BlockEntry:
+        self._check_open()
+        self.check_block_quota()
         block_id = new_id("blk")
         if fork_of is not None:
             block = self.engine.fork(fork_of.block, name=block_id)
         else:
             block = self.engine.block(name=block_id)
+        return self._add(block_id, block, name, fork_of)
+
+    def adopt_block(self, block_id: str, block: Block, name: str | None) -> BlockEntry:
+        """Take in a block the engine already holds (one restored from a snapshot, keeping its id),
+        charged to the quotas with its length; on refusal the block is released."""
+        self._check_open()
+        if block_id in self.blocks:
+            self.engine.release(block)
+            raise APIError(409, f"block {block_id!r} already exists", "conflict_error", "block_exists")
+        try:
+            self.check_block_quota()
+        except APIError:
+            self.engine.release(block)
+            raise
+        return self._add(block_id, block, name, None)
+
+    def _add(self, block_id: str, block: Block, name: str | None, fork_of: BlockEntry | None) -> BlockEntry:
         try:
             self.ledger.add_block(block, self.account, self.id, fork_of.block if fork_of else None)
         except BaseException:

@@ -38,6 +38,9 @@ class ServerSettings:
     memory_pressure: float = 0.9  # /health reports memory_pressure above this used share of the pool
     prefix_cache_share: float = 0.25  # pool share that cached prompt prefixes may keep (0: no reuse)
     tokenize_inline_chars: int = 4096  # longer texts are tokenized in a worker thread, off the event loop
+    # ---- session snapshots (docs/server.md, "Snapshots") ----
+    snapshot_dir: str | None = None  # where snapshots are written; None: <cothink cache dir>/snapshots
+    key_max_snapshots: int = 32  # snapshots one API key may keep on disk (without keys: all clients)
     trace_out: str | None = None  # write the step timeline (Chrome JSON + PNG) here at shutdown
     timeline_default_steps: int = 10_000  # GET /v1/timeline returns at most this many recent steps by default
 

@@ -7,6 +7,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeVar
 
 from fastapi import Request, WebSocket
@@ -20,6 +21,7 @@ from cothink.server.errors import APIError, from_exception
 from cothink.server.prefix_cache import PrefixCache
 from cothink.server.quota import MemoryLedger, PoolGeometry
 from cothink.server.sessions import SessionManager
+from cothink.server.snapshots import SnapshotStore
 from cothink.server.settings import ServerSettings
 
 if TYPE_CHECKING:
@@ -40,6 +42,7 @@ class ServerState:
         )  # account limit set in start(), once the pool size is known
         self.ledger.account_max_pages = int(self.ledger.geometry.total_pages * settings.memory_share())
         self.sessions = SessionManager(engine, settings, self.ledger)
+        self.snapshots = SnapshotStore(snapshot_root(settings), settings.key_max_snapshots)
         g = self.ledger.geometry
         self.prefix_cache = PrefixCache(engine, int(g.total_pages * settings.prefix_cache_share), g.page_size)
         # coroutine name -> owner (key fingerprint; a session id without keys), for /v1/timeline
@@ -280,6 +283,14 @@ class ServerState:
                     log.info("expired %d idle sessions or blocks", expired)
             except Exception:  # never let the reaper die
                 log.exception("session expiry failed")
+
+
+def snapshot_root(settings: ServerSettings) -> Path:
+    if settings.snapshot_dir is not None:
+        return Path(settings.snapshot_dir).expanduser()
+    from cothink.models.hub import cache_dir
+
+    return cache_dir() / "snapshots"
 
 
 def pool_geometry(engine: Engine) -> PoolGeometry:
