@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cothink.ops.gdn import CHUNK, affine_summary, apply_summary, causal_conv, compose, delta_rule, l2norm
+from cothink.ops.gdn import (
+    CHUNK,
+    SMALL_CONV_ROWS,
+    affine_summary,
+    apply_summary,
+    causal_conv,
+    compose,
+    delta_rule,
+    l2norm,
+)
 
 H, K, V = 3, 8, 5
 
@@ -86,3 +95,13 @@ def test_causal_conv_after_history_equals_conv_over_the_whole():
     for cut in (1, 3, 11):
         history = torch.cat((zero, rows))[cut : cut + w - 1]  # the W-1 rows before `cut`
         torch.testing.assert_close(causal_conv(history, rows[cut:], weight), whole[cut:], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("n", [1, 3, SMALL_CONV_ROWS, SMALL_CONV_ROWS + 1, 40])
+def test_causal_conv_matches_a_plain_convolution_at_every_length(n):
+    """The elementwise path (decode-sized inputs) and the conv1d path agree with the definition."""
+    gen = torch.Generator().manual_seed(n)
+    history, rows, weight = (torch.randn(*s, generator=gen) for s in ((3, 24), (n, 24), (24, 4)))
+    x = torch.cat((history, rows))
+    expect = torch.stack([(x[t : t + 4] * weight.t()).sum(0) for t in range(n)])
+    torch.testing.assert_close(causal_conv(history, rows, weight), torch.nn.functional.silu(expect))

@@ -19,10 +19,18 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+# up to this many rows (decode steps), the conv is W multiply-adds per row, done elementwise: a
+# oneDNN convolution call costs ~1 ms of setup per layer for a single row on CPU
+SMALL_CONV_ROWS = 8
+
+
 def causal_conv(history: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Depthwise causal conv + SiLU of rows [n, C], preceded by history [W-1, C]; weight [C, W]."""
-    x = torch.cat((history, rows), dim=0).to(weight.dtype).t().unsqueeze(0)  # [1, C, W-1+n]
-    out = F.conv1d(x, weight.unsqueeze(1), groups=weight.shape[0])  # [1, C, n]
+    x = torch.cat((history, rows), dim=0).to(weight.dtype)  # [W-1+n, C]
+    if rows.shape[0] <= SMALL_CONV_ROWS:
+        out = (x.unfold(0, weight.shape[1], 1) * weight).sum(-1)  # [n, C, W] windows -> [n, C]
+        return F.silu(out).to(rows.dtype)
+    out = F.conv1d(x.t().unsqueeze(0), weight.unsqueeze(1), groups=weight.shape[0])  # [1, C, n]
     return F.silu(out)[0].t().to(rows.dtype)
 
 
