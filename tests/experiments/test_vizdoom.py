@@ -110,15 +110,57 @@ def test_quick_run_rows_latency_in_passes(tiny, tmp_path):
     assert vd.render(out).rows == results.rows  # a saved run re-renders (summary, report, plot)
     entry = results.summary["deadly_corridor"]["async"]
     assert {"reward_mean", "reward_se", "latency_mean", "latency_se"} <= set(entry)
+    # the async agent's own record: one line per async episode, its decisions add up
+    details = vd.read_async_episodes(out)
+    assert sorted(d.scenario for d in details) == sorted(SCENARIOS)
+    for d in details:
+        assert d.followed + d.own == d.decisions and d.replans <= d.decisions
+        assert d.decisions >= rows[(d.scenario, "async")].actions
+    assert "## async: plans followed and early exits" in (out / "report.md").read_text()
 
 
-def test_async_actor_never_waits_for_the_strategist(tiny):
-    """The strategist writes long plans alongside; the actor must never wait for it: every engine pass
-    between reading a frame and pressing the action carried the actor's own work (early exit always
-    fires at threshold 0, so the actor never reasons)."""
+def test_merge_replaces_only_the_rerun_rows(tmp_path):
+    """`--merge` reruns some strategies into a saved run: their rows are replaced, the others kept, the
+    rerun recorded; a run with other settings is refused (model-free baselines: no model needed)."""
+    from cothink.errors import InvalidParameterError
+
+    out = tmp_path / "out"
+    common = ["--quick", "--scenarios", "health_gathering", "--tics-per-pass", "4", "--out", str(out),
+              "--no-progress"]
+    first = _parse([*common, "--strategies", "random", "heuristic"])
+    assert first.func(first) == 0
+    before = harness.read_results(out / "results.json", vd.VizdoomConfig, vd.VizdoomRow)
+    # mark every saved reward: a replaced row gets its real value back, a kept row keeps the mark
+    raw = json.loads((out / "results.json").read_text())
+    for row in raw["rows"]:
+        row["reward"] = -12345.0
+    (out / "results.json").write_text(json.dumps(raw))
+    again = _parse([*common, "--strategies", "heuristic", "--merge", "--note", "checked"])
+    assert again.func(again) == 0
+    after = harness.read_results(out / "results.json", vd.VizdoomConfig, vd.VizdoomRow)
+    assert [(r.strategy, r.episode) for r in after.rows] == [(r.strategy, r.episode) for r in before.rows]
+    for new, old in zip(after.rows, before.rows):  # the baselines are deterministic per seed
+        assert new.reward == (old.reward if new.strategy == "heuristic" else -12345.0)
+    assert after.config.strategies == ["random", "heuristic"] and after.config.started_at == \
+        before.config.started_at
+    (rerun,) = after.config.reruns
+    assert rerun.strategies == ["heuristic"] and rerun.note == "checked"
+    assert "replace the earlier ones. checked" in (out / "report.md").read_text()
+    other = _parse([*common, "--strategies", "heuristic", "--merge", "--tics-per-pass", "2"])
+    with pytest.raises(InvalidParameterError, match="tics_per_pass"):
+        other.func(other)
+
+
+@pytest.mark.parametrize(("early_exit", "plan_tokens"), [(0.0, 400), (1.01, 3)])
+def test_async_actor_never_waits_for_the_strategist(tiny, early_exit, plan_tokens):
+    """The strategist writes plans alongside; the actor must never wait for it: every engine pass between
+    reading a frame and pressing the action carried the actor's own work. At threshold 0 every plan fits
+    (long plans: the actor acts before any exists); above 1 none does: each plan the actor reads is
+    exited early (replan, own judgement: a second probe), and still no pass is spent waiting."""
     handle = harness.load_model(str(tiny))
     config = vd.VizdoomConfig(experiment="vizdoom", model=str(tiny), scenarios=[], strategies=[], episodes=1,
-                              tics_per_pass=1, max_tics=40, reason_tokens=4, plan_tokens=400, early_exit=0.0)
+                              tics_per_pass=1, max_tics=40, reason_tokens=4, plan_tokens=plan_tokens,
+                              early_exit=early_exit)
 
     async def episode() -> tuple[vd.PassClock, object, int]:
         engine = handle.engine(kv_tokens=8192)
@@ -138,10 +180,13 @@ def test_async_actor_never_waits_for_the_strategist(tiny):
     assert len(clock.latencies) >= 8 and len(result.actions) - len(clock.latencies) in (0, 1)
     for latency, action in zip(clock.latencies, result.actions):
         assert latency == action.forward_passes  # no pass without the actor in it: it never waited
-        assert action.early_exit
-    # the strategist really was at work alongside, and the actor acted before any plan existed
-    assert strategist_passes >= clock.passes // 2
-    assert any(a.plan == -1 for a in result.actions)
+        assert action.early_exit == (not action.replanned)
+    assert any(a.plan == -1 for a in result.actions)  # the actor acted before any plan existed
+    if early_exit == 0.0:  # the strategist really was at work alongside
+        assert strategist_passes >= clock.passes // 2 and not result.replans
+    else:  # plans were written, read, found not to fit, and replaced
+        read = [a for a in result.actions if a.plan >= 0]
+        assert read and all(a.replanned for a in read) and len(result.replans) == len(read)
 
 
 def test_cli_lists_both_experiments():

@@ -21,8 +21,13 @@ What the harness gives every experiment:
   ``ModelHandle.engine(**limits)``;
 - :class:`Results`: ``DIR/results.json`` = ``{"config": {...}, "rows": [...], "summary": {...}}``
   (:func:`write_results` / :func:`read_results`);
+- :class:`ResultsFolder`: an experiment's summary, report and plot functions bound to its folder:
+  ``save`` writes results.json and report.md after every unit (a run cut short keeps its rows) and the
+  plot at the end; ``render`` redoes all three from a saved results.json;
+- :func:`begin`: stamps a config with its start time and the machine;
 - :func:`write_report`: ``DIR/report.md`` from markdown text, with :func:`markdown_table` to build it;
 - :func:`plot_lines`: PNG line plots with matplotlib (Agg backend, headless), one or more panels;
+  :func:`figure` for other plots (panels side by side, saved as PNG on exit);
 - :func:`progress`: a rich progress bar (silent when output is not a terminal unless forced);
 - :func:`machine_info`: CPU, cores, torch version and threads, for the report header.
 """
@@ -104,6 +109,45 @@ def read_results(path: Path, config_type: type[ConfigT], row_type: type[RowT]) -
     return Results[config_type, row_type].model_validate_json(Path(path).read_text())  # type: ignore[valid-type]
 
 
+def begin(config: ExperimentConfig) -> float:
+    """Stamp `config` with the start time (UTC) and the machine; returns perf_counter() for its wall_s."""
+    config.started_at = now_utc()
+    config.machine = machine_info()
+    return time.perf_counter()
+
+
+@dataclass(frozen=True)
+class ResultsFolder(Generic[ConfigT, RowT]):
+    """How an experiment writes its output folder, from its own summary, report and plot functions.
+
+    ``report(results, folder)`` gets the folder too, for side files it reads (traces, per-episode logs);
+    ``plot(path, summary)`` draws ``folder/plot_name``."""
+
+    config_type: type[ConfigT]
+    row_type: type[RowT]
+    summarize: Callable[[Sequence[RowT]], dict[str, Any]]
+    report: Callable[[Results[ConfigT, RowT], Path], str]
+    plot: Callable[[Path, dict[str, Any]], Path]
+    plot_name: str
+
+    def save(self, out: Path, config: ConfigT, rows: list[RowT], *, final: bool) -> Results[ConfigT, RowT]:
+        """Write results.json and report.md (call after every unit, so a run cut short keeps its rows);
+        the plot when `final`."""
+        results = Results[self.config_type, self.row_type](  # type: ignore[name-defined]
+            config=config, rows=rows, summary=self.summarize(rows)
+        )
+        write_results(out, results)
+        write_report(out, self.report(results, out))
+        if final:
+            self.plot(out / self.plot_name, results.summary)
+        return results
+
+    def render(self, out: Path) -> Results[ConfigT, RowT]:
+        """Recompute the summary, report and plot of a saved results.json (e.g. of a run cut short)."""
+        saved = read_results(out / "results.json", self.config_type, self.row_type)
+        return self.save(out, saved.config, saved.rows, final=True)
+
+
 # -------------------------------------------------------------------------------------------- report
 
 
@@ -143,15 +187,36 @@ class Panel:
     series: Sequence[Series]
 
 
-def plot_lines(path: Path, panels: Sequence[Panel], title: str = "") -> Path:
-    """Draw panels side by side into a PNG (headless matplotlib)."""
+@contextmanager
+def figure(path: Path, panels: int, *, width: float = 5.5, height: float = 4.2) -> Iterator[list[Any]]:
+    """`panels` matplotlib axes side by side (headless, Agg), each `width` x `height` inches; the figure
+    is laid out and saved to `path` (PNG, 110 dpi) when the block ends."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
-    for ax, panel in zip(axes[0], panels):
+    fig, axes = plt.subplots(1, panels, figsize=(width * panels, height), squeeze=False)
+    try:
+        yield list(axes[0])
+        fig.tight_layout()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
+
+
+def plot_lines(path: Path, panels: Sequence[Panel], title: str = "") -> Path:
+    """Draw panels side by side into a PNG (headless matplotlib)."""
+    with figure(path, len(panels)) as axes:
+        _draw_lines(axes, panels)
+        if title:
+            axes[0].figure.suptitle(title)
+    return path
+
+
+def _draw_lines(axes: list[Any], panels: Sequence[Panel]) -> None:
+    for ax, panel in zip(axes, panels):
         for s in panel.series:
             if s.x is None:
                 ax.axhline(
@@ -164,13 +229,6 @@ def plot_lines(path: Path, panels: Sequence[Panel], title: str = "") -> Path:
         ax.set_ylabel(panel.ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 # ------------------------------------------------------------------------------------------ progress

@@ -348,29 +348,22 @@ def summarize(rows: Sequence[MonitorRow]) -> dict[str, Any]:
 
 
 def plot(path: Path, summary: dict[str, Any]) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Accuracy, forward passes per task and share of events processed, a bar per condition."""
     conds = [c for c in summary if c != "by_anomaly"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    for ax, key, label in (
-        (axes[0], "accuracy", "accuracy"),
-        (axes[1], "forward_passes", "forward passes / task"),
-        (axes[2], "processed_share", "share of events processed"),
-    ):
-        ax.bar(
-            conds,
-            [summary[c][key] for c in conds],
-            color=["tab:blue", "tab:orange", "tab:gray"][: len(conds)],
-        )
-        ax.set_title(label)
-        ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    panels = (
+        ("accuracy", "accuracy"),
+        ("forward_passes", "forward passes / task"),
+        ("processed_share", "share of events processed"),
+    )
+    with harness.figure(path, len(panels), width=5.0) as axes:
+        for ax, (key, label) in zip(axes, panels):
+            ax.bar(
+                conds,
+                [summary[c][key] for c in conds],
+                color=["tab:blue", "tab:orange", "tab:gray"][: len(conds)],
+            )
+            ax.set_title(label)
+            ax.grid(alpha=0.3, axis="y")
     return path
 
 
@@ -517,9 +510,7 @@ def run_experiment(
     *,
     show_progress: bool | None = None,
 ) -> Results[MonitorConfig, MonitorRow]:
-    t0 = time.perf_counter()
-    config.started_at = harness.now_utc()
-    config.machine = harness.machine_info()
+    t0 = harness.begin(config)
     out.mkdir(parents=True, exist_ok=True)
     if traces is None:
         traces = asyncio.run(record_all(scenarios, config.interval_s))
@@ -546,22 +537,11 @@ def run_experiment(
     return save(out, config, rows, final=True)
 
 
-def render(out: Path) -> Results[MonitorConfig, MonitorRow]:
-    """Recompute the summary, report and plot of a saved results.json (e.g. of a run cut short)."""
-    saved = harness.read_results(out / "results.json", MonitorConfig, MonitorRow)
-    return save(out, saved.config, saved.rows, final=True)
-
-
-def save(out: Path, config: MonitorConfig, rows: list[MonitorRow], *, final: bool
-         ) -> Results[MonitorConfig, MonitorRow]:
-    """Write results.json and report.md (after every task too, so a cut-short run keeps its rows);
-    the plot at the end."""
-    results = Results[MonitorConfig, MonitorRow](config=config, rows=rows, summary=summarize(rows))
-    harness.write_results(out, results)
-    harness.write_report(out, report(results))
-    if final:
-        plot(out / "monitor.png", results.summary)
-    return results
+FOLDER = harness.ResultsFolder(
+    MonitorConfig, MonitorRow, summarize, lambda results, out: report(results), plot, "monitor.png"
+)
+save = FOLDER.save  # results.json + report.md (after every task), the plot at the end
+render = FOLDER.render  # redo summary, report and plot from a saved results.json
 
 
 def build_config(args: argparse.Namespace) -> MonitorConfig:

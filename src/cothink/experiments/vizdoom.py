@@ -10,11 +10,13 @@ Strategies (per episode, on a fresh engine over the shared weights):
 - `sequential`: per decision, the frame is appended to a fresh turn block, the model writes a short
   thought (`--reason-tokens`, stops at a newline), then an action probe reads [system, turn].
 - `actor`: probe only: one action probe per decision over [system] + the frame (no thinking).
-- `async`: a slow strategist coroutine keeps writing plans (frame + `Plan:` + up to `--plan-tokens`
-  tokens) while a fast actor probes an action per decision over [system, latest plan] + the frame; the
-  actor never awaits the strategist. Every `--fit-every` decisions the actor also asks, in the same
-  forward pass, whether the plan still fits the frame; a "no" (early exit) makes the strategist drop
-  the plan it is writing and start again from the newest frame.
+- `async`: a slow strategist coroutine keeps writing one-sentence plans (up to `--plan-tokens` tokens)
+  over the observation window while a fast actor, per decision, follows the latest plan: one probe over
+  [system, frames, plan] asks whether the plan still fits the newest frame, with `No` and the actions
+  as choices (one forward pass). Early exit: when P(fits) < `--early-exit` the actor drops the plan,
+  tells the strategist to replan from the newest frames (a plan it is writing from older ones is
+  abandoned) and acts on its own judgement (an action probe without the plan). Before the first plan it
+  acts on its own judgement. The actor never awaits the strategist.
 - `layout`: the coroutine layout the model designs from the scenario description (issue 9's layouts:
   parsed, validated, errors sent back once, fallback to the default strategist/actor layout).
 - `random`, `heuristic`: model-free baselines acting once per pass-equivalent with zero latency
@@ -38,6 +40,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
+
 from cothink.experiments import harness
 from cothink.experiments.harness import ExperimentConfig, Results, Row
 from cothink.experiments.vizdoom_env import SCENARIOS, Action, DoomWorld, Scenario, play_baseline
@@ -47,6 +51,16 @@ log = logging.getLogger("cothink.experiments.vizdoom")
 MODEL_STRATEGIES = ("sequential", "actor", "async", "layout")
 BASELINES = ("random", "heuristic")
 STRATEGIES = (*MODEL_STRATEGIES, *BASELINES)
+
+
+class Rerun(BaseModel):
+    """Rows replaced in a saved run by a later run with the same settings (`--merge`)."""
+
+    strategies: list[str]
+    scenarios: list[str]
+    started_at: str
+    wall_s: float
+    note: str = ""
 
 
 class VizdoomConfig(ExperimentConfig):
@@ -60,6 +74,22 @@ class VizdoomConfig(ExperimentConfig):
     early_exit: float
     design_tokens: int = 400
     layout_designs: dict[str, dict[str, Any]] = {}  # scenario -> how its layout came about
+    reruns: list[Rerun] = []  # strategies whose rows a later run replaced (`--merge`)
+
+
+class AsyncEpisode(Row):
+    """What the async strategy's agent did in one episode (`async_episodes.jsonl`, beside the rows)."""
+
+    scenario: str
+    episode: int
+    seed: int
+    decisions: int
+    plans: int  # plans the strategist completed
+    abandoned_plans: int  # plans it stopped writing on a replan
+    followed: int  # decisions that followed a plan (its fit probe said it fits)
+    replans: int  # early exits: the plan no longer fit
+    own: int  # decisions on the actor's own judgement (no plan yet, or just dropped)
+    mean_plan_fit: float | None  # mean P(plan fits) over the decisions that read a plan
 
 
 class VizdoomRow(Row):
@@ -268,20 +298,23 @@ async def model_episode(
     seed: int,
     config: VizdoomConfig,
     layout: Any = None,
-) -> VizdoomRow:
+) -> tuple[VizdoomRow, AsyncEpisode | None]:
     engine = handle.engine(kv_tokens=8192)
     world = DoomWorld(scenario, seed=seed, max_tics=config.max_tics)
     clock = PassClock(world, config.tics_per_pass)
+    detail = None
     try:
         async with engine:
             engine.step_listeners.append(clock.on_step)
             if strategy == "layout":
                 await play_layout(engine, clock, layout, seed)
             else:
-                await play(engine, clock, strategy, config, seed)
+                result = await play(engine, clock, strategy, config, seed)
+                if strategy == "async":
+                    detail = async_episode(result, scenario, seed)
     finally:
         world.close()
-    return VizdoomRow(
+    row = VizdoomRow(
         scenario=scenario.name,
         strategy=strategy,
         episode=0,
@@ -290,6 +323,24 @@ async def model_episode(
         mean_latency_passes=clock.mean_latency,
         forward_passes=clock.passes,
         actions=world.actions_taken,
+    )
+    return row, detail
+
+
+def async_episode(result: Any, scenario: Scenario, seed: int) -> AsyncEpisode:
+    """The async agent's decisions in one episode: plans followed, early exits, own judgement."""
+    fits = [a.plan_fit for a in result.actions if a.plan_fit is not None]
+    return AsyncEpisode(
+        scenario=scenario.name,
+        episode=0,
+        seed=seed,
+        decisions=len(result.actions),
+        plans=len(result.plans),
+        abandoned_plans=result.abandoned_plans,
+        followed=sum(a.plan >= 0 and not a.replanned for a in result.actions),
+        replans=len(result.replans),
+        own=sum(a.plan < 0 or a.replanned for a in result.actions),
+        mean_plan_fit=statistics.fmean(fits) if fits else None,
     )
 
 
@@ -345,46 +396,61 @@ def summarize(rows: Sequence[VizdoomRow]) -> dict[str, Any]:
 
 def plot(path: Path, summary: dict[str, Any]) -> Path:
     """Mean reward vs mean latency in passes, one point (with standard errors) per strategy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(summary), figsize=(5.5 * len(summary), 4.2), squeeze=False)
-    for ax, (sc, by_strategy) in zip(axes[0], summary.items()):
-        for st, e in by_strategy.items():
-            ax.errorbar(
-                [e["latency_mean"]],
-                [e["reward_mean"]],
-                xerr=[e["latency_se"]],
-                yerr=[e["reward_se"]],
-                fmt="s" if st in BASELINES else "o",
-                capsize=3,
-                label=st,
-            )
-        ax.set_title(sc)
-        ax.set_xlabel("mean observation-to-action latency (forward passes)")
-        ax.set_ylabel("mean episode reward")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    with harness.figure(path, len(summary)) as axes:
+        for ax, (sc, by_strategy) in zip(axes, summary.items()):
+            draw_strategies(ax, sc, by_strategy)
     return path
 
 
-def report(results: Results[VizdoomConfig, VizdoomRow]) -> str:
+def draw_strategies(ax: Any, sc: str, by_strategy: dict[str, Any]) -> None:
+    """One scenario's panel: a point per strategy at (mean latency, mean reward), with standard errors."""
+    for st, e in by_strategy.items():
+        ax.errorbar(
+            [e["latency_mean"]],
+            [e["reward_mean"]],
+            xerr=[e["latency_se"]],
+            yerr=[e["reward_se"]],
+            fmt="s" if st in BASELINES else "o",
+            capsize=3,
+            label=st,
+        )
+    ax.set_title(sc)
+    ax.set_xlabel("mean observation-to-action latency (forward passes)")
+    ax.set_ylabel("mean episode reward")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def async_table(episodes: Sequence[AsyncEpisode]) -> list[list[Any]]:
+    """Per scenario: the async agent's decisions summed over its episodes, and the mean P(plan fits)."""
+    table = []
+    for sc in dict.fromkeys(d.scenario for d in episodes):
+        ds = [d for d in episodes if d.scenario == sc]
+        counts = ("decisions", "followed", "replans", "own", "plans", "abandoned_plans")
+        fits = [d.mean_plan_fit for d in ds if d.mean_plan_fit is not None]
+        table.append([sc, len(ds), *(sum(getattr(d, k) for d in ds) for k in counts),
+                      statistics.fmean(fits) if fits else None])
+    return table
+
+
+def report(results: Results[VizdoomConfig, VizdoomRow], async_episodes: Sequence[AsyncEpisode] = ()) -> str:
     c = results.config
     lines = [
         "# ViZDoom: reward vs latency",
         "",
         f"Model: {c.model_description or c.model} ({c.dtype}); {c.episodes} episodes per scenario and "
         f"strategy; {c.tics_per_pass} tic(s) per forward pass; max tics {c.max_tics or 'scenario default'}; "
-        f"reason tokens {c.reason_tokens}, plan tokens {c.plan_tokens}, early exit at p >= {c.early_exit}. "
-        f"Machine: {c.machine.get('cpu', '?')}; wall {c.wall_s:.0f} s.",
+        f"reason tokens {c.reason_tokens}, plan tokens {c.plan_tokens}; async: the actor exits a plan when "
+        f"P(plan fits) < {c.early_exit}. Machine: {c.machine.get('cpu', '?')}; wall {c.wall_s:.0f} s.",
         "",
     ]
+    for r in c.reruns:
+        lines += [
+            f"Rerun ({r.started_at}, wall {r.wall_s:.0f} s, same settings): the rows of "
+            f"{', '.join(r.strategies)} on {', '.join(r.scenarios)} replace the earlier ones."
+            + (f" {r.note}" if r.note else ""),
+            "",
+        ]
     for sc, by_strategy in results.summary.items():
         lines += [
             f"## {sc}",
@@ -415,6 +481,17 @@ def report(results: Results[VizdoomConfig, VizdoomRow]) -> str:
                     ]
                     for st, e in by_strategy.items()
                 ],
+            ),
+            "",
+        ]
+    if async_episodes:
+        lines += [
+            "## async: plans followed and early exits",
+            "",
+            harness.markdown_table(
+                ["scenario", "episodes", "decisions", "followed a plan", "early exits (replans)",
+                 "own judgement", "plans written", "plans abandoned", "mean P(plan fits)"],
+                async_table(async_episodes),
             ),
             "",
         ]
@@ -457,8 +534,16 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--early-exit",
         type=float,
         default=0.5,
-        help="async: act on the first probe when its best action has at least this probability",
+        help="async: the actor exits the plan (replan, own judgement) when its probe gives "
+        "P(plan still fits) below this (default 0.5)",
     )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="replace only the rows of these strategies and scenarios in the saved run in --out "
+        "(its settings must match); the other rows are kept and the rerun is recorded",
+    )
+    p.add_argument("--note", default="", help="with --merge: why the rows were rerun (goes into the report)")
 
 
 def build_config(args: argparse.Namespace) -> VizdoomConfig:
@@ -484,20 +569,69 @@ def build_config(args: argparse.Namespace) -> VizdoomConfig:
     )
 
 
+ASYNC_EPISODES = "async_episodes.jsonl"
+# settings a `--merge` run must share with the saved run whose rows it replaces
+MERGE_SETTINGS = (
+    "model", "dtype", "seed", "episodes", "tics_per_pass", "max_tics", "reason_tokens", "plan_tokens",
+    "early_exit",
+)
+
+
+def merge_base(config: VizdoomConfig, out: Path) -> Results[VizdoomConfig, VizdoomRow]:
+    """`--merge`: the saved run in `out` whose rows of this run's (scenario, strategy) pairs are replaced;
+    refuses a run whose settings differ (the merged table would mix two experiments)."""
+    from cothink.errors import InvalidParameterError
+
+    path = out / "results.json"
+    if not path.exists():
+        raise InvalidParameterError(f"--merge: no saved run at {path}", param="merge")
+    saved = harness.read_results(path, VizdoomConfig, VizdoomRow)
+    keys = (*MERGE_SETTINGS, *(("design_tokens",) if "layout" in config.strategies else ()))
+    differ = [f"{k}: saved {getattr(saved.config, k)!r}, now {getattr(config, k)!r}"
+              for k in keys if getattr(saved.config, k) != getattr(config, k)]
+    if differ:
+        raise InvalidParameterError("--merge: settings differ from the saved run: " + "; ".join(differ),
+                                    param="merge")
+    return saved
+
+
+def merged_config(saved: VizdoomConfig, config: VizdoomConfig, wall_s: float, note: str) -> VizdoomConfig:
+    """The saved config, told which strategies were rerun (and the new layout designs, if any)."""
+    rerun = Rerun(strategies=config.strategies, scenarios=config.scenarios, started_at=config.started_at,
+                  wall_s=round(wall_s, 1), note=note)
+    return saved.model_copy(update={
+        "scenarios": list(dict.fromkeys([*saved.scenarios, *config.scenarios])),
+        "strategies": list(dict.fromkeys([*saved.strategies, *config.strategies])),
+        "layout_designs": {**saved.layout_designs, **config.layout_designs},
+        "reruns": [*saved.reruns, rerun],
+    })
+
+
+def job_order(config: VizdoomConfig) -> Any:
+    """Sort key of the rows: episode-major, then scenario and strategy in the config's order."""
+    return lambda r: (r.episode, config.scenarios.index(r.scenario), config.strategies.index(r.strategy))
+
+
 def run_experiment(
     config: VizdoomConfig,
     out: Path,
     *,
     show_progress: bool | None = None,
+    merge: bool = False,
+    note: str = "",
 ) -> Results[VizdoomConfig, VizdoomRow]:
-    t0 = time.perf_counter()
-    config.started_at = harness.now_utc()
-    config.machine = harness.machine_info()
+    """Run every (scenario, strategy, episode); with `merge`, replace only those rows of the saved run in
+    `out` (same settings required) and keep the others."""
+    t0 = harness.begin(config)
+    saved = merge_base(config, out) if merge else None
+    kept = [r for r in saved.rows if (r.scenario, r.strategy) not in
+            {(sc, st) for sc in config.scenarios for st in config.strategies}] if saved else []
     handle = None
     if any(s in MODEL_STRATEGIES for s in config.strategies):
         handle = harness.load_model(config.model, config.dtype)
         config.model_description = handle.description
     rows: list[VizdoomRow] = []
+    details: list[AsyncEpisode] = []
     # episode-major: a run cut short still has every (scenario, strategy) with about as many episodes
     jobs = [
         (sc, st, ep) for ep in range(config.episodes) for sc in config.scenarios for st in config.strategies
@@ -518,40 +652,60 @@ def run_experiment(
                 "layout": outcome.layout.name,
                 "proposals": [a.text[:400] for a in outcome.attempts],
             }
+
+    def write(final: bool) -> Results[VizdoomConfig, VizdoomRow]:
+        wall = time.perf_counter() - t0
+        if saved is None:
+            config.wall_s = wall
+            return save(out, config, rows, final=final)
+        merged = merged_config(saved.config, config, wall, note)
+        return save(out, merged, sorted([*kept, *rows], key=job_order(merged)), final=final)
+
     with harness.progress(len(jobs), "vizdoom episodes", enabled=show_progress) as advance:
         for sc_name, strategy, episode in jobs:
             scenario, seed = SCENARIOS[sc_name], config.seed * 1000 + episode
+            detail = None
             if strategy in BASELINES:
                 row = baseline_episode(scenario, strategy, seed, config)
             else:
-                row = asyncio.run(
+                row, detail = asyncio.run(
                     model_episode(handle, scenario, strategy, seed, config, layouts.get(sc_name))
                 )
             rows.append(row.model_copy(update={"episode": episode}))
+            if detail is not None:
+                details.append(detail.model_copy(update={"episode": episode}))
+                write_async_episodes(out, details)
             advance(1)
             log.info("%d/%d %s", len(rows), len(jobs), rows[-1].model_dump_json())
-            config.wall_s = time.perf_counter() - t0
-            save(out, config, rows, final=False)
-    config.wall_s = time.perf_counter() - t0
-    return save(out, config, rows, final=True)
+            write(final=False)
+    return write(final=True)
 
 
-def render(out: Path) -> Results[VizdoomConfig, VizdoomRow]:
-    """Recompute the summary, report and plot of a saved results.json (e.g. of a run cut short)."""
-    saved = harness.read_results(out / "results.json", VizdoomConfig, VizdoomRow)
-    return save(out, saved.config, saved.rows, final=True)
+def write_async_episodes(out: Path, details: Sequence[AsyncEpisode]) -> Path:
+    """One line per async episode (rewritten whole: the file belongs to the latest run of `async`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / ASYNC_EPISODES
+    path.write_text("".join(d.model_dump_json() + "\n" for d in details))
+    return path
 
 
-def save(out: Path, config: VizdoomConfig, rows: list[VizdoomRow], *, final: bool
-         ) -> Results[VizdoomConfig, VizdoomRow]:
-    """Write results.json and report.md (after every episode too, so a cut-short run keeps its rows);
-    the plot at the end."""
-    results = Results[VizdoomConfig, VizdoomRow](config=config, rows=rows, summary=summarize(rows))
-    harness.write_results(out, results)
-    harness.write_report(out, report(results))
-    if final:
-        plot(out / "reward_vs_latency.png", results.summary)
-    return results
+def read_async_episodes(out: Path) -> list[AsyncEpisode]:
+    path = out / ASYNC_EPISODES
+    if not path.exists():
+        return []
+    return [AsyncEpisode.model_validate_json(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+FOLDER = harness.ResultsFolder(
+    VizdoomConfig,
+    VizdoomRow,
+    summarize,
+    lambda results, out: report(results, read_async_episodes(out)),
+    plot,
+    "reward_vs_latency.png",
+)
+save = FOLDER.save  # results.json + report.md (after every episode), the plot at the end
+render = FOLDER.render  # redo summary, report and plot from a saved results.json
 
 
 def _terminate(signum: int, frame: Any) -> None:
@@ -566,10 +720,12 @@ def run(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C, so every open game is closed (its engine process would outlive us)
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        results = run_experiment(build_config(args), args.out, show_progress=args.progress)
+        results = run_experiment(
+            build_config(args), args.out, show_progress=args.progress, merge=args.merge, note=args.note
+        )
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(report(results))
+    print(report(results, read_async_episodes(args.out)))
     print(f"results: {args.out / 'results.json'}")
     return 0
 
