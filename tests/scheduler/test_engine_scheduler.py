@@ -302,3 +302,24 @@ async def test_weighted_background_generations_through_the_engine():
         w3.cancel()
     a, b = engine.stats["w1"].forward_passes, engine.stats["w3"].forward_passes
     assert abs(b - 3 * a) <= 4 and a + b >= 80, (a, b)
+
+
+async def test_work_started_by_tasks_a_step_woke_joins_the_next_step():
+    """A coroutine that reacts to a result by starting several requests in new tasks (asyncio.gather of
+    probes) gets them into the very next step, even while background work keeps the loop busy."""
+    engine = make_engine("llama")
+    async with engine:
+        ctx = engine.block("ctx")
+        await engine.extend(ctx, token_ids=ids(32, 1))
+        background = engine.generate([ctx, engine.block("bg")], max_tokens=400, stop_at_eos=False, name="bg")
+
+        async def probe(seed: int) -> int:
+            await engine.probe([ctx], ids(4, seed), (" yes", " no"), name=f"p{seed}")
+            return engine.steps
+
+        for seed in range(3):
+            await probe(100 + seed)
+            woke_at = engine.steps
+            done = await asyncio.gather(probe(2 * seed), probe(2 * seed + 1))
+            assert done == [woke_at + 1] * 2  # one step each, the step right after the wake-up
+        background.cancel()

@@ -204,7 +204,10 @@ class Scheduler:
                 await self._sleep(0.05)
                 continue
             await self._run(loop, plan)
-            # Let coroutines and HTTP handlers stream, cancel and append input between steps.
+            # Let coroutines and HTTP handlers stream, cancel and append input between steps. Twice:
+            # a coroutine woken by this step's results may start new tasks (asyncio.gather of probes);
+            # they run one loop turn later, and should still make the next step.
+            await asyncio.sleep(0)
             await asyncio.sleep(0)
 
     async def _sleep(self, timeout: float | None) -> None:
