@@ -1,9 +1,14 @@
 """Suite 5: long run. Coroutines are created, fed random input, interrupted and released in a loop.
 
-Resident memory (psutil), KV pool usage, live blocks, running works, asyncio tasks and the engine's
-per-coroutine bookkeeping are sampled over time. The suite fails if a series keeps growing over the
-second half of the run (a fitted line, against a threshold) or if anything is left at the end (blocks,
-pages, works, tasks).
+Alongside the churn, an endless-stream workload: a monitor reads a never-ending, seeded log stream
+through a `RollingContext` (the last blocks of the stream plus a summary block of what left), probing
+an anomaly question as it goes.
+
+Resident memory (psutil), KV pool usage, block bytes (`engine.memory().total_bytes_used`), live
+blocks, running works, asyncio tasks, the stream's view position span and the engine's per-coroutine
+bookkeeping are sampled over time. The suite fails if a series keeps growing over the second half of
+the run (a fitted line, against a threshold), if the stream's view span exceeds its bound, or if
+anything is left at the end (blocks, pages, works, tasks).
 """
 
 from __future__ import annotations
@@ -13,13 +18,18 @@ import gc
 import random
 import time
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import psutil
 
+from cothink.agents.rolling import RollingContext
 from cothink.eval.common import (
     SuiteContext,
     SuiteResult,
     Table,
+    Trend,
     detect_growth,
     engine_idle_state,
     fmt,
@@ -32,31 +42,52 @@ NAME = "soak"
 TITLE = "Long-run stability: memory, blocks and tasks"
 QUESTION = (
     "Over a long run with constant churn (coroutines created, fed, interrupted, released), does memory stay "
-    "flat, and are blocks, pages, works and tasks all returned?"
+    "flat, and are blocks, pages, works and tasks all returned? And does a monitor reading an endless "
+    "stream through a rolling context keep block memory, RSS and view positions bounded?"
 )
 METHOD = (
     "C sessions run at a time, for the given duration; each: a block reading a shared context, random input "
     "(random token ids), sometimes a fork, a sampled generation of a few tokens, sometimes a probe; 40% are "
     "interrupted (their task cancelled at a random moment); every session releases its blocks in `finally`. "
-    "Sampled every 0.25 s: resident set size (RSS), used KV pages, live blocks, running works, asyncio tasks "
+    "Sampled every 0.25 s (duration/600 in long runs): resident set size (RSS), used KV pages, live "
+    "blocks, running works, asyncio tasks "
     "and entries in `engine.stats`. A line is fitted to each series over the second half of the run; growth "
     "over that half above a threshold = unbounded growth. The KV pool is pre-faulted (written once) so RSS "
-    "measures leaks, not the pool's first touch."
+    "measures leaks, not the pool's first touch. Alongside, in the same engine, an endless-stream monitor: "
+    "a seeded, never-ending log stream (sensor readings, a fault line now and then) is appended line by "
+    "line to a RollingContext (blocks of B tokens, at most W tokens kept; blocks that leave are folded by a "
+    "summariser coroutine into a short summary block at the front of the view); every k lines the monitor "
+    "probes [task, summary, *recent blocks] with an anomaly question and counts a finding when P(yes) "
+    "crosses a threshold. Also sampled: `engine.memory().total_bytes_used` and the stream view's position "
+    "span. Flat = fitted growth over the second half <= max(absolute tolerance, relative tolerance x the "
+    "half's mean)."
 )
 
 TIMEOUT = 300.0
 
 
 def plan(quick: bool, duration: float | None = None) -> dict:
+    seconds = float(duration if duration is not None else (30.0 if quick else 600.0))
     return {
-        "duration_s": float(duration if duration is not None else (30.0 if quick else 600.0)),
+        "duration_s": seconds,
         "concurrency": 4,
         "kv_tokens": 4096,
         "shared_context": 256,
-        "sample_every_s": 0.25,
+        # at most ~600 samples per series (a 30-minute run: one every 3 s), so the raw files stay small
+        "sample_every_s": max(0.25, seconds / 600),
         "interrupt_fraction": 0.4,
         "rss_abs_tol_mb": 32.0,
         "rss_rel_tol": 0.03,
+        # the endless-stream monitor (runs alongside the churn, in the same engine)
+        "stream": True,
+        # quick: a smaller window, so that it turns over a few times within 30 s
+        "stream_block_tokens": 64 if quick else 128,
+        "stream_max_tokens": 256 if quick else 1024,
+        "stream_summary_tokens": 16,
+        "stream_check_every": 4,  # lines between anomaly probes
+        "stream_threshold": 0.5,
+        "bytes_abs_tol_mb": 4.0,  # block bytes: a few pages of noise from the churn
+        "bytes_rel_tol": 0.05,
     }
 
 
@@ -66,6 +97,161 @@ def estimate_s(p: dict, speed) -> float:
 
 def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
+
+
+# ---- the endless stream ------------------------------------------------------------------------
+
+STREAM_TASK = (
+    "You monitor the live log of a plant's sensors. Each line is one reading: time, sensor, temperature, "
+    "pressure, status. Report when something abnormal happens."
+)
+STREAM_QUESTION = "\nIs something abnormal happening in the log right now? Answer yes or no:"
+SUMMARY_PROMPT = "\nSummary of the log so far:"
+
+
+def stream_lines(seed: int) -> Iterator[str]:
+    """A never-ending, deterministic sensor log; about one line in 40 is a fault."""
+    rng = random.Random(seed * 7919 + 11)
+    i = 0
+    while True:
+        sensor = rng.randrange(12)
+        clock = f"{(i // 3600) % 24:02d}:{(i // 60) % 60:02d}:{i % 60:02d}"
+        fault = rng.random() < 0.025
+        temp = rng.uniform(85, 120) if fault else rng.uniform(18, 26)
+        pressure = rng.uniform(2.5, 4) if fault else rng.uniform(0.9, 1.1)
+        status = "FAULT" if fault else "ok"
+        yield f"{clock} sensor-{sensor} temp={temp:.1f}C pressure={pressure:.2f}bar status={status}\n"
+        i += 1
+
+
+@dataclass
+class StreamState:
+    """What the stream monitor did, read by the sampler while it runs."""
+
+    rolling: RollingContext | None = None
+    task_tokens: int = 0
+    question_tokens: int = 0
+    lines: int = 0
+    checks: int = 0
+    findings: int = 0
+    summaries: int = 0
+    max_view_span: int = 0  # the longest view a probe read: task + summary + recent blocks + question
+    appended_tokens: int = 0
+    dropped_blocks: int = 0  # blocks that left the view (released): how often the window turned over
+    yes_sum: float = 0.0  # sum of P(yes) over the probes (a running sum: the harness must not grow either)
+
+    @property
+    def span(self) -> int:
+        """The position span of the monitor's view now (without the probe's question)."""
+        return self.task_tokens + (self.rolling.position_span if self.rolling is not None else 0)
+
+    def bound(self, p: dict) -> int:
+        """The most a probe's view may span: the task, the summary, W kept tokens plus the block being
+        filled, and the question."""
+        return (
+            self.task_tokens
+            + p["stream_summary_tokens"]
+            + p["stream_max_tokens"]
+            + p["stream_block_tokens"]
+            + self.question_tokens
+        )
+
+
+async def stream_monitor(engine: Any, p: dict, seed: int, stop_at: float, state: StreamState) -> None:
+    """Read the endless stream through a RollingContext until stop_at, probing every k lines."""
+    name = "stream-monitor"
+
+    async def summarize(engine: Any, blocks: list[Any]) -> list[int]:
+        # the summariser reads [previous summary, *blocks leaving the view] and writes a few tokens
+        scratch = engine.block(f"{name}-summary-scratch")
+        try:
+            view = [*blocks, scratch]
+            await engine.extend(scratch, SUMMARY_PROMPT, view=view, name=f"{name}.summarizer")
+            result = await engine.generate(
+                view, max_tokens=p["stream_summary_tokens"], stop_at_eos=False, name=f"{name}.summarizer"
+            ).collect()
+        finally:
+            engine.release(scratch)
+        state.summaries += 1
+        return list(result.token_ids)
+
+    task = engine.block(f"{name}-task")
+    rolling = RollingContext(
+        engine,
+        name,
+        block_tokens=p["stream_block_tokens"],
+        max_tokens=p["stream_max_tokens"],
+        summarizer=summarize,
+    )
+    state.rolling = rolling
+    question = list(engine.tokenizer.encode(STREAM_QUESTION, add_special_tokens=False))
+    state.question_tokens = len(question)
+    try:
+        await engine.extend(task, STREAM_TASK, name=name)
+        state.task_tokens = task.position_span
+        for line in stream_lines(seed):
+            if time.perf_counter() >= stop_at:
+                break
+            await rolling.append(line)
+            state.lines += 1
+            if state.lines % p["stream_check_every"]:
+                continue
+            with rolling.reading() as recent:
+                view = [task, *recent]
+                state.max_view_span = max(
+                    state.max_view_span, sum(b.position_span for b in view) + len(question)
+                )
+                probs = await engine.probe(view, question, (" yes", " no"), name=name)
+            state.checks += 1
+            yes = float(probs[" yes"])
+            state.yes_sum += yes
+            if yes >= p["stream_threshold"]:
+                state.findings += 1
+    finally:
+        state.appended_tokens = rolling.stats.appended_tokens
+        state.dropped_blocks = rolling.stats.blocks_dropped
+        state.rolling = None
+        rolling.close()
+        engine.release(task)
+
+
+def stream_trends(samples: list[dict], p: dict) -> dict[str, Trend]:
+    """Flatness of RSS and block bytes over the second half: a line fitted to the second half; flat when
+    its growth over that half <= max(absolute tolerance, relative tolerance x the half's mean)."""
+    ts = [x["t"] for x in samples]
+    return {
+        "rss_mb": detect_growth(
+            "rss_mb",
+            ts,
+            [x["rss_mb"] for x in samples],
+            abs_tol=p["rss_abs_tol_mb"],
+            rel_tol=p["rss_rel_tol"],
+        ),
+        "total_bytes_used_mb": detect_growth(
+            "total_bytes_used_mb",
+            ts,
+            [x["total_bytes_used"] / 2**20 for x in samples],
+            abs_tol=p["bytes_abs_tol_mb"],
+            rel_tol=p["bytes_rel_tol"],
+        ),
+    }
+
+
+def during(samples: list[dict], p: dict) -> list[dict]:
+    """The samples taken while the workload ran: the drain after it (sessions finishing, the stream
+    closing) only lowers the series and would make a leak's fitted slope look smaller."""
+    kept = [x for x in samples if x["t"] <= p["duration_s"]]
+    return kept if len(kept) >= 4 else samples
+
+
+def halves(samples: list[dict], key: str) -> tuple[float, float, float, float]:
+    """(mean, max) of a series over the first and the second half of the run."""
+    if not samples:
+        return (float("nan"),) * 4
+    t_mid = samples[0]["t"] + (samples[-1]["t"] - samples[0]["t"]) / 2
+    first = [x[key] for x in samples if x["t"] < t_mid] or [samples[0][key]]
+    second = [x[key] for x in samples if x["t"] >= t_mid] or [samples[-1][key]]
+    return sum(first) / len(first), max(first), sum(second) / len(second), max(second)
 
 
 async def soak(ctx: SuiteContext, p: dict, *, leak_every: int = 0) -> dict:
@@ -83,6 +269,7 @@ async def soak(ctx: SuiteContext, p: dict, *, leak_every: int = 0) -> dict:
         start = engine_idle_state(engine)
         start_tasks = len(asyncio.all_tasks())
         start_stats = len(engine.stats)
+        stream = StreamState()
         shared = engine.block("shared-context")
         await within(
             engine.extend(shared, token_ids=document_tokens(m, ctx.seed, p["shared_context"]), name="setup"),
@@ -147,6 +334,9 @@ async def soak(ctx: SuiteContext, p: dict, *, leak_every: int = 0) -> dict:
                         "t": time.perf_counter() - t0,
                         "rss_mb": rss_mb(),
                         "used_pages": mem.used_pages,
+                        "total_bytes_used": mem.total_bytes_used,
+                        "stream_span": stream.span,
+                        "stream_lines": stream.lines,
                         "live_blocks": mem.live_blocks,
                         "works": engine.occupancy().works,
                         "tasks": len(asyncio.all_tasks()),
@@ -157,6 +347,11 @@ async def soak(ctx: SuiteContext, p: dict, *, leak_every: int = 0) -> dict:
                 await asyncio.sleep(p["sample_every_s"])
 
         sampler_task = asyncio.create_task(sampler())
+        stream_task = (
+            asyncio.create_task(stream_monitor(engine, p, ctx.seed, stop_at, stream), name="stream-monitor")
+            if p.get("stream", True)
+            else None
+        )
         running: set[asyncio.Task] = set()
         interrupter_rng = random.Random(ctx.seed + 7)
         i = 0
@@ -184,6 +379,15 @@ async def soak(ctx: SuiteContext, p: dict, *, leak_every: int = 0) -> dict:
             for task in done:
                 if task.cancelled():
                     counters["interrupted"] += 1
+        if stream_task is not None:
+            done, _ = await asyncio.wait({stream_task}, timeout=TIMEOUT)
+            if not done:
+                deadlock = True
+                stream_task.cancel()
+                await asyncio.gather(stream_task, return_exceptions=True)
+            elif stream_task.exception() is not None:
+                counters["errors"] += 1
+                counters[f"error:stream:{type(stream_task.exception()).__name__}"] += 1
         await asyncio.sleep(0.6)  # let scheduled cancels fire on finished tasks
         sampler_task.cancel()
         await asyncio.gather(sampler_task, return_exceptions=True)
@@ -206,17 +410,16 @@ async def soak(ctx: SuiteContext, p: dict, *, leak_every: int = 0) -> dict:
         "stats_entries": end_stats,
         "stats_cap": engine.limits.max_tracked_coroutines,
         "pool_pages": pool.num_pages,
+        "stream": stream if p.get("stream", True) else None,
     }
 
 
 def verdicts(run: dict, p: dict) -> dict:
     """Trend per series and the end-of-run state (shared with the tests)."""
-    s = run["samples"]
+    s = during(run["samples"], p)
     ts = [x["t"] for x in s]
     trends = {
-        "rss_mb": detect_growth(
-            "rss_mb", ts, [x["rss_mb"] for x in s], abs_tol=p["rss_abs_tol_mb"], rel_tol=p["rss_rel_tol"]
-        ),
+        **stream_trends(s, p),
         "used_pages": detect_growth(
             "used_pages", ts, [x["used_pages"] for x in s], abs_tol=max(4.0, 0.1 * run["pool_pages"])
         ),
@@ -232,7 +435,17 @@ def verdicts(run: dict, p: dict) -> dict:
         and run["end"]["writers"] == 0
         and run["end"]["holds"] == 0
     )
-    return {"trends": trends, "end_clean": end_clean, "tasks_clean": run["end_tasks"] == run["start_tasks"]}
+    out = {"trends": trends, "end_clean": end_clean, "tasks_clean": run["end_tasks"] == run["start_tasks"]}
+    stream: StreamState | None = run.get("stream")
+    if stream is not None:
+        out["stream_bound"] = stream.bound(p)
+        out["stream_max_span"] = max(
+            [stream.max_view_span] + [x["stream_span"] + stream.question_tokens for x in s]
+        )
+        out["stream_span_bounded"] = out["stream_max_span"] <= out["stream_bound"]
+        # the window must have turned over several times, or flat memory would prove nothing
+        out["stream_turnovers"] = stream.appended_tokens / p["stream_max_tokens"]
+    return out
 
 
 async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
@@ -328,6 +541,68 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
             not t.leaking,
             f"fitted growth {t.growth:.3g}",
         )
+    stream: StreamState | None = r["stream"]
+    if stream is not None:
+        rows = []
+        for key, label, scale in (
+            ("rss_mb", "RSS (MiB)", 1.0),
+            ("total_bytes_used", "total_bytes_used (MiB)", 2**-20),
+            ("stream_span", "stream view span (positions)", 1.0),
+        ):
+            m1, x1, m2, x2 = halves(during(r["samples"], p), key)
+            rows.append([label, fmt(m1 * scale), fmt(x1 * scale), fmt(m2 * scale), fmt(x2 * scale)])
+        res.tables.append(
+            Table(
+                "Endless stream: first half vs second half",
+                ["series", "mean, 1st half", "max, 1st half", "mean, 2nd half", "max, 2nd half"],
+                rows,
+            )
+        )
+        mean_p = stream.yes_sum / stream.checks if stream.checks else None
+        res.tables.append(
+            Table(
+                "Endless stream monitor",
+                [
+                    "lines read",
+                    "tokens appended",
+                    "window turnovers",
+                    "blocks dropped",
+                    "summaries",
+                    "probes",
+                    "findings",
+                    "mean P(yes)",
+                    "max view span",
+                    "span bound",
+                ],
+                [
+                    [
+                        stream.lines,
+                        stream.appended_tokens,
+                        fmt(v["stream_turnovers"], 3),
+                        stream.dropped_blocks,
+                        stream.summaries,
+                        stream.checks,
+                        stream.findings,
+                        fmt(mean_p),
+                        v["stream_max_span"],
+                        v["stream_bound"],
+                    ]
+                ],
+                note="window turnovers = tokens appended / tokens kept (W); a finding = P(yes) >= "
+                f"{p['stream_threshold']}",
+            )
+        )
+        res.check(
+            "endless stream: view position span bounded (max <= task + summary + W + B + question)",
+            v["stream_span_bounded"],
+            f"max {v['stream_max_span']}, bound {v['stream_bound']}",
+        )
+        res.check(
+            "endless stream: the window turned over at least twice (else flat memory proves nothing)",
+            v["stream_turnovers"] >= 2.0,
+            f"{stream.appended_tokens} tokens appended, W = {p['stream_max_tokens']}",
+            soft=True,  # inconclusive (a run too short), not a leak
+        )
     res.check("no block, page, work or hold left at the end", v["end_clean"], str(r["end"]))
     res.check("no asyncio task left at the end", v["tasks_clean"], f"{r['start_tasks']} -> {r['end_tasks']}")
     res.check("no session hung (all finished within the timeout)", not r["deadlock"])
@@ -348,6 +623,11 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
             ("RSS (MiB)", [("rss", ts, [x["rss_mb"] for x in r["samples"]])]),
             ("KV pages used", [("used pages", ts, [x["used_pages"] for x in r["samples"]])]),
             (
+                "block memory (MiB)",
+                [("total_bytes_used", ts, [x["total_bytes_used"] / 2**20 for x in r["samples"]])],
+            ),
+            ("positions", [("stream view span", ts, [x["stream_span"] for x in r["samples"]])]),
+            (
                 "count",
                 [
                     ("live blocks", ts, [x["live_blocks"] for x in r["samples"]]),
@@ -366,6 +646,14 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
         f"{tr['rss_mb'].growth:.1f} MiB), end state {'clean' if v['end_clean'] else 'NOT clean'}, "
         f"tasks {r['start_tasks']} -> {r['end_tasks']}, engine.stats +{r['stats_growth']} entries"
     )
+    if stream is not None:
+        b = tr["total_bytes_used_mb"]
+        res.summary += (
+            f"; endless stream: {stream.lines} lines ({stream.appended_tokens} tokens, "
+            f"{v['stream_turnovers']:.0f} window turnovers), total_bytes_used 2nd-half growth "
+            f"{b.growth:.2f} MiB (allowed {b.allowed:.2f}), max view span {v['stream_max_span']} "
+            f"(bound {v['stream_bound']})"
+        )
     res.headline.update(
         {
             "duration_s": p["duration_s"],
@@ -376,14 +664,37 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
             "rss_last_mb": v["trends"]["rss_mb"].last,
             "end_clean": v["end_clean"],
             "stats_entries_added": r["stats_growth"],
+            "total_bytes_growth_2nd_half_mb": tr["total_bytes_used_mb"].growth,
         }
     )
+    if stream is not None:
+        res.headline.update(
+            {
+                "stream_lines": stream.lines,
+                "stream_tokens": stream.appended_tokens,
+                "stream_turnovers": v["stream_turnovers"],
+                "stream_summaries": stream.summaries,
+                "stream_probes": stream.checks,
+                "stream_findings": stream.findings,
+                "stream_max_view_span": v["stream_max_span"],
+                "stream_span_bound": v["stream_bound"],
+            }
+        )
     res.conditions += [
         f"{p['duration_s']:.0f} s, {p['concurrency']} concurrent sessions, pool of {p['kv_tokens']} tokens; "
         "a short run cannot reveal leaks that only show over days (the framework's 7x24 run): use "
         "`--duration` for longer soaks",
         f"thresholds: RSS {p['rss_abs_tol_mb']:.0f} MiB or {p['rss_rel_tol']:.0%} over the second half; "
         "pages 10% "
-        "of the pool; live blocks 2C+2",
+        "of the pool; live blocks 2C+2; total_bytes_used "
+        f"{p['bytes_abs_tol_mb']:.0f} MiB or {p['bytes_rel_tol']:.0%} over the second half",
     ]
+    if stream is not None:
+        res.conditions.append(
+            f"endless stream: blocks of {p['stream_block_tokens']} tokens, {p['stream_max_tokens']} "
+            f"tokens kept, a {p['stream_summary_tokens']}-token summary, a probe every "
+            f"{p['stream_check_every']} lines; it shares the engine (and the CPU) with the churn, so "
+            "total_bytes_used includes the churn's blocks; the stream's anomaly answers are not scored "
+            "(a memory test, not an accuracy test)"
+        )
     return res
