@@ -104,6 +104,24 @@ def model_folder(model: str) -> Path:
     return Path(resolve_model_path(model))
 
 
+def on_compute(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a transformers measurement on cothink's compute thread, the thread the engine's forward
+    passes run on: both sides then share one OpenMP pool, as a process that only runs cothink does
+    (a second thread running multi-threaded torch makes libgomp stop spinning for everyone; see
+    cothink/execution/threads.py). Older cothink versions (A/B runs) have no such thread."""
+    try:
+        from cothink.execution.threads import run_compute
+    except ImportError:
+        return fn(*args, **kwargs)
+    threads = torch.get_num_threads()  # the caller's setting (--threads), not the last step's
+
+    def call() -> Any:
+        torch.set_num_threads(threads)
+        return fn(*args, **kwargs)
+
+    return run_compute(call)
+
+
 def load_hf(folder: Path, dtype: torch.dtype) -> Any:
     from transformers import AutoModelForCausalLM
 

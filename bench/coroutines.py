@@ -181,21 +181,21 @@ async def measure(args: argparse.Namespace, folder: Path, console: Any) -> dict[
         max_batch_tokens=max(256, n_max * args.suffix, args.context),
         max_prefill_chunk=max(128, args.context),
     )
-    hf = C.load_hf(folder, dtype)
+    hf = C.on_compute(C.load_hf, folder, dtype)
     console.print(f"[dim]loaded both models in {time.perf_counter() - t0:.1f}s[/dim]")
     ctx_ids = C.random_tokens(args.context, vocab, gen, low=100)
     suffixes = [C.random_tokens(args.suffix, vocab, gen, low=100) for _ in range(n_max)]
     rows = []
     async with engine:
         await co_run(engine, ctx_ids, suffixes[:1], 2)  # warm-up
-        hf_batched(hf, [ctx_ids + suffixes[0]], 2)
+        C.on_compute(hf_batched, hf, [ctx_ids + suffixes[0]], 2)
         single_kv = None
         for n in args.coroutines:
             prompts = [ctx_ids + s for s in suffixes[:n]]
             co = await co_run(engine, ctx_ids, suffixes[:n], args.new_tokens)
-            hb = hf_batched(hf, prompts, args.new_tokens)
+            hb = C.on_compute(hf_batched, hf, prompts, args.new_tokens)
             if n <= args.sequential_max:
-                hs = hf_sequential(hf, prompts, args.new_tokens)
+                hs = C.on_compute(hf_sequential, hf, prompts, args.new_tokens)
             else:  # N independent runs cost N times one run: extrapolate from the N=1 measurement
                 one = rows[0]["hf_sequential"]
                 hs = {k: one[k] * n for k in ("prefill_s", "decode_s", "total_s", "generated")} | {

@@ -145,11 +145,11 @@ async def measure_dtype(
         max_prefill_chunk=longest,
         quantize=C.quantize_of(dtype_name),
     )
-    hf = C.load_hf(folder, dtype)
+    hf = C.on_compute(C.load_hf, folder, dtype)
     console.print(f"[dim]{dtype_name}: loaded both models in {time.perf_counter() - t0:.1f}s[/dim]")
     out: dict[str, Any] = {"prefill": [], "decode": {}}
     threads = torch.get_num_threads()
-    limits = C.measure_limits(dtype, threads, args.quick)
+    limits = C.on_compute(C.measure_limits, dtype, threads, args.quick)
     weight_bytes = C.streamed_weight_bytes(hf, dtype_name)
     params = C.linear_parameters(hf)
     limits["weight_bytes"] = weight_bytes
@@ -166,11 +166,11 @@ async def measure_dtype(
             ids = C.random_tokens(length, vocab, gen, low=100)
             if length == args.lengths[0]:  # warm-up (once: later lengths reuse the warmed-up paths)
                 await co_prefill(engine, ids)
-                hf_prefill(hf, ids)
+                C.on_compute(hf_prefill, hf, ids)
             co_t, hf_t = [], []
             for _ in range(args.repeats):
                 co_t.append(await co_prefill(engine, ids))
-                hf_t.append(hf_prefill(hf, ids))
+                hf_t.append(C.on_compute(hf_prefill, hf, ids))
             row = {
                 "length": length,
                 "cothink_s": co_t,
@@ -190,13 +190,13 @@ async def measure_dtype(
         prompt = C.random_tokens(args.decode_prompt, vocab, gen, low=100)
         n = args.decode_tokens
         await co_decode(engine, prompt, min(n, 4))  # warm-up
-        hf_decode(hf, prompt, min(n, 4))
+        C.on_compute(hf_decode, hf, prompt, min(n, 4))
         co_t, hf_t = [], []
         agree = None
         for _ in range(args.repeats):
             dt, co_tokens = await co_decode(engine, prompt, n)
             co_t.append(dt)
-            dt, hf_tokens = hf_decode(hf, prompt, n)
+            dt, hf_tokens = C.on_compute(hf_decode, hf, prompt, n)
             hf_t.append(dt)
             same = next((i for i, (a, b) in enumerate(zip(co_tokens, hf_tokens)) if a != b), n)
             agree = same if agree is None else min(agree, same)
@@ -244,7 +244,7 @@ async def contention(
     n = args.decode_tokens
     with C.BusyCore():
         co_d = min([(await co_decode(engine, prompt, n))[0] for _ in range(args.repeats)])
-        hf_d = min([hf_decode(hf, prompt, n)[0] for _ in range(args.repeats)])
+        hf_d = min([C.on_compute(hf_decode, hf, prompt, n)[0] for _ in range(args.repeats)])
         co_p = min([await co_prefill(engine, ids) for _ in range(args.repeats)])
     decode, prefill = n / co_d, len(ids) / co_p
     return {

@@ -25,6 +25,7 @@ from cothink.execution.attention_backends import AttentionBackend, select_backen
 from cothink.execution.cache import ExecutionCache
 from cothink.execution.linear_state import seal_records
 from cothink.execution.step import StepItem, ViewBatch, undo
+from cothink.execution.threads import run_compute
 from cothink.memory.block import Block
 from cothink.memory.snapshot import ModelIdentity
 from cothink.memory.store import BlockStore
@@ -300,7 +301,8 @@ def load_model(
 
     folder = resolve_model_path(path_or_name)
     cfg: ModelConfig = load_config(folder)
-    model = load_weights(cfg, folder, dtype, device, fuse=fast, quantize=quantize)
+    # on the compute thread, where the forward passes run: no second OpenMP pool (execution/threads.py)
+    model = run_compute(load_weights, cfg, folder, dtype, device, fuse=fast, quantize=quantize)
     has_tokenizer = any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True) if has_tokenizer else None
     return ModelRunner(model, tokenizer, **limits)

@@ -18,12 +18,18 @@ it when torch is loaded, so a process that imported torch first keeps its policy
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
 
 # steps with at most this many token rows run on one thread (weight-streaming bound)
 SINGLE_THREAD_MAX_ROWS = 4
+T = TypeVar("T")
 SPIN_COUNT = "30000"  # GOMP_SPINCOUNT set by `import cothink` (cothink/__init__.py mirrors it)
 
 
@@ -81,6 +87,46 @@ class ThreadChooser:
         if retry:
             flipped = min(b.per_row, key=b.per_row.__getitem__) != before
             b.explore_every = self.MIN_EXPLORE if flipped else min(self.MAX_EXPLORE, 2 * b.explore_every)
+
+
+_compute: ThreadPoolExecutor | None = None
+_compute_lock = threading.Lock()
+
+
+def compute_executor() -> ThreadPoolExecutor:
+    """The one thread that runs cothink's parallel torch work in this process: model loading and
+    every engine's forward passes. libgomp gives each thread that runs parallel regions its own
+    pool of OpenMP threads and counts them all; once more are counted than there are cores (a pool
+    for the loading thread and one for a forward-pass thread already make 3 on a 2-core machine),
+    every waiting OpenMP thread stops spinning and sleeps between ops, which cost a 32-coroutine step
+    ~25%. One compute thread keeps one pool. Code that wants to run its own multi-threaded torch work
+    next to an engine without that cost can submit it here too (the benchmarks do, for transformers)."""
+    global _compute
+    with _compute_lock:
+        if _compute is None:
+            _compute = ThreadPoolExecutor(1, thread_name_prefix="cothink-compute")
+        return _compute
+
+
+def run_compute(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """fn(*args, **kwargs) on the compute thread, waiting for it (directly if already there)."""
+    if threading.current_thread().name.startswith("cothink-compute"):
+        return fn(*args, **kwargs)
+    return compute_executor().submit(fn, *args, **kwargs).result()
+
+
+@contextmanager
+def threads_for(n: int) -> Iterator[None]:
+    """Run a block with this thread's torch thread count set to n, then restore it. The scheduler
+    does its small per-step torch work on the event-loop thread this way (one thread): a second
+    OpenMP team next to the worker's made libgomp count more busy threads than cores and stop
+    spinning (see compute_executor)."""
+    before = torch.get_num_threads()
+    use_threads(n)
+    try:
+        yield
+    finally:
+        use_threads(before)
 
 
 def use_threads(n: int) -> None:

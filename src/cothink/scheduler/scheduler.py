@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +28,7 @@ from cothink.errors import BlockBusyError, DeadlineExceededError, InputTooLongEr
 from cothink.execution.runner import ForwardResult, ModelRunner
 from cothink.execution.sampling import sample
 from cothink.execution.step import StepItem, ViewBatch
-from cothink.execution.threads import ThreadChooser, use_threads
+from cothink.execution.threads import ThreadChooser, compute_executor, threads_for, use_threads
 from cothink.memory.block import Block
 from cothink.scheduler.accounting import Accounting, StepItemRecord, StepRecord
 from cothink.scheduler.budget import MemoryBudget
@@ -96,7 +95,7 @@ class Scheduler:
         self._in_flight: set[Work] = set()
         self.auto_seal = False  # seal a generation's block when it finishes (EngineLimits.auto_seal)
         self._wake: asyncio.Event | None = None
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix="cothink-step")
+        self._executor = compute_executor()  # one process-wide compute thread (execution/threads.py)
 
     # ---- submission and cancellation ------------------------------------------------------------
     def next_seq(self) -> int:
@@ -194,7 +193,8 @@ class Scheduler:
                 await self._sleep(None)
                 continue
             try:
-                plan = self.schedule()
+                with threads_for(1):  # the loop thread's torch work is small (execution/threads.py)
+                    plan = self.schedule()
             except Exception as exc:  # a bug in planning must not kill the loop: fail what is queued
                 log.exception("engine step planning crashed; failing queued works")
                 for work in list(self.works):
@@ -224,7 +224,8 @@ class Scheduler:
         start = time.perf_counter()
         try:
             if items:
-                batch = self.runner.prepare(items, validate=False)
+                with threads_for(1):
+                    batch = self.runner.prepare(items, validate=False)
                 # Taken here, released by the worker when the forward ends: a truncate cannot slip
                 # in between planning the step and running it.
                 self.ownership.memory_lock.acquire()
@@ -241,7 +242,8 @@ class Scheduler:
                 # Publish on the event loop (block lengths change between steps, never inside one);
                 # items of works cancelled meanwhile are dropped, as if they had not run.
                 keep = [not p.work.finished for p in plan.planned for _ in p.items]
-                logits = self.runner.commit(result, keep)
+                with threads_for(1):
+                    logits = self.runner.commit(result, keep)
             else:
                 logits = []
         except asyncio.CancelledError:
@@ -254,7 +256,8 @@ class Scheduler:
             return
         finally:
             self._in_flight = set()
-        self.postprocess(plan, logits, start, time.perf_counter())
+        with threads_for(1):
+            self.postprocess(plan, logits, start, time.perf_counter())
 
     def _forward(self, batch: ViewBatch) -> ForwardResult:
         """Worker thread: one forward pass; holds the memory lock `_run` took for it."""
@@ -390,7 +393,3 @@ class Scheduler:
         stats.tokens_written += tokens
         stats.tokens_read += p.view_tokens + tokens
         p.work.served += tokens
-
-    # ---- shutdown ---------------------------------------------------------------------------------
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
