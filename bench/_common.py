@@ -113,13 +113,7 @@ def on_compute(fn: Any, *args: Any, **kwargs: Any) -> Any:
         from cothink.execution.threads import run_compute
     except ImportError:
         return fn(*args, **kwargs)
-    threads = torch.get_num_threads()  # the caller's setting (--threads), not the last step's
-
-    def call() -> Any:
-        torch.set_num_threads(threads)
-        return fn(*args, **kwargs)
-
-    return run_compute(call)
+    return run_compute(fn, *args, **kwargs)  # with this thread's torch thread count (--threads)
 
 
 def load_hf(folder: Path, dtype: torch.dtype) -> Any:

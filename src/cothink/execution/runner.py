@@ -225,7 +225,7 @@ class ModelRunner:
         """
         batch = self.prepare(items, validate=validate)
         try:
-            result = self.forward(batch)
+            result = run_compute(self.forward, batch)  # where the weights' OpenMP pool lives
         except BaseException:
             self.abort(items)  # a failed step changes nothing
             raise

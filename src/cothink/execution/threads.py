@@ -1,10 +1,9 @@
 """How many torch threads a step uses, and how idle OpenMP threads wait.
 
-Measured on a 2-core CPU (docs/benchmarks.md): a decode step of one or a few rows is bound by
-streaming the weights, and a second OpenMP thread adds nothing to it. Wide steps (prefill chunks,
-many decoding coroutines) are compute-bound and gain from every thread, unless another process
-keeps a core busy: then every parallel region waits for the thread on the busy core (decode fell
-from 15.8 to 5.5 tok/s, a 32-row step took 5-10x longer). No fixed rule is right for both, so
+Measured on a 2-core CPU (docs/benchmarks.md): on a quiet machine a step is faster on both cores
+(decode streams the weights with more bandwidth, wide steps have more compute), but when another
+process keeps a core busy every parallel region waits for the thread on that core (decode fell from
+15.8 to 5.5 tok/s, a 32-row step took 5-10x longer). No fixed rule is right for both, so
 `ThreadChooser` measures: per width bucket it keeps the time per row of one thread and of all,
 uses the faster, and re-tries the other now and then so it notices when contention comes or goes.
 
@@ -27,31 +26,29 @@ from typing import Any, TypeVar
 
 import torch
 
-# steps with at most this many token rows run on one thread (weight-streaming bound)
-SINGLE_THREAD_MAX_ROWS = 4
 T = TypeVar("T")
 SPIN_COUNT = "30000"  # GOMP_SPINCOUNT set by `import cothink` (cothink/__init__.py mirrors it)
 
 
-def step_threads(rows: int, max_threads: int) -> int:
-    """Threads for a step computing `rows` token rows when nothing has been measured."""
-    return 1 if rows <= SINGLE_THREAD_MAX_ROWS else max(1, max_threads)
-
-
 @dataclass
 class _Bucket:
-    """Measured seconds per row (moving average) of each thread count, for steps of similar width."""
+    """What was measured for steps of similar width: seconds per row of each thread count."""
 
-    per_row: dict[int, float] = field(default_factory=dict)
-    steps: int = 0
-    explore_every: int = 8  # grows while exploring confirms the choice, resets when it flips it
+    per_row: dict[int, float] = field(default_factory=dict)  # moving average per thread count
+    suspect: bool = False  # the last all-threads step ran much slower per row than their average
+    since_retry: int = 0  # steps on one thread since all threads were last re-tried
+    retry_after: int = 8  # doubles while re-tries confirm one thread, resets when one flips it
 
 
 class ThreadChooser:
-    """Threads per step, chosen by measurement: one thread or `max_threads`, per width bucket
-    (steps of 5-8 rows, 9-16, ...). Small steps always take one thread."""
+    """Threads per step: all (`max_threads`) unless measured slower than one, per width bucket
+    (steps of 1 row, 2-3, 4-7, 8-15, ...). A quiet machine never pays for a trial: one thread is
+    tried only when an all-threads step runs much slower per row than their moving average (another
+    process took a core), and while one thread wins, all threads are re-tried after 8, 16, ... 256
+    steps so the engine goes back to them when the other process is gone."""
 
-    MIN_EXPLORE, MAX_EXPLORE = 8, 256
+    SUSPECT_RATIO = 1.5
+    MAX_RETRY_AFTER = 256
 
     def __init__(self, max_threads: int, alpha: float = 0.3):
         self.max_threads = max(1, max_threads)
@@ -59,34 +56,42 @@ class ThreadChooser:
         self._buckets: dict[int, _Bucket] = {}
 
     def choose(self, rows: int) -> int:
-        if step_threads(rows, self.max_threads) == 1:
+        if self.max_threads == 1:
             return 1
-        b = self._buckets.setdefault(rows.bit_length(), _Bucket())
-        options = (self.max_threads, 1)
-        unmeasured = [n for n in options if n not in b.per_row]
-        if unmeasured:
-            return unmeasured[0]
-        best = min(options, key=lambda n: b.per_row[n])
-        if b.steps % b.explore_every == b.explore_every - 1:
-            return options[1] if best == options[0] else options[0]  # re-try the other one
-        return best
+        b = self._bucket(rows)
+        if b.suspect:
+            return 1  # measure one thread now
+        if self._one_wins(b):
+            return self.max_threads if b.since_retry >= b.retry_after else 1
+        return self.max_threads
 
     def observe(self, rows: int, threads: int, seconds: float) -> None:
         """Record a step of `rows` rows that took `seconds` on `threads` threads."""
-        if step_threads(rows, self.max_threads) == 1:
+        if self.max_threads == 1:
             return
-        b = self._buckets.setdefault(rows.bit_length(), _Bucket())
-        before = min(b.per_row, key=b.per_row.__getitem__) if len(b.per_row) == 2 else None
-        sample = seconds / rows
-        old = b.per_row.get(threads)
-        retry = before is not None and before != threads
-        # a re-try measures afresh (the old figure is from before contention changed); the
-        # choice in use follows a moving average
-        b.per_row[threads] = sample if old is None or retry else old + self.alpha * (sample - old)
-        b.steps += 1
-        if retry:
-            flipped = min(b.per_row, key=b.per_row.__getitem__) != before
-            b.explore_every = self.MIN_EXPLORE if flipped else min(self.MAX_EXPLORE, 2 * b.explore_every)
+        b = self._bucket(rows)
+        sample, old = seconds / rows, b.per_row.get(threads)
+        if threads == self.max_threads:
+            retry = self._one_wins(b)
+            b.suspect = old is not None and sample > self.SUSPECT_RATIO * old
+            # a re-try measures afresh (the old figure is from before contention changed)
+            b.per_row[threads] = sample if old is None or retry else old + self.alpha * (sample - old)
+            if retry:
+                flipped = not self._one_wins(b)
+                b.retry_after = 8 if flipped else min(self.MAX_RETRY_AFTER, 2 * b.retry_after)
+                b.since_retry = 0
+        else:
+            trial = b.suspect or not self._one_wins(b)
+            b.suspect = False
+            b.per_row[threads] = sample if old is None or trial else old + self.alpha * (sample - old)
+            b.since_retry += 1
+
+    def _one_wins(self, b: _Bucket) -> bool:
+        one, all_threads = b.per_row.get(1), b.per_row.get(self.max_threads)
+        return one is not None and all_threads is not None and one < all_threads
+
+    def _bucket(self, rows: int) -> _Bucket:
+        return self._buckets.setdefault(rows.bit_length(), _Bucket())
 
 
 _compute: ThreadPoolExecutor | None = None
@@ -109,10 +114,17 @@ def compute_executor() -> ThreadPoolExecutor:
 
 
 def run_compute(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-    """fn(*args, **kwargs) on the compute thread, waiting for it (directly if already there)."""
+    """fn(*args, **kwargs) on the compute thread with the caller's torch thread count, waiting for
+    it (directly if already there)."""
     if threading.current_thread().name.startswith("cothink-compute"):
         return fn(*args, **kwargs)
-    return compute_executor().submit(fn, *args, **kwargs).result()
+    threads = torch.get_num_threads()
+
+    def call() -> T:
+        use_threads(threads)
+        return fn(*args, **kwargs)
+
+    return compute_executor().submit(call).result()
 
 
 @contextmanager

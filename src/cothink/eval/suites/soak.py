@@ -453,6 +453,18 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
     r = await soak(ctx, p)
     v = verdicts(r, p)
     res.records = r["samples"]
+    _churn_report(res, r, v)
+    stream: StreamState | None = r["stream"]
+    if stream is not None:
+        _stream_report(res, r, v, p, stream)
+    _health_checks(res, r, v)
+    _plot(ctx, res, r, p)
+    _summarize(res, r, v, p, stream)
+    return res
+
+
+def _churn_report(res: SuiteResult, r: dict, v: dict) -> None:
+    """The sampled series' trends, the churn counters, the engine's state at start and end."""
     rows = [
         [
             t.name,
@@ -541,68 +553,74 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
             not t.leaking,
             f"fitted growth {t.growth:.3g}",
         )
-    stream: StreamState | None = r["stream"]
-    if stream is not None:
-        rows = []
-        for key, label, scale in (
-            ("rss_mb", "RSS (MiB)", 1.0),
-            ("total_bytes_used", "total_bytes_used (MiB)", 2**-20),
-            ("stream_span", "stream view span (positions)", 1.0),
-        ):
-            m1, x1, m2, x2 = halves(during(r["samples"], p), key)
-            rows.append([label, fmt(m1 * scale), fmt(x1 * scale), fmt(m2 * scale), fmt(x2 * scale)])
-        res.tables.append(
-            Table(
-                "Endless stream: first half vs second half",
-                ["series", "mean, 1st half", "max, 1st half", "mean, 2nd half", "max, 2nd half"],
-                rows,
-            )
+
+
+def _stream_report(res: SuiteResult, r: dict, v: dict, p: dict, stream: StreamState) -> None:
+    """The endless stream: memory first half vs second half, the monitor's counters, its checks."""
+    rows = []
+    for key, label, scale in (
+        ("rss_mb", "RSS (MiB)", 1.0),
+        ("total_bytes_used", "total_bytes_used (MiB)", 2**-20),
+        ("stream_span", "stream view span (positions)", 1.0),
+    ):
+        m1, x1, m2, x2 = halves(during(r["samples"], p), key)
+        rows.append([label, fmt(m1 * scale), fmt(x1 * scale), fmt(m2 * scale), fmt(x2 * scale)])
+    res.tables.append(
+        Table(
+            "Endless stream: first half vs second half",
+            ["series", "mean, 1st half", "max, 1st half", "mean, 2nd half", "max, 2nd half"],
+            rows,
         )
-        mean_p = stream.yes_sum / stream.checks if stream.checks else None
-        res.tables.append(
-            Table(
-                "Endless stream monitor",
+    )
+    mean_p = stream.yes_sum / stream.checks if stream.checks else None
+    res.tables.append(
+        Table(
+            "Endless stream monitor",
+            [
+                "lines read",
+                "tokens appended",
+                "window turnovers",
+                "blocks dropped",
+                "summaries",
+                "probes",
+                "findings",
+                "mean P(yes)",
+                "max view span",
+                "span bound",
+            ],
+            [
                 [
-                    "lines read",
-                    "tokens appended",
-                    "window turnovers",
-                    "blocks dropped",
-                    "summaries",
-                    "probes",
-                    "findings",
-                    "mean P(yes)",
-                    "max view span",
-                    "span bound",
-                ],
-                [
-                    [
-                        stream.lines,
-                        stream.appended_tokens,
-                        fmt(v["stream_turnovers"], 3),
-                        stream.dropped_blocks,
-                        stream.summaries,
-                        stream.checks,
-                        stream.findings,
-                        fmt(mean_p),
-                        v["stream_max_span"],
-                        v["stream_bound"],
-                    ]
-                ],
-                note="window turnovers = tokens appended / tokens kept (W); a finding = P(yes) >= "
-                f"{p['stream_threshold']}",
-            )
+                    stream.lines,
+                    stream.appended_tokens,
+                    fmt(v["stream_turnovers"], 3),
+                    stream.dropped_blocks,
+                    stream.summaries,
+                    stream.checks,
+                    stream.findings,
+                    fmt(mean_p),
+                    v["stream_max_span"],
+                    v["stream_bound"],
+                ]
+            ],
+            note="window turnovers = tokens appended / tokens kept (W); a finding = P(yes) >= "
+            f"{p['stream_threshold']}",
         )
-        res.check(
-            "endless stream: view position span bounded (max <= task + summary + W + B + question)",
-            v["stream_span_bounded"],
-            f"max {v['stream_max_span']}, bound {v['stream_bound']}",
-        )
-        res.check(
-            "endless stream: the window turned over at least twice (else flat memory proves nothing)",
-            v["stream_turnovers"] >= 2.0,
-            f"{stream.appended_tokens} tokens appended, W = {p['stream_max_tokens']}",
-            soft=True,  # inconclusive (a run too short), not a leak
-        )
+    )
+    res.check(
+        "endless stream: view position span bounded (max <= task + summary + W + B + question)",
+        v["stream_span_bounded"],
+        f"max {v['stream_max_span']}, bound {v['stream_bound']}",
+    )
+    res.check(
+        "endless stream: the window turned over at least twice (else flat memory proves nothing)",
+        v["stream_turnovers"] >= 2.0,
+        f"{stream.appended_tokens} tokens appended, W = {p['stream_max_tokens']}",
+        soft=True,  # inconclusive (a run too short), not a leak
+    )
+
+
+def _health_checks(res: SuiteResult, r: dict, v: dict) -> None:
+    c = r["counters"]
     res.check("no block, page, work or hold left at the end", v["end_clean"], str(r["end"]))
     res.check("no asyncio task left at the end", v["tasks_clean"], f"{r['start_tasks']} -> {r['end_tasks']}")
     res.check("no session hung (all finished within the timeout)", not r["deadlock"])
@@ -614,6 +632,9 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
         f"{r['stats_growth']} entries added, {r['stats_entries']} held, cap {r['stats_cap']}",
         soft=True,
     )
+
+
+def _plot(ctx: SuiteContext, res: SuiteResult, r: dict, p: dict) -> None:
     ts = [x["t"] for x in r["samples"]]
     lines(
         ctx.plot_path(NAME, "series"),
@@ -639,6 +660,10 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
         marker="",
     )
     res.plots.append(ctx.plot_path(NAME, "series").name)
+
+
+def _summarize(res: SuiteResult, r: dict, v: dict, p: dict, stream: StreamState | None) -> None:
+    c = r["counters"]
     tr = v["trends"]
     res.summary = (
         f"{p['duration_s']:.0f} s, {c.get('sessions', 0)} sessions ({c.get('interrupted', 0)} interrupted): "
@@ -697,4 +722,3 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
             "total_bytes_used includes the churn's blocks; the stream's anomaly answers are not scored "
             "(a memory test, not an accuracy test)"
         )
-    return res
