@@ -488,6 +488,16 @@ def check_greedy(rec: Recorder, rep: Replay, name: str, coroutine: str, start: i
 
 
 # ---- snapshots for "a failed call changes nothing" -----------------------------------------------------
+def logits_after(engine: Engine, view: list[Block], token: int) -> torch.Tensor:
+    """The logits after reading `token` behind `view`, in a scratch block (between steps)."""
+    runner = engine.runner
+    scratch = runner.new_block("scratch")
+    try:
+        return runner.extend(scratch, [token], [*view, scratch], logits="last")[0]
+    finally:
+        runner.free(scratch)
+
+
 def snapshot(engine: Engine, blocks: list[Block]) -> dict[str, Any]:
     mem = engine.memory()
     return {

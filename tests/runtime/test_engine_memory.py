@@ -6,20 +6,12 @@ import asyncio
 
 import pytest
 import torch
-from support import ids, make_engine, tiny_folder
+from support import ids, logits_after, make_engine, tiny_folder
 
 import cothink
 from cothink.errors import BlockSealedError, InvalidParameterError, PoolExhaustedError
 
 
-def _logits_after(engine, view, token: int) -> torch.Tensor:
-    """The logits after reading `token` behind `view`, in a scratch block (between steps)."""
-    runner = engine.runner
-    scratch = runner.new_block("scratch")
-    try:
-        return runner.extend(scratch, [token], [*view, scratch], logits="last")[0]
-    finally:
-        runner.free(scratch)
 
 
 async def test_memory_reports_kv_and_gdn_bytes_per_token():
@@ -95,7 +87,7 @@ async def test_fork_shares_gdn_records_and_stays_exact():
         assert got == expected
         # the fork's first append copied its records once; the original is untouched
         assert torch.equal(
-            _logits_after(engine, [ctx], 7), _logits_after(engine, [engine.fork(ctx)], 7)
+            logits_after(engine, [ctx], 7), logits_after(engine, [engine.fork(ctx)], 7)
         )
 
 
@@ -128,7 +120,7 @@ async def test_sealed_gdn_block_memory_is_flat_in_length_and_reads_match():
                 other = engine.block(f"q{i}")
                 await engine.extend(other, token_ids=ids(5, 100 + i))
                 torch.testing.assert_close(
-                    _logits_after(engine, [other, block], 3), _logits_after(engine, [other, twin], 3),
+                    logits_after(engine, [other, block], 3), logits_after(engine, [other, twin], 3),
                     rtol=1e-5, atol=1e-5,
                 )
                 engine.release(other)

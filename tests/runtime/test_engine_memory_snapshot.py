@@ -9,19 +9,12 @@ import textwrap
 
 import pytest
 import torch
-from support import ids, load_runner, make_engine, tiny_folder
+from support import ids, load_runner, logits_after, make_engine, tiny_folder
 
 from cothink.errors import PoolExhaustedError, SnapshotError, SnapshotMismatchError
 from cothink.runtime.engine import Engine
 
 
-def _logits_after(engine, view, token: int) -> torch.Tensor:
-    runner = engine.runner
-    scratch = runner.new_block("scratch")
-    try:
-        return runner.extend(scratch, [token], [*view, scratch], logits="last")[0]
-    finally:
-        runner.free(scratch)
 
 
 async def _fill(engine):
@@ -42,7 +35,7 @@ async def test_round_trip_gives_equal_logits(tmp_path, kind):
     async with engine:
         ctx, notes, side = await _fill(engine)
         await engine.save(path, [ctx, notes, side])
-        before = [_logits_after(engine, v, 5) for v in ([ctx, notes], [side], [notes])]
+        before = [logits_after(engine, v, 5) for v in ([ctx, notes], [side], [notes])]
         out = engine.block("out")
         continued = (await engine.generate([ctx, notes, out], max_tokens=6).collect()).token_ids
     fresh = make_engine(kind)
@@ -50,7 +43,7 @@ async def test_round_trip_gives_equal_logits(tmp_path, kind):
         ctx2, notes2, side2 = fresh.load(path)
         assert [b.name for b in (ctx2, notes2, side2)] == ["ctx", "notes", "side"]
         assert ctx2.tokens == ctx.tokens and len(notes2) == 90 and notes2.sealed and not side2.sealed
-        after = [_logits_after(fresh, v, 5) for v in ([ctx2, notes2], [side2], [notes2])]
+        after = [logits_after(fresh, v, 5) for v in ([ctx2, notes2], [side2], [notes2])]
         for a, b in zip(before, after):
             assert torch.equal(a, b)  # bit for bit in fp32
         out2 = fresh.block("out")
@@ -110,7 +103,7 @@ async def test_snapshot_loads_in_another_process(tmp_path):
     async with engine:
         ctx, notes, side = await _fill(engine)
         await engine.save(path, [ctx, notes, side])
-        expected = _logits_after(engine, [ctx, notes], 5)
+        expected = logits_after(engine, [ctx, notes], 5)
     subprocess.run([sys.executable, "-c", _CHILD, str(tiny_folder("qwen35")), str(path), str(out)],
                    check=True, timeout=120)
     assert torch.equal(torch.load(out), expected)

@@ -4,18 +4,11 @@ reloaded transparently on their next read, bit for bit in fp32."""
 from __future__ import annotations
 
 import torch
-from support import ids, make_engine
+from support import ids, logits_after, make_engine
 
 TOKENS = 100
 
 
-def _logits_after(engine, view, token: int) -> torch.Tensor:
-    runner = engine.runner
-    scratch = runner.new_block("scratch")
-    try:
-        return runner.extend(scratch, [token], [*view, scratch], logits="last")[0]
-    finally:
-        runner.free(scratch)
 
 
 def _block_bytes(engine) -> int:
@@ -36,7 +29,7 @@ async def test_least_recently_read_block_is_spilled_and_reloads_exactly(tmp_path
         a, b, c = (engine.block(n) for n in "abc")
         for i, x in enumerate((a, b, c)):
             await engine.extend(x, token_ids=ids(TOKENS, i))
-        before = {x.name: _logits_after(engine, [x], 7) for x in (a, b, c)}
+        before = {x.name: logits_after(engine, [x], 7) for x in (a, b, c)}
         await engine.probe([a], [1, 2], (" yes", " no"))  # a is read again: b is now the oldest read
         d = engine.block("d")
         await engine.extend(d, token_ids=ids(TOKENS, 9))  # over budget: b goes to disk
@@ -50,9 +43,9 @@ async def test_least_recently_read_block_is_spilled_and_reloads_exactly(tmp_path
         # the next read brings b back (the least recently read of the others, c, makes room)
         p = await engine.probe([b], [1, 2], (" yes", " no"))
         assert b.spilled is None and c.spilled is not None
-        assert torch.equal(_logits_after(engine, [b], 7), before["b"])  # bit for bit
+        assert torch.equal(logits_after(engine, [b], 7), before["b"])  # bit for bit
         await engine.probe([c], [1, 2], (" yes", " no"))
-        assert torch.equal(_logits_after(engine, [c], 7), before["c"])
+        assert torch.equal(logits_after(engine, [c], 7), before["c"])
         assert p[" yes"] + p[" no"] > 0.999
         assert engine.memory().total_bytes_used <= engine.memory().budget_bytes
 

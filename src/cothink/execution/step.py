@@ -234,10 +234,11 @@ class ViewBatch:
                 plan.runs.append(run)
             offset += length
         cos, sin = self._rotation(writer_pos - offset)  # positions relative to the writer block
-        slots, block = store.slots(item.block, 0, start + n), item.block
+        block = item.block
+        slots, span = store.slots_and_span(block, 0, start + n)
         plan.new_slots = slots[start:]
         if n == 1:  # a single new token sees its whole block: one run
-            plan.runs.append(KeyRun(slots, cos, sin, False, None, store.span(block, 0, start + n)))
+            plan.runs.append(KeyRun(slots, cos, sin, False, None, span))
         else:
             if start:
                 plan.runs.append(KeyRun(slots[:start], cos, sin, False, None, store.span(block, 0, start)))
@@ -254,8 +255,7 @@ class ViewBatch:
         key = (block.id, length)
         found = self._read_slots.get(key)
         if found is None:
-            found = (self.store.slots(block, 0, length), self.store.span(block, 0, length))
-            self._read_slots[key] = found
+            found = self._read_slots[key] = self.store.slots_and_span(block, 0, length)
         return found
 
     def _keys(self, slot: int, run: KeyRun) -> tuple[torch.Tensor, torch.Tensor]:

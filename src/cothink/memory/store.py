@@ -218,12 +218,18 @@ class BlockStore:
 
     def slots(self, block: Block, start: int, stop: int) -> torch.Tensor:
         """Flat pool slots of the block's tokens [start, stop)."""
+        return self.slots_and_span(block, start, stop)[0]
+
+    def slots_and_span(
+        self, block: Block, start: int, stop: int
+    ) -> tuple[torch.Tensor, tuple[int, int] | None]:
+        """`slots` and `span` of the block's tokens [start, stop), the span found once."""
         span = self.span(block, start, stop)
         if span is not None:
-            return torch.arange(*span, device=self.pool.k.device)
+            return torch.arange(*span, device=self.pool.k.device), span
         pos = torch.arange(start, stop)
         pages = torch.tensor(block.pages, dtype=torch.long)[pos // self.page_size] if stop > start else pos
-        return (pages * self.page_size + pos % self.page_size).to(self.pool.k.device)
+        return (pages * self.page_size + pos % self.page_size).to(self.pool.k.device), None
 
     # ---- accounting -------------------------------------------------------------------------
     @property

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cothink.models.quantize import drop_fused_parts
+from cothink.models.quantize import replace_linears
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -50,9 +50,4 @@ class PackedLinear(nn.Module):
 def pack_linears(model: nn.Module) -> nn.Module:
     """Replace every nn.Linear of a bfloat16 CPU model (after fusion) by a PackedLinear, in place;
     the HF-named parts of fused projections are dropped so their dense weights are freed."""
-    drop_fused_parts(model)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
-    return model
+    return replace_linears(model, PackedLinear)

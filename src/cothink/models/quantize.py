@@ -13,6 +13,8 @@ Quality is reported, not assumed: docs/benchmarks.md gives greedy agreement and 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -98,9 +100,19 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     parts (views of the fused weight, unused by the fused forward) are dropped, so no dense copy of
     a quantized weight stays alive. Per-row scales make the two orders identical.
     """
+    return replace_linears(model, Int8Linear)
+
+
+LinearFactory = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+
+
+def replace_linears(model: nn.Module, make: LinearFactory) -> nn.Module:
+    """Replace every nn.Linear of `model` by make(weight, bias), in place, after dropping the
+    HF-named parts of fused projections (so each weight is converted once, through the fused module,
+    and no dense copy of it stays alive)."""
     drop_fused_parts(model)
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child.weight, child.bias))
+                setattr(parent, name, make(child.weight, child.bias))
     return model

@@ -465,6 +465,16 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
 
 def _churn_report(res: SuiteResult, r: dict, v: dict) -> None:
     """The sampled series' trends, the churn counters, the engine's state at start and end."""
+    res.tables += [_trends_table(v), _churn_table(r), _state_table(r)]
+    for name, t in v["trends"].items():
+        res.check(
+            f"{name} bounded (growth over the second half <= {t.allowed:.3g})",
+            not t.leaking,
+            f"fitted growth {t.growth:.3g}",
+        )
+
+
+def _trends_table(v: dict) -> Table:
     rows = [
         [
             t.name,
@@ -477,82 +487,47 @@ def _churn_report(res: SuiteResult, r: dict, v: dict) -> None:
         ]
         for t in v["trends"].values()
     ]
-    res.tables.append(
-        Table(
-            "Sampled series (second-half fit)",
-            ["series", "first", "last", "slope per minute", "growth over 2nd half", "allowed", "verdict"],
-            rows,
-        )
+    return Table(
+        "Sampled series (second-half fit)",
+        ["series", "first", "last", "slope per minute", "growth over 2nd half", "allowed", "verdict"],
+        rows,
     )
+
+
+_CHURN_COUNTERS = ("sessions", "interrupted", "errors", "extends", "forks", "probes", "generations", "tokens")
+
+
+def _churn_table(r: dict) -> Table:
     c = r["counters"]
-    res.tables.append(
-        Table(
-            "Churn",
-            [
-                "sessions",
-                "interrupted",
-                "errors",
-                "extends",
-                "forks",
-                "probes",
-                "generations",
-                "tokens generated",
-                "engine steps",
-            ],
-            [
-                [
-                    c.get("sessions", 0),
-                    c.get("interrupted", 0),
-                    c.get("errors", 0),
-                    c.get("extends", 0),
-                    c.get("forks", 0),
-                    c.get("probes", 0),
-                    c.get("generations", 0),
-                    c.get("tokens", 0),
-                    r["samples"][-1]["steps"] if r["samples"] else 0,
-                ]
-            ],
-        )
+    steps = r["samples"][-1]["steps"] if r["samples"] else 0
+    return Table(
+        "Churn",
+        [*(k if k != "tokens" else "tokens generated" for k in _CHURN_COUNTERS), "engine steps"],
+        [[*(c.get(k, 0) for k in _CHURN_COUNTERS), steps]],
     )
-    res.tables.append(
-        Table(
-            "Engine state",
-            [
-                "when",
-                "live blocks",
-                "used pages",
-                "free pages",
-                "works",
-                "writers",
-                "held blocks",
-                "asyncio tasks",
-            ],
-            [
-                [
-                    "start",
-                    *[
-                        r["start"][k]
-                        for k in ("live_blocks", "used_pages", "free_pages", "works", "writers", "holds")
-                    ],
-                    r["start_tasks"],
-                ],
-                [
-                    "end",
-                    *[
-                        r["end"][k]
-                        for k in ("live_blocks", "used_pages", "free_pages", "works", "writers", "holds")
-                    ],
-                    r["end_tasks"],
-                ],
-            ],
-        )
+
+
+_STATE_FIELDS = ("live_blocks", "used_pages", "free_pages", "works", "writers", "holds")
+
+
+def _state_table(r: dict) -> Table:
+    return Table(
+        "Engine state",
+        [
+            "when",
+            "live blocks",
+            "used pages",
+            "free pages",
+            "works",
+            "writers",
+            "held blocks",
+            "asyncio tasks",
+        ],
+        [
+            ["start", *(r["start"][k] for k in _STATE_FIELDS), r["start_tasks"]],
+            ["end", *(r["end"][k] for k in _STATE_FIELDS), r["end_tasks"]],
+        ],
     )
-    for name, t in v["trends"].items():
-        res.check(
-            f"{name} bounded (growth over the second half <= {t.allowed:.3g})",
-            not t.leaking,
-            f"fitted growth {t.growth:.3g}",
-        )
 
 
 def _stream_report(res: SuiteResult, r: dict, v: dict, p: dict, stream: StreamState) -> None:
