@@ -58,12 +58,12 @@ def _quiet_transformers() -> None:
 
 
 def console() -> Any:
-    """A rich console; 120 columns wide when the output is not a terminal (logs, files)."""
+    """A rich console; 150 columns wide when the output is not a terminal (logs, files)."""
     import sys
 
     from rich.console import Console
 
-    return Console() if sys.stdout.isatty() else Console(width=120)
+    return Console() if sys.stdout.isatty() else Console(width=150)
 
 
 def _cpu_name() -> str:
@@ -231,6 +231,48 @@ def measure_limits(dtype: torch.dtype, threads: int, quick: bool) -> dict[str, f
         return {"gemv_gb_s": n * k * elsize / gemv_s / 1e9, "gemm_gflop_s": 2 * m * k * k / gemm_s / 1e9}
     finally:
         torch.set_num_threads(before)
+
+
+class LinearCalls:
+    """The linear layers a model's forward passes call, in call order with their input rows,
+    recorded by forward hooks while `with LinearCalls(model) as calls:` runs real steps.
+
+    Replaying one pass's calls alone (`seconds`) times that step's matmuls with nothing around them,
+    through the same modules and kernels: a bound on the step for any engine built on those kernels,
+    tighter than the GEMV limit when layer-sized matrices stream slower than one big one."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.passes: list[list[tuple[torch.nn.Module, int]]] = []
+
+    def __enter__(self) -> LinearCalls:
+        leaves = [m for m in self.model.modules() if hasattr(m, "in_features") and not list(m.children())]
+        self._hooks = [self.model.register_forward_pre_hook(lambda *_: self.passes.append([]))]
+        self._hooks += [m.register_forward_hook(self._record) for m in leaves]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+    def _record(self, module: torch.nn.Module, args: tuple[Any, ...], _out: Any) -> None:
+        self.passes[-1].append((module, args[0].shape[0]))
+
+    def last_with_rows(self, rows: int) -> list[tuple[torch.nn.Module, int]]:
+        """The calls of the last recorded pass whose first linear saw `rows` rows."""
+        return next(p for p in reversed(self.passes) if p and p[0][1] == rows)
+
+    @staticmethod
+    def seconds(calls: list[tuple[torch.nn.Module, int]], dtype: torch.dtype, repeats: int) -> float:
+        """Best time of running `calls` back to back on random inputs of the recorded shapes."""
+        inputs = {(m.in_features, n): torch.randn(n, m.in_features).to(dtype) for m, n in calls}
+
+        def run() -> None:
+            for m, n in calls:
+                m(inputs[m.in_features, n])
+
+        with torch.inference_mode():
+            return _best(run, repeats)
 
 
 def _packable(dtype: torch.dtype) -> bool:

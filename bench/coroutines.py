@@ -13,6 +13,9 @@ only; end-to-end adds the prompt prefill (cothink prefills the context once, tra
 Sequential runs cost N times a single one, so by default they are measured for N <= --sequential-max
 and extrapolated (marked) above it.
 
+"Linears alone": the linear layers of one N-row cothink decode step (recorded by hooks) replayed back
+to back with nothing else; N / that time bounds the N-coroutine decode rate on the same kernels.
+
 Memory: cothink's KV in use (engine.memory().kv_bytes_used) with all N coroutines' blocks alive, against
 N copies of the one-coroutine KV, and the transformers DynamicCache of the batched run.
 Writes coroutines.json and coroutines.png to --out.
@@ -230,6 +233,17 @@ async def measure(args: argparse.Namespace, folder: Path, console: Any) -> dict[
                 f"KV cothink {co['kv_bytes_used'] / 2**20:.1f} MiB, "
                 f"HF cache {hb['cache_bytes'] / 2**20:.1f} MiB; {agree}/{n} greedy sequences equal HF's"
             )
+        # the N-row decode step's matmuls alone (bench/_common.py LinearCalls): a bound for this N
+        with C.LinearCalls(engine.runner.model) as calls:
+            await co_run(engine, ctx_ids, suffixes[:n_max], 2)
+        step = calls.last_with_rows(n_max)
+        step_s = C.on_compute(C.LinearCalls.seconds, step, dtype, 3 if args.quick else 6)
+        cothink_tok_s = rows[-1]["cothink_decode_tok_s"]
+        linears = {"n": n_max, "tok_s": n_max / step_s, "of_it": cothink_tok_s * step_s / n_max}
+        console.print(
+            f"  N={n_max}: the decode step's linears alone {linears['tok_s']:.1f} tok/s "
+            f"(cothink at {linears['of_it']:.2f} of it)"
+        )
     contention = None
     async with engine:
         if single_kv is None:  # N=1 not in the sweep: measure it
@@ -251,7 +265,12 @@ async def measure(args: argparse.Namespace, folder: Path, console: Any) -> dict[
         row["n_copies_kv_bytes"] = row["n"] * single_kv
     del engine, hf
     gc.collect()
-    return {"rows": rows, "single_coroutine_kv_bytes": single_kv, "contention": contention}
+    return {
+        "rows": rows,
+        "single_coroutine_kv_bytes": single_kv,
+        "contention": contention,
+        "linears_alone": linears,
+    }
 
 
 def tables(res: dict[str, Any]) -> list[Any]:
@@ -280,8 +299,17 @@ def tables(res: dict[str, Any]) -> list[Any]:
             f"{r['hf_cache_bytes'] / 2**20:.2f}",
             f"{C.ratio(r['cothink_kv_bytes'], r['n_copies_kv_bytes']):.2f}",
         )
+    notes = []
     if any(not r["hf_sequential"]["measured"] for r in res["rows"]):
-        thr.caption = "* extrapolated: N x the measured N=1 sequential run"
+        notes.append("* extrapolated: N x the measured N=1 sequential run")
+    lin = res.get("linears_alone")
+    if lin:
+        notes.append(
+            f"N={lin['n']}: the step's linears alone {lin['tok_s']:.1f} tok/s; "
+            f"cothink at {lin['of_it']:.2f} of it"
+        )
+    if notes:
+        thr.caption = "\n".join(notes)
         thr.caption_justify = "left"
     return [thr, mem]
 

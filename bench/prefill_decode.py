@@ -16,8 +16,11 @@ transformers in bfloat16.
 Limits, measured in the same run per dtype (bench/_common.py): GEMV bandwidth over a weight larger
 than the caches, and GEMM GFLOP/s. The decode limit is bandwidth / the bytes of weights a step reads;
 the prefill limit is GEMM GFLOP/s / (2 x linear parameters) tokens/s (attention not counted). Each
-cothink figure is also printed as a fraction of its limit. --contention (on by default in full runs)
-repeats decode and the first prefill length while another process keeps one core busy.
+cothink figure is also printed as a fraction of its limit. "Linears alone": the linear layers one
+cothink decode step calls (recorded by hooks), replayed back to back with nothing else, through the
+same modules and kernels; layer-sized matrices stream slower than the one big GEMV of the limit, so
+this is the tighter bound on decode for any engine on torch's kernels. --contention (on by default
+in full runs) repeats decode and the first prefill length while another process keeps one core busy.
 Writes prefill_decode.json and prefill_decode.png to --out.
 """
 
@@ -191,6 +194,11 @@ async def measure_dtype(
         n = args.decode_tokens
         await co_decode(engine, prompt, min(n, 4))  # warm-up
         C.on_compute(hf_decode, hf, prompt, min(n, 4))
+        with C.LinearCalls(engine.runner.model) as calls:  # one decode step's matmuls, replayed alone
+            await co_decode(engine, prompt, 2)
+        step = calls.last_with_rows(1)
+        step_s = C.on_compute(C.LinearCalls.seconds, step, dtype, 3 if args.quick else 8)
+        limits["linears_decode_tok_s"] = 1 / step_s
         co_t, hf_t = [], []
         agree = None
         for _ in range(args.repeats):
@@ -212,11 +220,13 @@ async def measure_dtype(
         row["ratio"] = C.ratio(row["cothink_tok_s"], row["hf_tok_s"])
         row["of_limit"] = row["cothink_tok_s"] / limits["decode_tok_s"]
         row["hf_of_limit"] = row["hf_tok_s"] / limits["decode_tok_s"]
+        row["of_linears"] = row["cothink_tok_s"] / limits["linears_decode_tok_s"]
         out["decode"] = row
         console.print(
             f"  decode  {n:>5}: cothink {row['cothink_tok_s']:8.1f} tok/s, "
             f"transformers {row['hf_tok_s']:8.1f} tok/s, ratio {row['ratio']:.2f} "
-            f"(greedy tokens agree for the first {agree} of {n})"
+            f"(greedy tokens agree for the first {agree} of {n}); the step's linears alone "
+            f"{limits['linears_decode_tok_s']:.1f} tok/s"
         )
         if args.contention:
             out["contention"] = await contention(args, engine, hf, prompt, ids_first(args, vocab), out)
@@ -267,11 +277,11 @@ def tables(results: dict[str, Any]) -> list[Any]:
         pre.add_column(col, justify="left" if col == "dtype" else "right")
     dec = Table(title="decode (tokens/s, greedy, best of repeats)", title_justify="left")
     for col in ("dtype", "prompt + new tokens", "cothink", "transformers", "cothink / transformers",
-                "of limit", "transformers of limit", "vs cothink bf16"):
+                "of limit", "transformers of limit", "of linears alone", "vs cothink bf16"):
         dec.add_column(col, justify="left" if col == "dtype" else "right")
     lim = Table(title="limits measured in this run", title_justify="left")
-    for col in ("dtype", "GEMV GB/s", "weights MiB", "decode limit tok/s", "GEMM GFLOP/s",
-                "prefill limit tok/s"):
+    for col in ("dtype", "GEMV GB/s", "weights MiB", "decode limit tok/s", "linears alone tok/s",
+                "GEMM GFLOP/s", "prefill limit tok/s"):
         lim.add_column(col, justify="left" if col == "dtype" else "right")
     con = Table(title="one core busy (another process), cothink", title_justify="left")
     for col in ("dtype", "decode tok/s", "of quiet", "transformers decode", "prefill tok/s", "of quiet"):
@@ -297,6 +307,7 @@ def tables(results: dict[str, Any]) -> list[Any]:
             f"{d['ratio']:.2f}",
             f"{d['of_limit']:.2f}",
             f"{d['hf_of_limit']:.2f}",
+            f"{d['of_linears']:.2f}" if "of_linears" in d else "",
             f"{d['cothink_tok_s'] / bf16:.2f}" if bf16 else "",
         )
         li = res["limits"]
@@ -305,6 +316,7 @@ def tables(results: dict[str, Any]) -> list[Any]:
             C.fmt(li["gemv_gb_s"]),
             C.fmt(li["weight_bytes"] / 2**20, 0),
             C.fmt(li["decode_tok_s"]),
+            C.fmt(li["linears_decode_tok_s"]) if "linears_decode_tok_s" in li else "",
             C.fmt(li["gemm_gflop_s"], 0),
             C.fmt(li["prefill_tok_s"], 0),
         )

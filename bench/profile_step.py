@@ -141,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     results = {}
     for dtype in args.dtypes:
-        results[dtype] = profile_dtype(args, folder, dtype)
+        # on cothink's compute thread, both sides: one OpenMP pool, as in a process running only cothink
+        # (a second thread running parallel ops makes libgomp stop spinning: execution/threads.py)
+        results[dtype] = C.on_compute(profile_dtype, args, folder, dtype)
         report(console, dtype, results[dtype], args.top)
     C.write_json(
         args.out / "profile_step.json",

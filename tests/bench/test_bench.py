@@ -80,6 +80,8 @@ def test_prefill_decode_quick(tiny_folder, tmp_path, capsys):
         assert [r["length"] for r in res["prefill"]] == [16, 48]
         assert all(r["cothink_tok_s"] > 0 and r["hf_tok_s"] > 0 and r["ratio"] > 0 for r in res["prefill"])
         assert res["decode"]["tokens"] == 4 and res["decode"]["cothink_tok_s"] > 0
+        assert res["limits"]["linears_decode_tok_s"] > 0 and res["decode"]["of_linears"] > 0
+    assert "linears alone" in out
     assert (tmp_path / "prefill_decode.png").stat().st_size > 1000
 
 
@@ -134,4 +136,50 @@ def test_coroutines_quick(tiny_folder, tmp_path, capsys):
     # sharing the context: N coroutines hold less KV than N copies once N > 1
     assert rows[-1]["cothink_kv_bytes"] < rows[-1]["n_copies_kv_bytes"]
     assert rows[-1]["hf_sequential"]["measured"] is False
+    lin = data["results"]["linears_alone"]
+    assert lin["n"] == 3 and lin["tok_s"] > 0 and lin["of_it"] > 0 and "linears alone" in out
     assert (tmp_path / "coroutines.png").stat().st_size > 1000
+
+
+def test_linear_calls_record_what_a_forward_calls(tiny_folder):
+    """LinearCalls sees every linear a step runs, in order, with its rows, and nothing else."""
+    import sys
+
+    import torch
+
+    from cothink.execution.runner import load_model
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    import _common as C
+
+    runner = load_model(tiny_folder)
+    model = runner.model
+    block = runner.new_block()
+    runner.extend(block, [5, 6, 7], logits="last")
+    with C.LinearCalls(model) as calls:
+        runner.extend(block, [8], logits="last")
+    runner.extend(block, [9], logits="last")  # after the block: hooks are gone
+    assert len(calls.passes) == 1
+    step = calls.last_with_rows(1)
+    per_layer = [m for layer in model.model.layers for m in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert [m for m, _ in step] == per_layer + [model.lm_head]
+    assert all(rows == 1 for _, rows in step)
+    assert C.LinearCalls.seconds(step, torch.float32, 1) > 0
+
+
+_NO_COMPILER = shutil.which("g++") is None and shutil.which("c++") is None
+
+
+@pytest.mark.skipif(_NO_COMPILER, reason="inductor needs a C++ compiler")
+def test_compile_probe_quick(tiny_folder, tmp_path, capsys):
+    """The probe compiles the decoder with view attention and prepacked linears as opaque ops and
+    decodes the same greedy tokens as eager."""
+    bench = _load("compile_probe")
+    argv = ["--quick", "--model", str(tiny_folder), "--out", str(tmp_path), "--threads-list", "1",
+            "--prompt", "8", "--steps", "4", "--repeats", "1"]
+    assert bench.main(argv) == 0
+    assert "eager / compiled" in capsys.readouterr().out
+    row = json.loads((tmp_path / "compile_probe.json").read_text())["results"]["rows"][0]
+    assert row["threads"] == 1 and row["eager_ms"] > 0 and row["compiled_ms"] > 0
+    assert row["same_tokens"] is True

@@ -236,17 +236,7 @@ async def run_demo(
         raise ValueError("the demo needs a model with a tokenizer and chat template")
     if interject_at is None:
         interject_at = max(1, min(max_tokens // 2, 48))
-
-    def show(event: AgentEvent) -> None:
-        if event.kind == "thought":
-            display.thinker(event.text)
-        elif event.kind == "said":
-            display.narrator(event.text)
-        elif event.kind == "probe":
-            display.probe(agent.syncs[-1])
-        elif event.kind == "input":
-            display.user(event.text)
-
+    relay = _EventRelay(display)
     agent = ThinkNarrate(
         engine,
         task=PROBLEM,
@@ -264,31 +254,64 @@ async def run_demo(
         narration_tokens=narration_tokens,
         reaction=Reaction(note=THINKER_NOTE, resume=THINKER_RESUME),
         wait_for_input=True,
-        on_event=show,
+        on_event=relay.show,
         seed=seed,
     )
-
-    async def user() -> None:
-        await agent.wait_progress(interject_at)
-        if agent.done:
-            agent.end_input()
-            return
-        await agent.tell(INTERJECTION)
-        agent.end_input()
-
-    t0 = time.perf_counter()
-
-    def on_step(record: Any) -> None:
-        elapsed = time.perf_counter() - t0
-        who = ", ".join(sorted({i.coroutine for i in record.items}))
-        display.status(f"step {record.index}  [{who}]  thinker tokens {agent.generated}  {elapsed:.1f}s")
-
-    engine.step_listeners.append(on_step)
+    relay.agent = agent
+    status = _StepStatus(display, agent, time.perf_counter())
+    engine.step_listeners.append(status)
     try:
-        out, _ = await asyncio.gather(agent.run(), user())
+        out, _ = await asyncio.gather(agent.run(), _scripted_user(agent, interject_at))
     finally:
-        engine.step_listeners.remove(on_step)
-    wall = time.perf_counter() - t0
+        engine.step_listeners.remove(status)
+    return _demo_result(engine, out, wall_s=time.perf_counter() - status.t0)
+
+
+@dataclass
+class _EventRelay:
+    """Shows the agent's events on the display (a probe event shows the sync it just recorded)."""
+
+    display: Any
+    agent: ThinkNarrate | None = None  # set once the agent exists: it is built with `show` as callback
+
+    def show(self, event: AgentEvent) -> None:
+        if event.kind == "thought":
+            self.display.thinker(event.text)
+        elif event.kind == "said":
+            self.display.narrator(event.text)
+        elif event.kind == "probe":
+            self.display.probe(self.agent.syncs[-1])
+        elif event.kind == "input":
+            self.display.user(event.text)
+
+
+@dataclass(eq=False)  # an engine step listener: removed by identity
+class _StepStatus:
+    """An engine step listener: the status line (step, who was in it, thinker progress, time)."""
+
+    display: Any
+    agent: ThinkNarrate
+    t0: float
+
+    def __call__(self, record: Any) -> None:
+        elapsed = time.perf_counter() - self.t0
+        who = ", ".join(sorted({i.coroutine for i in record.items}))
+        self.display.status(
+            f"step {record.index}  [{who}]  thinker tokens {self.agent.generated}  {elapsed:.1f}s"
+        )
+
+
+async def _scripted_user(agent: ThinkNarrate, interject_at: int) -> None:
+    """The user: once the thinker has written `interject_at` tokens, the correction (unless it is done)."""
+    await agent.wait_progress(interject_at)
+    if agent.done:
+        agent.end_input()
+        return
+    await agent.tell(INTERJECTION)
+    agent.end_input()
+
+
+def _demo_result(engine: Any, out: Any, wall_s: float) -> DemoResult:
     mem = engine.memory()
     return DemoResult(
         thinker_text=out.thinker_text,
@@ -299,7 +322,7 @@ async def run_demo(
         restart_reencode=out.restart_reencode,
         thinker_reaction_tokens=out.thinker_reaction_tokens,
         steps=engine.steps,
-        wall_s=wall,
+        wall_s=wall_s,
         stats=dict(engine.stats),
         kv_bytes_used=mem.kv_bytes_used,
         live_blocks=mem.live_blocks,
@@ -451,21 +474,29 @@ def run_with_result(args: argparse.Namespace, console: Any = None) -> DemoResult
         f"in {time.perf_counter() - t0:.1f}s[/dim]"
     )
     console.print(f"[bold]problem:[/bold] {PROBLEM}")
+    result = asyncio.run(_run_displayed(engine, args, console, live))
+    _print_summary(result, console)
+    if args.trace:
+        _write_trace(engine, args.trace, console)
+    return result
 
-    async def main() -> DemoResult:
-        async with engine:
-            display = LiveDisplay(console) if live else PlainDisplay(console)
-            with display:
-                return await run_demo(
-                    engine,
-                    display,
-                    max_tokens=args.max_tokens,
-                    narrate_every=args.narrate_every,
-                    interject_at=args.interject_at,
-                    seed=args.seed,
-                )
 
-    result = asyncio.run(main())
+async def _run_displayed(engine: Any, args: argparse.Namespace, console: Any, live: bool) -> DemoResult:
+    async with engine:
+        display = LiveDisplay(console) if live else PlainDisplay(console)
+        with display:
+            return await run_demo(
+                engine,
+                display,
+                max_tokens=args.max_tokens,
+                narrate_every=args.narrate_every,
+                interject_at=args.interject_at,
+                seed=args.seed,
+            )
+
+
+def _print_summary(result: DemoResult, console: Any) -> None:
+    """The summary tables, then what was generated and what text passing would have re-encoded."""
     console.print()
     for table in summary_tables(result):
         console.print(table)
@@ -482,9 +513,6 @@ def run_with_result(args: argparse.Namespace, console: Any = None) -> DemoResult
         + (" + 1 thinker restart" if result.interjected_at is not None else "")
         + "); cothink re-encoded none of it."
     )
-    if args.trace:
-        _write_trace(engine, args.trace, console)
-    return result
 
 
 def _write_trace(engine: Any, path: str, console: Any) -> None:

@@ -12,9 +12,16 @@ import shlex
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from rich.console import Console
+
+    from cothink.eval.common import SuiteResult
 
 SUITE_NAMES = ("sync-cost", "latency", "interrupts", "consistency", "soak", "faults", "cost")
 DEFAULT_MODELS = "smollm2,qwen35-random"
@@ -75,23 +82,24 @@ class Speed:
     step_s: float
 
 
+async def _measure_speed(model: Any) -> Speed:
+    engine = model.engine(kv_tokens=1024)
+    async with engine:
+        block = engine.block("calibration")
+        ids = model.encode("The plant log records readings from every sensor on the floor. " * 20)[:128]
+        t0 = time.perf_counter()
+        await engine.extend(block, token_ids=ids, name="calibration")
+        prefill = 128 / (time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        await engine.generate(block, max_tokens=6, stop_at_eos=False, name="calibration").collect()
+        step = (time.perf_counter() - t0) / 6
+    return Speed(prefill, step)
+
+
 def _calibrate(model: Any) -> Speed:
     import asyncio
 
-    async def go() -> Speed:
-        engine = model.engine(kv_tokens=1024)
-        async with engine:
-            block = engine.block("calibration")
-            ids = model.encode("The plant log records readings from every sensor on the floor. " * 20)[:128]
-            t0 = time.perf_counter()
-            await engine.extend(block, token_ids=ids, name="calibration")
-            prefill = 128 / (time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            await engine.generate(block, max_tokens=6, stop_at_eos=False, name="calibration").collect()
-            step = (time.perf_counter() - t0) / 6
-        return Speed(prefill, step)
-
-    return asyncio.run(go())
+    return asyncio.run(_measure_speed(model))
 
 
 def _threads(choice: str) -> tuple[int, str]:
@@ -119,18 +127,55 @@ def _command_line() -> str:
     return shlex.join(argv)
 
 
+@dataclass
+class _Invocation:
+    """What one `cothink eval` call runs and where it writes, resolved from its arguments."""
+
+    args: argparse.Namespace
+    console: Console
+    modules: dict[str, Any]
+    suites: list[str]
+    model_keys: list[str]
+    out: Path
+    plans: dict[str, dict]
+
+
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from cothink.eval import report
+
+    _quiet_libraries()
+    t_start = time.perf_counter()
+    inv = _invocation(args)
+    threads, reason = _threads(args.threads)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    command = _command_line()
+    inv.console.print(
+        f"[bold]cothink eval[/bold] {args.suite} ({'quick' if args.quick else 'full'}) on "
+        f"{', '.join(inv.model_keys)}; torch threads {threads} ({reason}); results in {inv.out}"
+    )
+    loaded = _load_and_calibrate(inv, dtype)
+    expected = _announce_expected_duration(inv, loaded)
+
+    dtype_label = f"{args.dtype} (int8 weights)" if args.quantize else args.dtype
+    config = report.environment(command, threads, reason, dtype_label, loaded)
+    config.update(
+        quick=args.quick, suites=inv.suites, plans=inv.plans, seed=args.seed, expected_duration_s=expected
+    )
+    results = _run_suites(inv, loaded)
+    elapsed = time.perf_counter() - t_start
+    config["elapsed_s"] = elapsed
+    config["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    _write_results(inv, config, results, elapsed)
+    _print_outcome(inv, loaded, results, elapsed)
+    return 1 if any(r.status == "FAIL" for r in results) else 0
+
+
+def _quiet_libraries() -> None:
+    """Keep the console to the progress bar: library warnings and logs would interleave with it."""
     import logging
     import warnings
-
-    import torch
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-    from rich.table import Table as RichTable
-
-    from cothink.eval import models as model_zoo
-    from cothink.eval import report
-    from cothink.eval.common import SuiteContext, SuiteResult
 
     warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
     try:
@@ -142,50 +187,66 @@ def run(args: argparse.Namespace) -> int:
         pass
     logging.getLogger("cothink").setLevel(logging.ERROR)
 
+
+def _invocation(args: argparse.Namespace) -> _Invocation:
+    """Resolve the arguments (and create the results folder)."""
+    from rich.console import Console
+
     console = Console(stderr=True)
     if not console.is_terminal:  # a log file: don't wrap at 80 columns
         console = Console(stderr=True, width=160)
-    t_start = time.perf_counter()
     modules = _suite_modules()
     suites = list(SUITE_NAMES) if args.suite == "all" else [args.suite]
-    model_keys = [m.strip() for m in args.models.split(",") if m.strip()]
     out = Path(args.out) if args.out else Path("results") / time.strftime("eval-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    threads, reason = _threads(args.threads)
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    command = _command_line()
-    console.print(
-        f"[bold]cothink eval[/bold] {args.suite} ({'quick' if args.quick else 'full'}) on "
-        f"{', '.join(model_keys)}; torch threads {threads} ({reason}); results in {out}"
+    return _Invocation(
+        args=args,
+        console=console,
+        modules=modules,
+        suites=suites,
+        model_keys=[m.strip() for m in args.models.split(",") if m.strip()],
+        out=out,
+        plans={name: modules[name].plan(args.quick, args.duration) for name in suites},
     )
 
+
+def _load_and_calibrate(inv: _Invocation, dtype: torch.dtype) -> list[Any]:
+    from cothink.eval import models as model_zoo
+
     loaded = []
-    with console.status("loading models") as status:
-        for key in model_keys:
+    with inv.console.status("loading models") as status:
+        for key in inv.model_keys:
             status.update(f"loading {key}")
-            loaded.append(model_zoo.load(key, dtype, quantize=args.quantize))
+            loaded.append(model_zoo.load(key, dtype, quantize=inv.args.quantize))
             status.update(f"calibrating {key}")
             speed = _calibrate(loaded[-1])
             loaded[-1].info["calibration"] = {
                 "prefill_tok_s": speed.prefill_tps,
                 "decode_step_s": speed.step_s,
             }
-    plans = {name: modules[name].plan(args.quick, args.duration) for name in suites}
+    return loaded
+
+
+def _announce_expected_duration(inv: _Invocation, loaded: list[Any]) -> float:
+    """Print each model's calibration and the run's estimated duration (seconds, returned)."""
     expected = 0.0
     for m in loaded:
         speed = Speed(m.info["calibration"]["prefill_tok_s"], m.info["calibration"]["decode_step_s"])
-        expected += sum(modules[name].estimate_s(plans[name], speed) for name in suites)
-        console.print(
+        expected += sum(inv.modules[name].estimate_s(inv.plans[name], speed) for name in inv.suites)
+        inv.console.print(
             f"  {m.key}: prefill {speed.prefill_tps:.0f} tok/s, decode step {speed.step_s * 1000:.0f} ms"
         )
-    console.print(
+    inv.console.print(
         f"[bold]expected duration: about {expected / 60:.1f} min[/bold] "
         f"(estimated from the calibration above; load on the machine changes it)"
     )
+    return expected
 
-    dtype_label = f"{args.dtype} (int8 weights)" if args.quantize else args.dtype
-    config = report.environment(command, threads, reason, dtype_label, loaded)
-    config.update(quick=args.quick, suites=suites, plans=plans, seed=args.seed, expected_duration_s=expected)
+
+def _run_suites(inv: _Invocation, loaded: list[Any]) -> list[SuiteResult]:
+    """Every suite on every model, in that order, under one progress bar."""
+    from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
     results: list[SuiteResult] = []
     progress = Progress(
         SpinnerColumn(),
@@ -193,49 +254,66 @@ def run(args: argparse.Namespace) -> int:
         BarColumn(),
         TextColumn("{task.completed}/{task.total}"),
         TimeElapsedColumn(),
-        console=console,
+        console=inv.console,
         transient=False,
     )
-    import asyncio
-
     with progress:
-        overall = progress.add_task("evaluation", total=len(loaded) * len(suites))
+        overall = progress.add_task("evaluation", total=len(loaded) * len(inv.suites))
         for m in loaded:
-            for name in suites:
+            for name in inv.suites:
                 label = f"{m.key} / {name}"
                 progress.update(overall, description=label)
-                ctx = SuiteContext(
+                result = _run_suite(
+                    inv,
                     m,
-                    args.quick,
-                    out,
-                    args.duration,
-                    seed=args.seed,
-                    progress=lambda msg, label=label: progress.update(overall, description=f"{label}: {msg}"),
+                    name,
+                    lambda msg, label=label: progress.update(overall, description=f"{label}: {msg}"),
                 )
-                t0 = time.perf_counter()
-                try:
-                    result = asyncio.run(modules[name].run(ctx, dict(plans[name])))
-                except Exception as exc:
-                    result = SuiteResult(name, m.key, params=dict(plans[name]))
-                    result.error = "".join(traceback.format_exception(exc)[-3:]).strip()
-                result.elapsed_s = time.perf_counter() - t0
                 results.append(result)
                 progress.console.print(f"  {label}: [bold]{result.status}[/bold] in {result.elapsed_s:.0f} s")
                 progress.advance(overall)
-    elapsed = time.perf_counter() - t_start
-    config["elapsed_s"] = elapsed
-    config["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    return results
+
+
+def _run_suite(inv: _Invocation, model: Any, name: str, say: Callable[[str], None]) -> SuiteResult:
+    """One suite on one model; a crash becomes a result carrying the error, so the other suites still run."""
+    import asyncio
+
+    from cothink.eval.common import SuiteContext, SuiteResult
+
+    args = inv.args
+    ctx = SuiteContext(model, args.quick, inv.out, args.duration, seed=args.seed, progress=say)
+    t0 = time.perf_counter()
+    try:
+        result = asyncio.run(inv.modules[name].run(ctx, dict(inv.plans[name])))
+    except Exception as exc:
+        result = SuiteResult(name, model.key, params=dict(inv.plans[name]))
+        result.error = "".join(traceback.format_exception(exc)[-3:]).strip()
+    result.elapsed_s = time.perf_counter() - t0
+    return result
+
+
+def _write_results(inv: _Invocation, config: dict, results: list[SuiteResult], elapsed: float) -> None:
     import json
 
+    from cothink.eval import report
+
+    out = inv.out
     (out / "config.json").write_text(json.dumps(report._jsonable(config), indent=1))
     report.write_raw(out, results)
-    (out / "report.md").write_text(report.render(results, config, modules, elapsed_s=elapsed))
+    (out / "report.md").write_text(report.render(results, config, inv.modules, elapsed_s=elapsed))
 
+
+def _print_outcome(inv: _Invocation, loaded: list[Any], results: list[SuiteResult], elapsed: float) -> None:
+    """A status table (suite x model), then every failed or warned check and every crash."""
+    from rich.table import Table as RichTable
+
+    console = inv.console
     table = RichTable(title=f"cothink eval: {elapsed:.0f} s")
     table.add_column("suite")
     for m in loaded:
         table.add_column(m.key)
-    for name in suites:
+    for name in inv.suites:
         row = [name]
         for m in loaded:
             r = next(x for x in results if x.suite == name and x.model == m.key)
@@ -251,8 +329,7 @@ def run(args: argparse.Namespace) -> int:
                 )
         if r.error:
             console.print(f"  {r.suite}/{r.model}: crashed: {r.error.splitlines()[-1]}")
-    console.print(f"report: {out / 'report.md'}")
-    return 1 if any(r.status == "FAIL" for r in results) else 0
+    console.print(f"report: {inv.out / 'report.md'}")
 
 
 def main(argv: list[str] | None = None) -> int:

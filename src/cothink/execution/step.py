@@ -82,15 +82,26 @@ class ItemPlan:
         return self.rows.stop - self.rows.start
 
 
+Rows = torch.Tensor | slice  # row indices; a slice when they are consecutive (a view, no gather)
+
+
+def _rows(rows: list[int], device: torch.device | str) -> Rows:
+    """Indices of `rows` for q[...] / out[...]: a slice when consecutive, so reading them is a view
+    and writing them a plain copy (decode items usually are: one row each, in order)."""
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return slice(rows[0], rows[0] + len(rows))
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
+
 @dataclass
 class _SharedRun:
-    """A key run several decode items read (a shared block): its keys are gathered once per layer."""
+    """A key run several decode items read (a shared block): its keys are read once per layer."""
 
     slots: torch.Tensor  # [L]
-    rows: torch.Tensor  # [k] the readers' query rows
-    owner: torch.Tensor  # [k] the readers' decode-item indices
+    rows: Rows  # [k] the readers' query rows
     cos: torch.Tensor  # [k, rotary_dim]: each reader's own position relative to the block
     sin: torch.Tensor
+    span: tuple[int, int] | None  # slots are exactly the range [a, b): read keys as a view, no gather
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,10 +121,12 @@ class _DecodeRuns:
     (mostly each item's own block) are padded into one batch.
     """
 
-    items: torch.Tensor  # [D] the decode items' rows in the flattened batch
+    size: int  # D, the number of decode items
+    items: Rows  # [D] the decode items' rows in the flattened batch
     shared: list[_SharedRun]
-    rows: torch.Tensor  # [R] the query row of each padded run
-    owner: torch.Tensor  # [R] which decode item (0..D-1) each padded run belongs to
+    rows: Rows  # [R] the query row of each padded run
+    # which decode item (0..D-1) each partial belongs to: the shared runs' readers, then the padded runs
+    owners: torch.Tensor
     slots: torch.Tensor  # [R, Lmax] pool slots, padded with slot 0
     valid: torch.Tensor  # [R, Lmax]
     cos: torch.Tensor  # [R, rotary_dim]
@@ -131,10 +144,10 @@ class _DecodeRuns:
         shared = [
             _SharedRun(
                 slots=group[0].run.slots,
-                rows=torch.tensor([r.row for r in group], device=device),
-                owner=torch.tensor([r.item for r in group], device=device),
+                rows=_rows([r.row for r in group], device),
                 cos=torch.cat([r.run.cos for r in group]),
                 sin=torch.cat([r.run.sin for r in group]),
+                span=group[0].run.span,
             )
             for group in groups
         ]
@@ -144,6 +157,7 @@ class _DecodeRuns:
             for run in p.runs
             if run.shared not in shared_keys
         ]
+        shared_readers = [r for group in groups for r in group]  # in the order of `shared`
         width = max((r.run.slots.numel() for r in padded), default=0)
         slots = torch.zeros(len(padded), width, dtype=torch.long, device=device)
         valid = torch.zeros(len(padded), width, dtype=torch.bool, device=device)
@@ -151,10 +165,11 @@ class _DecodeRuns:
             slots[i, : r.run.slots.numel()] = r.run.slots
             valid[i, : r.run.slots.numel()] = True
         return cls(
-            items=torch.tensor([p.rows.start for p in plans], device=device),
+            size=len(plans),
+            items=_rows([p.rows.start for p in plans], device),
             shared=shared,
-            rows=torch.tensor([r.row for r in padded], dtype=torch.long, device=device),
-            owner=torch.tensor([r.item for r in padded], dtype=torch.long, device=device),
+            rows=_rows([r.row for r in padded], device),
+            owners=torch.tensor([r.item for r in [*shared_readers, *padded]], device=device),
             slots=slots,
             valid=valid,
             cos=torch.cat([r.run.cos for r in padded]),
@@ -189,7 +204,9 @@ class ViewBatch:
             torch.cat([torch.arange(p.start, p.start + p.size) for p in self.plans]).to(store.device)
         )
         # this step's keys go to the slots after each writer's old tokens
-        self.write_slots = torch.cat([p.new_slots for p in self.plans]) if store.attn_slot else None
+        self.write_slots: Rows | None = None
+        if store.attn_slot:
+            self.write_slots = _rows(torch.cat([p.new_slots for p in self.plans]).tolist(), store.device)
         # Several single-token items (decoding coroutines) attend in one padded batch instead of a
         # Python loop over items and blocks; prefill chunks keep the per-item path.
         decode = [p for p in self.plans if p.size == 1] if store.attn_slot else []
@@ -258,7 +275,7 @@ class ViewBatch:
             found = self._read_slots[key] = self.store.slots_and_span(block, 0, length)
         return found
 
-    def _keys(self, slot: int, run: KeyRun) -> tuple[torch.Tensor, torch.Tensor]:
+    def _keys(self, slot: int, run: KeyRun | _SharedRun) -> tuple[torch.Tensor, torch.Tensor]:
         """A run's keys and values in one layer: a view when its slots are one range, else gathered."""
         pool = self.store.pool
         if run.span is not None:
@@ -275,18 +292,15 @@ class ViewBatch:
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if self.decode is not None:
             d = self.decode
-            outs, lses, owners = [], [], []
+            outs, lses = [], []
             for run in d.shared:
+                k_run, v_run = self._keys(slot, run)
                 o, lse = backend.run(
-                    self.rotary.apply_prepared(q[run.rows], run.cos, run.sin),
-                    pool.k[slot, run.slots],
-                    pool.v[slot, run.slots],
-                    self.scale,
+                    self.rotary.apply_prepared(q[run.rows], run.cos, run.sin), k_run, v_run, self.scale
                 )
                 outs.append(o)
                 lses.append(lse)
-                owners.append(run.owner)
-            if d.rows.numel():
+            if d.slots.numel():
                 o, lse = backend.padded(
                     self.rotary.apply_prepared(q[d.rows], d.cos, d.sin),
                     pool.k[slot, d.slots],
@@ -296,10 +310,7 @@ class ViewBatch:
                 )
                 outs.append(o)
                 lses.append(lse)
-                owners.append(d.owner)
-            out[d.items] = backend.merge_grouped(
-                torch.cat(outs), torch.cat(lses), torch.cat(owners), d.items.numel()
-            )
+            out[d.items] = backend.merge_grouped(torch.cat(outs), torch.cat(lses), d.owners, d.size)
         for plan in self.looped:
             q_item = q[plan.rows]
             outs, lses = [], []

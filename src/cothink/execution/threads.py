@@ -30,6 +30,13 @@ T = TypeVar("T")
 SPIN_COUNT = "30000"  # GOMP_SPINCOUNT set by `import cothink` (cothink/__init__.py mirrors it)
 
 
+# A re-try while the core is still taken costs ~5-10 steps' time (every parallel region waits on it);
+# when the core is free again, all threads gain ~30% per step. Re-trying more often than every ~30
+# steps costs more under lasting contention than it wins back when it ends (measured: 32 coroutines,
+# one core busy, 0.41-0.47 of quiet with re-tries from 8 steps on).
+FIRST_RETRY = 32
+
+
 @dataclass
 class _Bucket:
     """What was measured for steps of similar width: seconds per row of each thread count."""
@@ -37,14 +44,14 @@ class _Bucket:
     per_row: dict[int, float] = field(default_factory=dict)  # moving average per thread count
     suspect: bool = False  # the last all-threads step ran much slower per row than their average
     since_retry: int = 0  # steps on one thread since all threads were last re-tried
-    retry_after: int = 8  # doubles while re-tries confirm one thread, resets when one flips it
+    retry_after: int = FIRST_RETRY  # doubles while re-tries confirm one thread, resets when one flips it
 
 
 class ThreadChooser:
     """Threads per step: all (`max_threads`) unless measured slower than one, per width bucket
     (steps of 1 row, 2-3, 4-7, 8-15, ...). A quiet machine never pays for a trial: one thread is
     tried only when an all-threads step runs much slower per row than their moving average (another
-    process took a core), and while one thread wins, all threads are re-tried after 8, 16, ... 256
+    process took a core), and while one thread wins, all threads are re-tried after 32, 64, ... 256
     steps so the engine goes back to them when the other process is gone."""
 
     SUSPECT_RATIO = 1.5
@@ -78,7 +85,7 @@ class ThreadChooser:
             b.per_row[threads] = sample if old is None or retry else old + self.alpha * (sample - old)
             if retry:
                 flipped = not self._one_wins(b)
-                b.retry_after = 8 if flipped else min(self.MAX_RETRY_AFTER, 2 * b.retry_after)
+                b.retry_after = FIRST_RETRY if flipped else min(self.MAX_RETRY_AFTER, 2 * b.retry_after)
                 b.since_retry = 0
         else:
             trial = b.suspect or not self._one_wins(b)

@@ -33,11 +33,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -330,13 +331,137 @@ class _Thinker:
     finish: str = ""
 
 
-async def run_case(
+@dataclass
+class _Case:
+    """One (problem, condition, k) on a running engine: its blocks, its thinker, when the supplement
+    arrived. All its works are named after the row."""
+
+    engine: Any
+    shard: Shard
+    cfg: MathConfig
+    name: str
+    fmt: Any  # ChatFormat
+    before: list[dict[str, str]]  # [system, the problem as first given]
+    supplement: dict[str, str]
+    supplement_text: str  # the supplement as a chat turn, as it goes into ctx
+    blocks: list[Any]  # [ctx, thoughts]: the thinker reads both and writes into thoughts
+    counter: StepCounter
+    th: _Thinker = field(default_factory=_Thinker)
+    after_tokens: int | None = None
+    after_steps: int | None = None
+
+    @property
+    def ctx(self) -> Any:
+        return self.blocks[0]
+
+    @property
+    def thoughts(self) -> Any:
+        return self.blocks[-1]
+
+    def take(self, text: str, n_tokens: int) -> None:
+        """Account for a streamed piece of thinking."""
+        self.th.tokens += n_tokens
+        self.th.text += text
+        self.counter.feed(text, n_tokens)
+
+    def mark_supplement(self) -> None:
+        self.after_tokens, self.after_steps = self.th.tokens, self.counter.steps
+
+    async def add_supplement(self) -> None:
+        await self.engine.extend(self.ctx, self.supplement_text, name=self.name, priority="interactive")
+
+    async def think(self, budget: int, until_step: int | None) -> bool:
+        """Generate into the thoughts block; returns True when it stopped at `until_step` (the generation
+        is cancelled there), False when it finished (EOS or budget)."""
+        gen = self.engine.generate(self.blocks, max_tokens=budget, name=self.name, seed=self.cfg.seed)
+        counted = 0
+        async for piece in gen:
+            n = len(piece.token_ids)
+            counted += n
+            self.take(piece.text, n)
+            if until_step is not None and self.counter.steps >= until_step:
+                gen.cancel()
+                self.th.finish = "cancelled"
+                return True
+        assert gen.result is not None
+        self.th.tokens += len(gen.result.token_ids) - counted  # the token that ended it is in no piece
+        self.th.finish = gen.result.finish_reason
+        return False
+
+    async def supplement_first(self, condition: Condition) -> None:
+        """full, partial, or k == 0: one generation (insert/restart at 0: the supplement is there first)."""
+        if condition in ("insert", "restart"):
+            await self.add_supplement()
+            self.after_tokens = self.after_steps = 0
+        await self.think(self.cfg.max_tokens, None)
+
+    async def insert_at(self, k: int) -> None:
+        """Think until step k; at step k the supplement goes into ctx *while the thinker keeps going*."""
+        cfg = self.cfg
+        gen = self.engine.generate(
+            self.blocks, max_tokens=cfg.max_tokens + k * cfg.step_tokens, name=self.name, seed=cfg.seed
+        )
+        insert_live: asyncio.Task | None = None
+        counted = 0
+        budget_end: int | None = None
+        async for piece in gen:
+            n = len(piece.token_ids)
+            counted += n
+            self.take(piece.text, n)
+            if insert_live is None and self.counter.steps >= k:
+                self.mark_supplement()
+                insert_live = asyncio.create_task(self.add_supplement())
+                budget_end = self.th.tokens + cfg.max_tokens
+            if budget_end is not None and self.th.tokens >= budget_end:
+                gen.cancel()
+                break
+        if gen.result is not None and gen.result.finish_reason != "cancelled":
+            self.th.tokens += len(gen.result.token_ids) - counted
+            self.th.finish = gen.result.finish_reason
+        else:
+            self.th.finish = "length"
+        if insert_live is None:  # it finished before step k: the supplement arrives after, then continue
+            self.mark_supplement()
+            await self.add_supplement()
+            await _reopen(self.engine, self.fmt, self.thoughts, self.blocks, self.name, self.th)
+            await self.think(cfg.max_tokens, None)
+        else:
+            await insert_live
+
+    async def restart_at(self, k: int) -> None:
+        """Think until step k, then text passing: a fresh context [system, partial, supplement] + the
+        thoughts so far, re-encoded, and think on."""
+        engine, fmt, name = self.engine, self.fmt, self.name
+        await self.think(k * self.cfg.step_tokens, k)  # stops at step k (or ends earlier)
+        self.mark_supplement()
+        for b in self.blocks:
+            engine.release(b)
+        self.blocks = [engine.block(f"{name}/ctx2"), engine.block(f"{name}/thoughts2")]
+        await engine.extend(self.ctx, fmt.conversation([*self.before, self.supplement]), name=name)
+        carried = fmt.assistant_opener([*self.before, self.supplement]) + self.th.text
+        if carried:
+            await engine.extend(self.thoughts, carried, view=self.blocks, name=name)
+        await self.think(self.cfg.max_tokens, None)
+
+    async def final_answer(self) -> tuple[str | None, bool]:
+        """The boxed answer in the thinking, else one cued after it; (answer, cued)."""
+        answer = extract_boxed(self.th.text)
+        if answer is not None:
+            return answer, False
+        await self.engine.extend(self.thoughts, ANSWER_CUE, view=self.blocks, name=self.name)
+        res = await self.engine.generate(
+            self.blocks, max_tokens=self.cfg.answer_tokens, stop=["}$"], name=self.name, seed=self.cfg.seed
+        ).collect()
+        self.th.tokens += len(res.token_ids)
+        return cued_answer(res.text) or None, True
+
+
+async def _open_case(
     engine: Any, shard: Shard, full_problem: str, condition: Condition, k: int | None, cfg: MathConfig
-) -> MathRow:
-    """One (problem, condition, k) on a running engine; all its works are named after the row."""
+) -> _Case:
+    """The case's blocks, with the conversation so far read (and the assistant turn opened)."""
     from cothink.agents.chat import ChatFormat
 
-    t0 = time.perf_counter()
     fmt = ChatFormat(engine.tokenizer)
     name = f"{shard.unique_id}|{condition}|{k}"
     system = {"role": "system", "content": SYSTEM}
@@ -345,106 +470,45 @@ async def run_case(
     supplement = {"role": "user", "content": SUPPLEMENT_PREFIX + shard.supplement}
     supplement_text = fmt.turn(before, supplement)
     opener = fmt.assistant_opener(before)
-    ctx, thoughts = engine.block(f"{name}/ctx"), engine.block(f"{name}/thoughts")
-    blocks = [ctx, thoughts]
-    await engine.extend(ctx, fmt.conversation(before), name=name)
+    case = _Case(
+        engine,
+        shard,
+        cfg,
+        name,
+        fmt,
+        before=before,
+        supplement=supplement,
+        supplement_text=supplement_text,
+        blocks=[engine.block(f"{name}/ctx"), engine.block(f"{name}/thoughts")],
+        counter=StepCounter(cfg.step_tokens),
+    )
+    await engine.extend(case.ctx, fmt.conversation(case.before), name=name)
     if opener:
-        await engine.extend(thoughts, opener, view=[ctx, thoughts], name=name)
-    th = _Thinker()
-    counter = StepCounter(cfg.step_tokens)
-    after_tokens = after_steps = None
-    gen_seed = cfg.seed
+        await engine.extend(case.thoughts, opener, view=case.blocks, name=name)
+    return case
 
-    async def think(view: list[Any], budget: int, until_step: int | None) -> bool:
-        """Generate into view[-1]; returns True when it stopped at `until_step` (the generation is
-        cancelled there), False when it finished (EOS or budget)."""
-        gen = engine.generate(view, max_tokens=budget, name=name, seed=gen_seed)
-        counted = 0
-        async for piece in gen:
-            n = len(piece.token_ids)
-            counted += n
-            th.tokens += n
-            th.text += piece.text
-            counter.feed(piece.text, n)
-            if until_step is not None and counter.steps >= until_step:
-                gen.cancel()
-                th.finish = "cancelled"
-                return True
-        assert gen.result is not None
-        th.tokens += len(gen.result.token_ids) - counted  # the token that ended it is in no piece
-        th.finish = gen.result.finish_reason
-        return False
 
-    insert_live: asyncio.Task | None = None
+async def run_case(
+    engine: Any, shard: Shard, full_problem: str, condition: Condition, k: int | None, cfg: MathConfig
+) -> MathRow:
+    """One (problem, condition, k) on a running engine; all its works are named after the row."""
+    t0 = time.perf_counter()
+    case = await _open_case(engine, shard, full_problem, condition, k, cfg)
     try:
         if condition in ("full", "partial") or k == 0:
-            if condition in ("insert", "restart"):  # k == 0: the supplement is there before thinking
-                await engine.extend(ctx, supplement_text, name=name, priority="interactive")
-                after_tokens = after_steps = 0
-            await think(blocks, cfg.max_tokens, None)
+            await case.supplement_first(condition)
         elif condition == "insert":
             assert k is not None
-            # Think until step k; at step k the supplement goes into ctx *while the thinker keeps going*.
-            gen = engine.generate(
-                blocks, max_tokens=cfg.max_tokens + k * cfg.step_tokens, name=name, seed=gen_seed
-            )
-            counted = 0
-            budget_end: int | None = None
-            async for piece in gen:
-                n = len(piece.token_ids)
-                counted += n
-                th.tokens += n
-                th.text += piece.text
-                counter.feed(piece.text, n)
-                if insert_live is None and counter.steps >= k:
-                    after_tokens, after_steps = th.tokens, counter.steps
-                    insert_live = asyncio.create_task(
-                        engine.extend(ctx, supplement_text, name=name, priority="interactive")
-                    )
-                    budget_end = th.tokens + cfg.max_tokens
-                if budget_end is not None and th.tokens >= budget_end:
-                    gen.cancel()
-                    break
-            if gen.result is not None and gen.result.finish_reason != "cancelled":
-                th.tokens += len(gen.result.token_ids) - counted
-                th.finish = gen.result.finish_reason
-            else:
-                th.finish = "length"
-            if insert_live is None:  # it finished before step k: the supplement arrives after, then continue
-                after_tokens, after_steps = th.tokens, counter.steps
-                await engine.extend(ctx, supplement_text, name=name, priority="interactive")
-                await _reopen(engine, fmt, thoughts, blocks, name, th)
-                await think(blocks, cfg.max_tokens, None)
-            else:
-                await insert_live
+            await case.insert_at(k)
         else:  # restart
             assert k is not None
-            await think(blocks, k * cfg.step_tokens, k)  # stops at step k (or ends earlier)
-            after_tokens, after_steps = th.tokens, counter.steps
-            # Text passing: a fresh context [system, partial, supplement] + the thoughts so far, re-encoded.
-            for b in blocks:
-                engine.release(b)
-            ctx, thoughts = engine.block(f"{name}/ctx2"), engine.block(f"{name}/thoughts2")
-            blocks = [ctx, thoughts]
-            await engine.extend(ctx, fmt.conversation([*before, supplement]), name=name)
-            carried = fmt.assistant_opener([*before, supplement]) + th.text
-            if carried:
-                await engine.extend(thoughts, carried, view=blocks, name=name)
-            await think(blocks, cfg.max_tokens, None)
-
-        answer = extract_boxed(th.text)
-        cued = answer is None
-        if cued:
-            await engine.extend(thoughts, ANSWER_CUE, view=blocks, name=name)
-            res = await engine.generate(
-                blocks, max_tokens=cfg.answer_tokens, stop=["}$"], name=name, seed=gen_seed
-            ).collect()
-            th.tokens += len(res.token_ids)
-            answer = cued_answer(res.text) or None
+            await case.restart_at(k)
+        answer, cued = await case.final_answer()
     finally:
-        for b in blocks:
+        for b in case.blocks:
             engine.release(b)
-    stats = engine.stats[name]
+    stats = engine.stats[case.name]
+    th = case.th
     return MathRow(
         unique_id=shard.unique_id,
         condition=condition,
@@ -456,8 +520,8 @@ async def run_case(
         tokens_encoded=stats.tokens_written - th.tokens,
         forward_passes=stats.forward_passes,
         seconds=round(time.perf_counter() - t0, 3),
-        supplement_after_tokens=after_tokens,
-        supplement_after_steps=after_steps,
+        supplement_after_tokens=case.after_tokens,
+        supplement_after_steps=case.after_steps,
         thinking_finish=th.finish,
         answer_cued=cued,
     )
@@ -491,22 +555,38 @@ async def run_all(
     on_problem: Callable[[list[MathRow]], None] | None = None,
 ) -> list[MathRow]:
     """Every case of every shard; `cfg.concurrency` problems at a time, all cases of a problem together."""
-    gate = asyncio.Semaphore(cfg.concurrency)
-    plan = cases(cfg)
-    done: list[MathRow] = []  # rows of the problems finished so far (for partial saves)
-
-    async def problem(shard: Shard) -> list[MathRow]:
-        async with gate:
-            full = full_text.get(shard.unique_id) or f"{shard.partial} {shard.supplement}"
-            rows = await asyncio.gather(*(run_case(engine, shard, full, c, k, cfg) for c, k in plan))
-            done.extend(rows)
-            advance(1)
-            if on_problem is not None:
-                on_problem(list(done))
-            return list(rows)
-
-    per = await asyncio.gather(*(problem(s) for s in shards))
+    problems = _Problems(
+        engine, full_text, cfg, advance, on_problem, gate=asyncio.Semaphore(cfg.concurrency), plan=cases(cfg)
+    )
+    per = await asyncio.gather(*(problems.solve(s) for s in shards))
     return [r for rows in per for r in rows]
+
+
+@dataclass
+class _Problems:
+    """Runs problems for `run_all`: the gate that bounds how many run at once, and the rows done so far."""
+
+    engine: Any
+    full_text: dict[str, str]
+    cfg: MathConfig
+    advance: Callable[[int], None]
+    on_problem: Callable[[list[MathRow]], None] | None
+    gate: asyncio.Semaphore
+    plan: list[tuple[Condition, int | None]]
+    done: list[MathRow] = field(default_factory=list)  # rows of the problems finished so far (partial saves)
+
+    async def solve(self, shard: Shard) -> list[MathRow]:
+        """All the cases of one problem, together."""
+        async with self.gate:
+            full = self.full_text.get(shard.unique_id) or f"{shard.partial} {shard.supplement}"
+            rows = await asyncio.gather(
+                *(run_case(self.engine, shard, full, c, k, self.cfg) for c, k in self.plan)
+            )
+            self.done.extend(rows)
+            self.advance(1)
+            if self.on_problem is not None:
+                self.on_problem(list(self.done))
+            return list(rows)
 
 
 def summarize(rows: Sequence[MathRow]) -> dict[str, dict[str, float]]:
@@ -632,15 +712,18 @@ def report(results: Results[MathConfig, MathRow], plot_name: str = "math500_shar
     return "\n".join(lines)
 
 
+def _accuracy_with_count(
+    acc: dict[tuple[str, str], float], n: dict[tuple[str, str], int], key: tuple[str, str]
+) -> str:
+    return f"{acc[key]:.3f} ({round(acc[key] * n[key])}/{n[key]})"
+
+
 def _reading(results: Results[MathConfig, MathRow], table: list[Any]) -> list[str]:
     """A few sentences computed from the table: accuracy (with counts) and the encoding cost of each k."""
     acc = {(t[0], t[1]): t[3] for t in table}
     enc = {(t[0], t[1]): t[4] for t in table}
     n = {(t[0], t[1]): t[2] for t in table}
-
-    def frac(key: tuple[str, str]) -> str:
-        return f"{acc[key]:.3f} ({round(acc[key] * n[key])}/{n[key]})"
-
+    frac = functools.partial(_accuracy_with_count, acc, n)
     out = ["Reading (correct answers are counts of a few problems: differences of one or two are noise):", ""]
     if ("full", "-") in acc and ("partial", "-") in acc:
         out.append(f"- accuracy: full {frac(('full', '-'))}, partial {frac(('partial', '-'))}")
@@ -751,27 +834,59 @@ def run(args: argparse.Namespace) -> int:
 
     console = Console(stderr=True)
     if args.render_only:
-        out = Path(args.out)
-        results = harness.read_results(out / "results.json", MathConfig, MathRow)
-        plot(results, out / "math500_sharded.png")
-        harness.write_report(out, report(results))
-        console.print(f"rendered {out}/report.md and {out}/math500_sharded.png")
-        return 0
+        return _render_only(Path(args.out), console)
     if args.write_shards is not None:
-        data = _resolve_data(args)
-        if data is None:
-            raise SystemExit("math500-sharded: --write-shards needs --data")
-        shards, skipped = build_shards(load_problems(data))
-        write_shards(args.write_shards, shards)
-        console.print(f"wrote {len(shards)} shards to {args.write_shards}; {len(skipped)} problems not split")
-        return 0
+        return _write_builtin_shards(args, console)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.max_tokens = min(args.max_tokens, 24)
         args.steps = [k for k in args.steps if k <= 2] or [0]
     shards, full_text, skipped = select(args)
-    cfg = MathConfig(
+    cfg = _config(args, shards, skipped)
+    handle = harness.load_model(args.model, args.dtype)
+    cfg.model_description = handle.description
+    cfg.machine = harness.machine_info()
+    torch.manual_seed(args.seed)
+    writer = _ResultsWriter(
+        cfg,
+        Path(args.out),
+        shards,
+        console,
+        save_every=args.save_every,
+        show_progress=args.progress if args.progress is not None else console.is_terminal,
+    )
+    rows = asyncio.run(_run_on_engine(handle, args, shards, full_text, writer))
+    results = writer.save(rows, final=True)
+    console.print(
+        f"{NAME}: {len(shards)} problems, {len(rows)} rows in {cfg.wall_s:.0f}s -> {writer.out}/results.json"
+    )
+    for c, by in results.summary.items():
+        console.print(f"  {c:8s} " + "  ".join(f"k={k}: {v:.2f}" for k, v in by.items()))
+    return 0
+
+
+def _render_only(out: Path, console: Any) -> int:
+    """Re-render the plot and the report from a results folder's results.json."""
+    results = harness.read_results(out / "results.json", MathConfig, MathRow)
+    plot(results, out / "math500_sharded.png")
+    harness.write_report(out, report(results))
+    console.print(f"rendered {out}/report.md and {out}/math500_sharded.png")
+    return 0
+
+
+def _write_builtin_shards(args: argparse.Namespace, console: Any) -> int:
+    data = _resolve_data(args)
+    if data is None:
+        raise SystemExit("math500-sharded: --write-shards needs --data")
+    shards, skipped = build_shards(load_problems(data))
+    write_shards(args.write_shards, shards)
+    console.print(f"wrote {len(shards)} shards to {args.write_shards}; {len(skipped)} problems not split")
+    return 0
+
+
+def _config(args: argparse.Namespace, shards: list[Shard], skipped: list[str]) -> MathConfig:
+    return MathConfig(
         experiment=NAME,
         model=args.model,
         dtype=args.dtype,
@@ -792,48 +907,62 @@ def run(args: argparse.Namespace) -> int:
         skipped=skipped,
         started_at=harness.now_utc(),
     )
-    handle = harness.load_model(args.model, args.dtype)
-    cfg.model_description = handle.description
-    cfg.machine = harness.machine_info()
-    torch.manual_seed(args.seed)
-    t0 = time.perf_counter()
 
-    show = args.progress if args.progress is not None else console.is_terminal
-    order = {sh.unique_id: i for i, sh in enumerate(shards)}
-    case_order = {c: i for i, c in enumerate(cases(cfg))}
-    out = Path(args.out)
 
-    def save(rows: list[MathRow], final: bool) -> Results[MathConfig, MathRow]:
-        rows = sorted(rows, key=lambda r: (order[r.unique_id], case_order[(r.condition, r.k)]))
-        cfg.wall_s = round(time.perf_counter() - t0, 1)
-        cfg.problems = len({r.unique_id for r in rows}) if not final else len(shards)
+class _ResultsWriter:
+    """Writes results.json, the plot and the report: every `save_every` problems (so that partial
+    results survive an interrupted run) and at the end."""
+
+    def __init__(
+        self,
+        cfg: MathConfig,
+        out: Path,
+        shards: Sequence[Shard],
+        console: Any,
+        *,
+        save_every: int,
+        show_progress: bool,
+    ):
+        self.cfg, self.out, self.console = cfg, out, console
+        self.save_every, self.show_progress = save_every, show_progress
+        self.total = len(shards)
+        # rows in a stable order (problem, then case), whatever order the cases finished in
+        self.order = {sh.unique_id: i for i, sh in enumerate(shards)}
+        self.case_order = {c: i for i, c in enumerate(cases(cfg))}
+        self.t0 = time.perf_counter()
+
+    def save(self, rows: list[MathRow], final: bool) -> Results[MathConfig, MathRow]:
+        cfg = self.cfg
+        rows = sorted(rows, key=lambda r: (self.order[r.unique_id], self.case_order[(r.condition, r.k)]))
+        cfg.wall_s = round(time.perf_counter() - self.t0, 1)
+        cfg.problems = len({r.unique_id for r in rows}) if not final else self.total
         results = Results[MathConfig, MathRow](config=cfg, rows=rows, summary=summarize(rows))
-        harness.write_results(out, results)
-        plot(results, out / "math500_sharded.png")
-        harness.write_report(out, report(results))
+        harness.write_results(self.out, results)
+        plot(results, self.out / "math500_sharded.png")
+        harness.write_report(self.out, report(results))
         return results
 
-    def on_problem(rows: list[MathRow]) -> None:
+    def on_problem(self, rows: list[MathRow]) -> None:
         n = len({r.unique_id for r in rows})
-        if not show:
-            console.print(f"{NAME}: {n}/{len(shards)} problems done, {time.perf_counter() - t0:.0f}s")
-        if n % args.save_every == 0 and n < len(shards):
-            save(rows, final=False)  # partial results survive an interrupted run
+        if not self.show_progress:
+            self.console.print(
+                f"{NAME}: {n}/{self.total} problems done, {time.perf_counter() - self.t0:.0f}s"
+            )
+        if n % self.save_every == 0 and n < self.total:
+            self.save(rows, final=False)
 
-    async def main() -> list[MathRow]:
-        engine = handle.engine(kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens)
-        async with engine:
-            with harness.progress(len(shards), f"{NAME} ({args.model})", enabled=show) as advance:
-                return await run_all(engine, shards, full_text, cfg, advance, on_problem)
 
-    rows = asyncio.run(main())
-    results = save(rows, final=True)
-    console.print(
-        f"{NAME}: {len(shards)} problems, {len(rows)} rows in {cfg.wall_s:.0f}s -> {out}/results.json"
-    )
-    for c, by in results.summary.items():
-        console.print(f"  {c:8s} " + "  ".join(f"k={k}: {v:.2f}" for k, v in by.items()))
-    return 0
+async def _run_on_engine(
+    handle: Any,
+    args: argparse.Namespace,
+    shards: list[Shard],
+    full_text: dict[str, str],
+    writer: _ResultsWriter,
+) -> list[MathRow]:
+    engine = handle.engine(kv_tokens=args.kv_tokens, max_batch_tokens=args.max_batch_tokens)
+    async with engine:
+        with harness.progress(len(shards), f"{NAME} ({args.model})", enabled=writer.show_progress) as advance:
+            return await run_all(engine, shards, full_text, writer.cfg, advance, writer.on_problem)
 
 
 EXPERIMENT = harness.Experiment(

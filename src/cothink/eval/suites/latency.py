@@ -11,9 +11,12 @@ turn-based policy).
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import random
 import time
+from dataclasses import dataclass, field
+from typing import Any
 
 from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, percentile, within
 from cothink.eval.plots import lines
@@ -97,24 +100,33 @@ class TurnServer:
                     fut.set_exception(exc)
 
 
-async def _measure(ctx: SuiteContext, p: dict, n_bg: int, mode: str) -> dict:
-    m = ctx.model
-    engine = m.engine(kv_tokens=max(4096, (n_bg + 2) * (p["bg_prompt"] + p["bg_tokens"] + 64) * 2))
-    rng = random.Random(ctx.seed + n_bg)
-    bg_prompts = [m.encode("Log: " + filler_words(rng, p["bg_prompt"]))[: p["bg_prompt"]] for _ in range(16)]
-    fg_prompts = [
-        m.chat(f"Reply in a few words: what is {i + 2} plus {i + 3}?") for i in range(p["requests"])
-    ]
-    fg_priority = "background" if mode == "one-class" else "interactive"
-    token_times: list[float] = []  # every generated token, foreground and background
-    stop = asyncio.Event()
-    requests: list[dict] = []
+@dataclass
+class _ForegroundRequest:
+    submitted: float
+    times: list[float]  # when each of its tokens arrived
 
-    async def run_job(
-        prompt: list[int], max_tokens: int, name: str, priority: str, submitted: float | None = None
-    ):
+
+@dataclass
+class _LatencyRun:
+    """One measurement point: a foreground client and n_bg background clients in one engine, served
+    concurrently (cothink) or one request at a time (server: the turn-based baseline)."""
+
+    engine: Any
+    p: dict
+    n_bg: int
+    fg_priority: str
+    bg_prompts: list[list[int]]
+    fg_prompts: list[list[int]]
+    server: TurnServer | None = None
+    token_times: list[float] = field(default_factory=list)  # every generated token, foreground and background
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    requests: list[_ForegroundRequest] = field(default_factory=list)
+
+    async def run_job(self, prompt: list[int], max_tokens: int, name: str, priority: str) -> list[float]:
+        """Read the prompt into a fresh block and stream max_tokens; returns each token's arrival time."""
+        engine = self.engine
         block = engine.block(name)
-        times = []
+        times: list[float] = []
         try:
             await engine.extend(block, token_ids=prompt, name=name, priority=priority)
             async for piece in engine.generate(
@@ -122,57 +134,86 @@ async def _measure(ctx: SuiteContext, p: dict, n_bg: int, mode: str) -> dict:
             ):
                 now = time.perf_counter()
                 times.extend([now] * len(piece.token_ids))
-                token_times.extend([now] * len(piece.token_ids))
-                if stop.is_set() and priority == "background" and name.startswith("bg"):
+                self.token_times.extend([now] * len(piece.token_ids))
+                if self.stop.is_set() and priority == "background" and name.startswith("bg"):
                     break
         finally:
             engine.release(block)
         return times
 
-    async with engine:
-        server = TurnServer() if mode == "turn-based" else None
-        server_task = asyncio.create_task(server.serve()) if server else None
+    async def serve(self, queue_priority: int, prompt: list[int], max_tokens: int, name: str, priority: str):
+        """A job straight into the engine, or through the turn-based server's queue (0 = served first)."""
+        if self.server is None:
+            return await self.run_job(prompt, max_tokens, name, priority)
+        return await self.server.submit(
+            queue_priority, functools.partial(self.run_job, prompt, max_tokens, name, priority)
+        )
 
-        async def bg_client(i: int) -> None:
-            for j in itertools.count():
-                if stop.is_set():
-                    return
-                prompt = bg_prompts[(i * 7 + j) % len(bg_prompts)]
-                if server is None:
-                    await run_job(prompt, p["bg_tokens"], f"bg{i}", "background")
-                else:
-                    await server.submit(
-                        1, lambda prompt=prompt: run_job(prompt, p["bg_tokens"], f"bg{i}", "background")
-                    )
+    async def background_client(self, i: int) -> None:
+        for j in itertools.count():
+            if self.stop.is_set():
+                return
+            prompt = self.bg_prompts[(i * 7 + j) % len(self.bg_prompts)]
+            await self.serve(1, prompt, self.p["bg_tokens"], f"bg{i}", "background")
 
-        bg_tasks = [asyncio.create_task(bg_client(i)) for i in range(n_bg)]
-        if n_bg:  # let the background get going
+    async def wait_for_background(self) -> None:
+        """Let the background get going: a token from each client, or two minutes."""
+        if self.n_bg:
             t0 = time.perf_counter()
-            while len(token_times) < n_bg and time.perf_counter() - t0 < 120:
+            while len(self.token_times) < self.n_bg and time.perf_counter() - t0 < 120:
                 await asyncio.sleep(0.01)
-        window_start = time.perf_counter()
+
+    async def foreground(self) -> None:
+        """The closed loop: a request, its whole answer, a short gap, the next request."""
+        p = self.p
         for r in range(p["requests"]):
             submitted = time.perf_counter()
-            if server is None:
-                times = await within(run_job(fg_prompts[r], p["fg_tokens"], "fg", fg_priority), TIMEOUT, "fg")
-            else:
-                times = await within(
-                    server.submit(0, lambda r=r: run_job(fg_prompts[r], p["fg_tokens"], "fg", fg_priority)),
-                    TIMEOUT,
-                    "fg",
-                )
-            requests.append({"submitted": submitted, "times": times})
+            times = await within(
+                self.serve(0, self.fg_prompts[r], p["fg_tokens"], "fg", self.fg_priority), TIMEOUT, "fg"
+            )
+            self.requests.append(_ForegroundRequest(submitted, times))
             await asyncio.sleep(p["gap_s"])
-        window_end = requests[-1]["times"][-1]
-        stop.set()
+
+    async def run(self) -> tuple[float, float]:
+        """Run the point in the (started) engine; returns the foreground's window (start, end)."""
+        server_task = asyncio.create_task(self.server.serve()) if self.server else None
+        bg_tasks = [asyncio.create_task(self.background_client(i)) for i in range(self.n_bg)]
+        await self.wait_for_background()
+        window_start = time.perf_counter()
+        await self.foreground()
+        window_end = self.requests[-1].times[-1]
+        self.stop.set()
         await within(asyncio.gather(*bg_tasks), TIMEOUT, "background clients")
         if server_task:
             server_task.cancel()
             await asyncio.gather(server_task, return_exceptions=True)
-    ttft = [r["times"][0] - r["submitted"] for r in requests]
-    e2e = [r["times"][-1] - r["submitted"] for r in requests]
-    itl = [b - a for r in requests for a, b in zip(r["times"], r["times"][1:])]
-    in_window = sum(1 for t in token_times if window_start <= t <= window_end)
+        return window_start, window_end
+
+
+async def _measure(ctx: SuiteContext, p: dict, n_bg: int, mode: str) -> dict:
+    m = ctx.model
+    engine = m.engine(kv_tokens=max(4096, (n_bg + 2) * (p["bg_prompt"] + p["bg_tokens"] + 64) * 2))
+    rng = random.Random(ctx.seed + n_bg)
+    point = _LatencyRun(
+        engine,
+        p,
+        n_bg,
+        fg_priority="background" if mode == "one-class" else "interactive",
+        bg_prompts=[
+            m.encode("Log: " + filler_words(rng, p["bg_prompt"]))[: p["bg_prompt"]] for _ in range(16)
+        ],
+        fg_prompts=[
+            m.chat(f"Reply in a few words: what is {i + 2} plus {i + 3}?") for i in range(p["requests"])
+        ],
+    )
+    async with engine:
+        point.server = TurnServer() if mode == "turn-based" else None
+        window_start, window_end = await point.run()
+    requests = point.requests
+    ttft = [r.times[0] - r.submitted for r in requests]
+    e2e = [r.times[-1] - r.submitted for r in requests]
+    itl = [b - a for r in requests for a, b in zip(r.times, r.times[1:])]
+    in_window = sum(1 for t in point.token_times if window_start <= t <= window_end)
     window = window_end - window_start
     return {
         "mode": mode,
@@ -191,7 +232,7 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
     res = SuiteResult(NAME, ctx.model.key, params=dict(p))
     results: dict[tuple[str, int], dict] = {}
     for n_bg in p["background"]:
-        for mode in ("fair", "one-class", "turn-based"):
+        for mode in MODES:
             if mode == "one-class" and n_bg == 0:
                 continue  # nothing to compete with: identical to 'fair'
             ctx.say(f"{mode}, {n_bg} background")
@@ -214,77 +255,101 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
     return res
 
 
-def _analyse(ctx: SuiteContext, res: SuiteResult, results: dict, p: dict) -> None:
-    rows = []
-    for rec in res.records:
-        rows.append(
-            [
-                rec["mode"],
-                rec["background"],
-                fmt(rec["ttft_p50"]),
-                fmt(rec["ttft_p95"]),
-                fmt(rec["ttft_p99"]),
-                fmt(rec["e2e_p50"]),
-                fmt(rec["e2e_p95"]),
-                fmt(rec["e2e_p99"]),
-                fmt(rec["itl_p50"]),
-                fmt(rec["itl_p95"]),
-                fmt(rec["itl_p99"]),
-                fmt(rec["throughput_tok_s"]),
-            ]
-        )
-    res.tables.append(
-        Table(
-            "Foreground latency (seconds) and total throughput",
-            [
-                "mode",
-                "N background",
-                "TTFT p50",
-                "TTFT p95",
-                "TTFT p99",
-                "e2e p50",
-                "e2e p95",
-                "e2e p99",
-                "inter-token p50",
-                "inter-token p95",
-                "inter-token p99",
-                "throughput tok/s",
-            ],
-            rows,
-            note=f"{p['requests']} foreground requests per point ({p['fg_tokens']} tokens each): with so "
-            "few samples "
-            "p95/p99 are close to the maximum.",
-        )
-    )
-    ns = p["background"]
-    series = {mode: [n for n in ns if (mode, n) in results] for mode in ("fair", "one-class", "turn-based")}
+MODES = ("fair", "one-class", "turn-based")
 
-    def col(mode, key):
-        return [percentile(results[(mode, n)][key], 50) for n in series[mode]]
+
+def _analyse(ctx: SuiteContext, res: SuiteResult, results: dict, p: dict) -> None:
+    res.tables.append(_latency_table(res.records, p))
+    _plot_sweep(ctx, res, results, p)
+    nmax = max(p["background"])
+    fair, turn = results[("fair", nmax)], results[("turn-based", nmax)]
+    solo = results[("fair", p["background"][0])]
+    _headline(res, results, nmax, fair, turn, solo)
+    _checks(res, p, nmax, fair, turn, solo)
+    res.summary = (
+        f"N={nmax} background: TTFT p50 {percentile(fair['ttft'], 50):.2f} s (cothink) vs "
+        f"{percentile(turn['ttft'], 50):.2f} s (turn-based); end-to-end p50 "
+        f"{percentile(fair['e2e'], 50):.2f} vs "
+        f"{percentile(turn['e2e'], 50):.2f} s; inter-token p99 {percentile(fair['itl'], 99):.2f} vs "
+        f"{percentile(turn['itl'], 99):.2f} s; throughput {fair['throughput_tok_s']:.1f} vs "
+        f"{turn['throughput_tok_s']:.1f} tok/s"
+    )
+    res.conditions += _conditions(p)
+
+
+_LATENCY_COLUMNS = (
+    "ttft_p50",
+    "ttft_p95",
+    "ttft_p99",
+    "e2e_p50",
+    "e2e_p95",
+    "e2e_p99",
+    "itl_p50",
+    "itl_p95",
+    "itl_p99",
+    "throughput_tok_s",
+)
+
+
+def _latency_table(records: list[dict], p: dict) -> Table:
+    return Table(
+        "Foreground latency (seconds) and total throughput",
+        [
+            "mode",
+            "N background",
+            "TTFT p50",
+            "TTFT p95",
+            "TTFT p99",
+            "e2e p50",
+            "e2e p95",
+            "e2e p99",
+            "inter-token p50",
+            "inter-token p95",
+            "inter-token p99",
+            "throughput tok/s",
+        ],
+        [[rec["mode"], rec["background"], *(fmt(rec[k]) for k in _LATENCY_COLUMNS)] for rec in records],
+        note=f"{p['requests']} foreground requests per point ({p['fg_tokens']} tokens each): with so "
+        "few samples "
+        "p95/p99 are close to the maximum.",
+    )
+
+
+def _plot_sweep(ctx: SuiteContext, res: SuiteResult, results: dict, p: dict) -> None:
+    """p50 latencies and throughput against N, one line per mode that ran."""
+    series = {mode: [n for n in p["background"] if (mode, n) in results] for mode in MODES}
+    ran = [mode for mode in series if series[mode]]
 
     lines(
         ctx.plot_path(NAME, "sweep"),
         f"{ctx.model.key}: foreground latency vs background coroutines",
         "background coroutines N",
         [
-            ("TTFT p50 (s)", [(mode, series[mode], col(mode, "ttft")) for mode in series if series[mode]]),
+            (
+                "TTFT p50 (s)",
+                [(mode, series[mode], _p50s(results, mode, series[mode], "ttft")) for mode in ran],
+            ),
             (
                 "end-to-end p50 (s)",
-                [(mode, series[mode], col(mode, "e2e")) for mode in series if series[mode]],
+                [(mode, series[mode], _p50s(results, mode, series[mode], "e2e")) for mode in ran],
             ),
             (
                 "throughput (tok/s, all coroutines)",
                 [
                     (mode, series[mode], [results[(mode, n)]["throughput_tok_s"] for n in series[mode]])
-                    for mode in series
-                    if series[mode]
+                    for mode in ran
                 ],
             ),
         ],
     )
     res.plots.append(ctx.plot_path(NAME, "sweep").name)
-    nmax = max(ns)
-    fair, turn = results[("fair", nmax)], results[("turn-based", nmax)]
+
+
+def _p50s(results: dict, mode: str, ns: list[int], key: str) -> list[float]:
+    return [percentile(results[(mode, n)][key], 50) for n in ns]
+
+
+def _headline(res: SuiteResult, results: dict, nmax: int, fair: dict, turn: dict, solo: dict) -> None:
     res.headline.update(
         {
             "max_background": nmax,
@@ -295,11 +360,15 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, results: dict, p: dict) -> Non
             "fair_throughput_at_max": fair["throughput_tok_s"],
             "turn_throughput_at_max": turn["throughput_tok_s"],
             "fair_itl_p99_at_max": percentile(fair["itl"], 99),
-            "solo_ttft_p50": percentile(results[("fair", ns[0])]["ttft"], 50),
+            "solo_ttft_p50": percentile(solo["ttft"], 50),
         }
     )
     if ("one-class", nmax) in results:
         res.headline["one_class_ttft_p50_at_max"] = percentile(results[("one-class", nmax)]["ttft"], 50)
+    res.headline["solo_itl_p99"] = percentile(solo["itl"], 99)
+
+
+def _checks(res: SuiteResult, p: dict, nmax: int, fair: dict, turn: dict, solo: dict) -> None:
     res.check(
         "every foreground request completed (no starvation, no deadlock)",
         True,
@@ -325,8 +394,7 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, results: dict, p: dict) -> Non
         "interactive_step_tokens in all)",
         soft=True,
     )
-    solo_itl = percentile(results[("fair", ns[0])]["itl"], 99)
-    res.headline["solo_itl_p99"] = solo_itl
+    solo_itl = percentile(solo["itl"], 99)
     res.check(
         f"with N={nmax} background, the interactive foreground's inter-token p99 stays within 2x of "
         "its p99 alone",
@@ -335,17 +403,13 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, results: dict, p: dict) -> Non
         "work fills a step only up to interactive_step_tokens",
         soft=True,
     )
-    res.summary = (
-        f"N={nmax} background: TTFT p50 {percentile(fair['ttft'], 50):.2f} s (cothink) vs "
-        f"{percentile(turn['ttft'], 50):.2f} s (turn-based); end-to-end p50 "
-        f"{percentile(fair['e2e'], 50):.2f} vs "
-        f"{percentile(turn['e2e'], 50):.2f} s; inter-token p99 {percentile(fair['itl'], 99):.2f} vs "
-        f"{percentile(turn['itl'], 99):.2f} s; throughput {fair['throughput_tok_s']:.1f} vs "
-        f"{turn['throughput_tok_s']:.1f} tok/s"
-    )
-    res.conditions += [
-        f"N background in {ns}; foreground: {p['requests']} requests of {p['fg_tokens']} tokens after a chat "
-        f"prompt; background jobs: {p['bg_prompt']}-token prompt + {p['bg_tokens']} tokens, greedy",
+
+
+def _conditions(p: dict) -> list[str]:
+    return [
+        f"N background in {p['background']}; foreground: {p['requests']} requests of {p['fg_tokens']} "
+        f"tokens after a chat prompt; background jobs: {p['bg_prompt']}-token prompt + {p['bg_tokens']} "
+        "tokens, greedy",
         "CPU, forward passes in the engine's worker thread; default scheduler limits (256 tokens, 64 items "
         "per step, prefill chunks of 128, 16 tokens per step reserved for background work, steps capped at "
         "4 tokens while the interactive foreground decodes)",

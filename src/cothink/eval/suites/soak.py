@@ -19,7 +19,7 @@ import random
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
@@ -157,62 +157,77 @@ class StreamState:
         )
 
 
-async def stream_monitor(engine: Any, p: dict, seed: int, stop_at: float, state: StreamState) -> None:
-    """Read the endless stream through a RollingContext until stop_at, probing every k lines."""
-    name = "stream-monitor"
+@dataclass
+class _StreamMonitor:
+    """The monitor reading the endless stream: its summariser and its anomaly probe."""
 
-    async def summarize(engine: Any, blocks: list[Any]) -> list[int]:
+    engine: Any
+    p: dict
+    state: StreamState
+    name: str = "stream-monitor"
+
+    async def summarize(self, engine: Any, blocks: list[Any]) -> list[int]:
         # the summariser reads [previous summary, *blocks leaving the view] and writes a few tokens
+        name = self.name
         scratch = engine.block(f"{name}-summary-scratch")
         try:
             view = [*blocks, scratch]
             await engine.extend(scratch, SUMMARY_PROMPT, view=view, name=f"{name}.summarizer")
             result = await engine.generate(
-                view, max_tokens=p["stream_summary_tokens"], stop_at_eos=False, name=f"{name}.summarizer"
+                view, max_tokens=self.p["stream_summary_tokens"], stop_at_eos=False, name=f"{name}.summarizer"
             ).collect()
         finally:
             engine.release(scratch)
-        state.summaries += 1
+        self.state.summaries += 1
         return list(result.token_ids)
 
-    task = engine.block(f"{name}-task")
-    rolling = RollingContext(
-        engine,
-        name,
-        block_tokens=p["stream_block_tokens"],
-        max_tokens=p["stream_max_tokens"],
-        summarizer=summarize,
-    )
-    state.rolling = rolling
-    question = list(engine.tokenizer.encode(STREAM_QUESTION, add_special_tokens=False))
-    state.question_tokens = len(question)
-    try:
-        await engine.extend(task, STREAM_TASK, name=name)
-        state.task_tokens = task.position_span
-        for line in stream_lines(seed):
-            if time.perf_counter() >= stop_at:
-                break
-            await rolling.append(line)
-            state.lines += 1
-            if state.lines % p["stream_check_every"]:
-                continue
-            with rolling.reading() as recent:
-                view = [task, *recent]
-                state.max_view_span = max(
-                    state.max_view_span, sum(b.position_span for b in view) + len(question)
-                )
-                probs = await engine.probe(view, question, (" yes", " no"), name=name)
-            state.checks += 1
-            yes = float(probs[" yes"])
-            state.yes_sum += yes
-            if yes >= p["stream_threshold"]:
-                state.findings += 1
-    finally:
-        state.appended_tokens = rolling.stats.appended_tokens
-        state.dropped_blocks = rolling.stats.blocks_dropped
-        state.rolling = None
-        rolling.close()
-        engine.release(task)
+    async def probe(self, task: Any, rolling: RollingContext, question: list[int]) -> None:
+        """Ask the anomaly question over [task, summary, *recent blocks]; count a finding over threshold."""
+        state = self.state
+        with rolling.reading() as recent:
+            view = [task, *recent]
+            state.max_view_span = max(state.max_view_span, sum(b.position_span for b in view) + len(question))
+            probs = await self.engine.probe(view, question, (" yes", " no"), name=self.name)
+        state.checks += 1
+        yes = float(probs[" yes"])
+        state.yes_sum += yes
+        if yes >= self.p["stream_threshold"]:
+            state.findings += 1
+
+    async def run(self, seed: int, stop_at: float) -> None:
+        engine, p, state, name = self.engine, self.p, self.state, self.name
+        task = engine.block(f"{name}-task")
+        rolling = RollingContext(
+            engine,
+            name,
+            block_tokens=p["stream_block_tokens"],
+            max_tokens=p["stream_max_tokens"],
+            summarizer=self.summarize,
+        )
+        state.rolling = rolling
+        question = list(engine.tokenizer.encode(STREAM_QUESTION, add_special_tokens=False))
+        state.question_tokens = len(question)
+        try:
+            await engine.extend(task, STREAM_TASK, name=name)
+            state.task_tokens = task.position_span
+            for line in stream_lines(seed):
+                if time.perf_counter() >= stop_at:
+                    break
+                await rolling.append(line)
+                state.lines += 1
+                if state.lines % p["stream_check_every"] == 0:
+                    await self.probe(task, rolling, question)
+        finally:
+            state.appended_tokens = rolling.stats.appended_tokens
+            state.dropped_blocks = rolling.stats.blocks_dropped
+            state.rolling = None
+            rolling.close()
+            engine.release(task)
+
+
+async def stream_monitor(engine: Any, p: dict, seed: int, stop_at: float, state: StreamState) -> None:
+    """Read the endless stream through a RollingContext until stop_at, probing every k lines."""
+    await _StreamMonitor(engine, p, state).run(seed, stop_at)
 
 
 def stream_trends(samples: list[dict], p: dict) -> dict[str, Trend]:
@@ -254,6 +269,187 @@ def halves(samples: list[dict], key: str) -> tuple[float, float, float, float]:
     return sum(first) / len(first), max(first), sum(second) / len(second), max(second)
 
 
+@dataclass
+class _Churn:
+    """One soak run's churn: sessions started, fed, interrupted and released until stop_at, sampled as
+    it goes. Its fields are what the sessions, the sampler and the driving loop share."""
+
+    ctx: SuiteContext
+    p: dict
+    engine: Any
+    shared: Any  # the context block every session reads
+    stream: StreamState
+    leak_every: int
+    t0: float
+    vocab: int
+    samples: list[dict] = field(default_factory=list)
+    counters: Counter = field(default_factory=Counter)
+    leaked: list = field(default_factory=list)
+    deadlock: bool = False
+
+    @property
+    def stop_at(self) -> float:
+        return self.t0 + self.p["duration_s"]
+
+    async def run(self) -> None:
+        """The sampler, the stream monitor and the sessions, then a drain that leaves nothing running."""
+        sampler_task = asyncio.create_task(self.sample_forever())
+        stream_task = (
+            asyncio.create_task(
+                stream_monitor(self.engine, self.p, self.ctx.seed, self.stop_at, self.stream),
+                name="stream-monitor",
+            )
+            if self.p.get("stream", True)
+            else None
+        )
+        running = await self.drive()
+        await self.drain_sessions(running)
+        if stream_task is not None:
+            await self.drain_stream(stream_task)
+        await asyncio.sleep(0.6)  # let scheduled cancels fire on finished tasks
+        sampler_task.cancel()
+        await asyncio.gather(sampler_task, return_exceptions=True)
+
+    # ---- the sessions ----
+
+    async def drive(self) -> set[asyncio.Task]:
+        """Keep C sessions running until stop_at; returns those still running then."""
+        p, counters = self.p, self.counters
+        running: set[asyncio.Task] = set()
+        interrupter_rng = random.Random(self.ctx.seed + 7)
+        i = 0
+        while time.perf_counter() < self.stop_at:
+            while len(running) < p["concurrency"]:
+                running.add(self.start_session(i, interrupter_rng))
+                i += 1
+            done, running = await asyncio.wait(running, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                self.count_finished(task)
+            self.ctx.say(
+                f"{time.perf_counter() - self.t0:.0f}/{p['duration_s']:.0f}s, {counters['sessions']} sessions"
+            )
+        return running
+
+    def start_session(self, i: int, interrupter_rng: random.Random) -> asyncio.Task:
+        """Start session i; a fraction of sessions get their task cancelled at a random moment."""
+        task = asyncio.create_task(self.session(i), name=f"session-{i}")
+        self.counters["sessions"] += 1
+        if interrupter_rng.random() < self.p["interrupt_fraction"]:
+            delay = interrupter_rng.uniform(0.0, 0.5)
+            asyncio.get_running_loop().call_later(delay, task.cancel)
+        return task
+
+    def count_finished(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            self.counters["interrupted"] += 1
+        elif task.exception() is not None:
+            self.counters["errors"] += 1
+            self.counters[f"error:{type(task.exception()).__name__}"] += 1
+
+    async def session(self, i: int) -> None:
+        """Read the shared context with random input; leak_every=k keeps every k-th session's blocks."""
+        rng = random.Random(self.ctx.seed * 100_003 + i)
+        blocks: list[Any] = []
+        try:
+            await self.feed(rng, f"session-{i}", blocks)
+        finally:
+            if self.leak_every and i % self.leak_every == 0:
+                self.leaked.extend(blocks)
+            else:
+                for b in blocks:
+                    self.engine.release(b)
+
+    async def feed(self, rng: random.Random, name: str, blocks: list[Any]) -> None:
+        """A block with random input, sometimes a fork, sometimes a probe, then a short sampled generation.
+        Blocks go into `blocks` as soon as they exist, so that an interrupt still releases them."""
+        engine, shared, counters = self.engine, self.shared, self.counters
+        block = engine.block(name)
+        blocks.append(block)
+        await engine.extend(
+            block,
+            token_ids=random_token_ids(rng, self.vocab, rng.randint(8, 48)),
+            view=[shared, block],
+            name=name,
+        )
+        counters["extends"] += 1
+        view = [shared, block]
+        if rng.random() < 0.2:
+            view = await self.fork(rng, name, block, blocks)
+        if rng.random() < 0.3:
+            await engine.probe(
+                view, random_token_ids(rng, self.vocab, rng.randint(2, 8)), (" yes", " no"), name=name
+            )
+            counters["probes"] += 1
+        result = await engine.generate(
+            view,
+            max_tokens=rng.randint(2, 8),
+            temperature=0.8,
+            seed=rng.randrange(1 << 30),
+            name=name,
+        ).collect()
+        counters["tokens"] += len(result.token_ids)
+        counters["generations"] += 1
+
+    async def fork(self, rng: random.Random, name: str, block: Any, blocks: list[Any]) -> list[Any]:
+        """Fork the session's block and feed the fork; returns the view that reads it."""
+        fork = self.engine.fork(block, f"{name}-fork")
+        blocks.append(fork)
+        await self.engine.extend(
+            fork,
+            token_ids=random_token_ids(rng, self.vocab, rng.randint(2, 16)),
+            view=[self.shared, fork],
+            name=name,
+        )
+        self.counters["forks"] += 1
+        return [self.shared, fork]
+
+    # ---- the end of the run ----
+
+    async def drain_sessions(self, running: set[asyncio.Task]) -> None:
+        """Wait for the sessions still running; any still pending after the timeout is a deadlock."""
+        if not running:
+            return
+        done, pending = await asyncio.wait(running, timeout=TIMEOUT)
+        self.deadlock = bool(pending)
+        for task in done:
+            if task.cancelled():
+                self.counters["interrupted"] += 1
+
+    async def drain_stream(self, stream_task: asyncio.Task) -> None:
+        done, _ = await asyncio.wait({stream_task}, timeout=TIMEOUT)
+        if not done:
+            self.deadlock = True
+            stream_task.cancel()
+            await asyncio.gather(stream_task, return_exceptions=True)
+        elif stream_task.exception() is not None:
+            self.counters["errors"] += 1
+            self.counters[f"error:stream:{type(stream_task.exception()).__name__}"] += 1
+
+    # ---- the sampler ----
+
+    async def sample_forever(self) -> None:
+        while True:
+            self.samples.append(self.sample())
+            await asyncio.sleep(self.p["sample_every_s"])
+
+    def sample(self) -> dict:
+        engine = self.engine
+        mem = engine.memory()
+        return {
+            "t": time.perf_counter() - self.t0,
+            "rss_mb": rss_mb(),
+            "used_pages": mem.used_pages,
+            "total_bytes_used": mem.total_bytes_used,
+            "stream_span": self.stream.span,
+            "stream_lines": self.stream.lines,
+            "live_blocks": mem.live_blocks,
+            "works": engine.occupancy().works,
+            "tasks": len(asyncio.all_tasks()),
+            "stats_entries": len(engine.stats),
+            "steps": engine.steps,
+        }
+
+
 async def soak(ctx: SuiteContext, p: dict, *, leak_every: int = 0) -> dict:
     """Run the churn; leak_every=k keeps every k-th session's blocks (an injected leak, for tests)."""
     m = ctx.model
@@ -261,10 +457,6 @@ async def soak(ctx: SuiteContext, p: dict, *, leak_every: int = 0) -> dict:
     pool = engine.runner.store.pool
     pool.k.zero_()  # pre-fault: first touch of pool pages is not a leak
     pool.v.zero_()
-    vocab = m.config.vocab_size
-    samples: list[dict] = []
-    counters: Counter = Counter()
-    leaked: list = []
     async with engine:
         start = engine_idle_state(engine)
         start_tasks = len(asyncio.all_tasks())
@@ -276,121 +468,8 @@ async def soak(ctx: SuiteContext, p: dict, *, leak_every: int = 0) -> dict:
             TIMEOUT,
             "shared context",
         )
-        t0 = time.perf_counter()
-        stop_at = t0 + p["duration_s"]
-
-        async def session(i: int) -> None:
-            rng = random.Random(ctx.seed * 100_003 + i)
-            name = f"session-{i}"
-            blocks = []
-            try:
-                block = engine.block(name)
-                blocks.append(block)
-                await engine.extend(
-                    block,
-                    token_ids=random_token_ids(rng, vocab, rng.randint(8, 48)),
-                    view=[shared, block],
-                    name=name,
-                )
-                counters["extends"] += 1
-                view = [shared, block]
-                if rng.random() < 0.2:
-                    fork = engine.fork(block, f"{name}-fork")
-                    blocks.append(fork)
-                    await engine.extend(
-                        fork,
-                        token_ids=random_token_ids(rng, vocab, rng.randint(2, 16)),
-                        view=[shared, fork],
-                        name=name,
-                    )
-                    view = [shared, fork]
-                    counters["forks"] += 1
-                if rng.random() < 0.3:
-                    await engine.probe(
-                        view, random_token_ids(rng, vocab, rng.randint(2, 8)), (" yes", " no"), name=name
-                    )
-                    counters["probes"] += 1
-                result = await engine.generate(
-                    view,
-                    max_tokens=rng.randint(2, 8),
-                    temperature=0.8,
-                    seed=rng.randrange(1 << 30),
-                    name=name,
-                ).collect()
-                counters["tokens"] += len(result.token_ids)
-                counters["generations"] += 1
-            finally:
-                if leak_every and i % leak_every == 0:
-                    leaked.extend(blocks)
-                else:
-                    for b in blocks:
-                        engine.release(b)
-
-        async def sampler() -> None:
-            while True:
-                mem = engine.memory()
-                samples.append(
-                    {
-                        "t": time.perf_counter() - t0,
-                        "rss_mb": rss_mb(),
-                        "used_pages": mem.used_pages,
-                        "total_bytes_used": mem.total_bytes_used,
-                        "stream_span": stream.span,
-                        "stream_lines": stream.lines,
-                        "live_blocks": mem.live_blocks,
-                        "works": engine.occupancy().works,
-                        "tasks": len(asyncio.all_tasks()),
-                        "stats_entries": len(engine.stats),
-                        "steps": engine.steps,
-                    }
-                )
-                await asyncio.sleep(p["sample_every_s"])
-
-        sampler_task = asyncio.create_task(sampler())
-        stream_task = (
-            asyncio.create_task(stream_monitor(engine, p, ctx.seed, stop_at, stream), name="stream-monitor")
-            if p.get("stream", True)
-            else None
-        )
-        running: set[asyncio.Task] = set()
-        interrupter_rng = random.Random(ctx.seed + 7)
-        i = 0
-        while time.perf_counter() < stop_at:
-            while len(running) < p["concurrency"]:
-                task = asyncio.create_task(session(i), name=f"session-{i}")
-                running.add(task)
-                counters["sessions"] += 1
-                if interrupter_rng.random() < p["interrupt_fraction"]:
-                    delay = interrupter_rng.uniform(0.0, 0.5)
-                    asyncio.get_running_loop().call_later(delay, task.cancel)
-                i += 1
-            done, running = await asyncio.wait(running, timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
-            for task in done:
-                if task.cancelled():
-                    counters["interrupted"] += 1
-                elif task.exception() is not None:
-                    counters["errors"] += 1
-                    counters[f"error:{type(task.exception()).__name__}"] += 1
-            ctx.say(f"{time.perf_counter() - t0:.0f}/{p['duration_s']:.0f}s, {counters['sessions']} sessions")
-        deadlock = False
-        if running:
-            done, pending = await asyncio.wait(running, timeout=TIMEOUT)
-            deadlock = bool(pending)
-            for task in done:
-                if task.cancelled():
-                    counters["interrupted"] += 1
-        if stream_task is not None:
-            done, _ = await asyncio.wait({stream_task}, timeout=TIMEOUT)
-            if not done:
-                deadlock = True
-                stream_task.cancel()
-                await asyncio.gather(stream_task, return_exceptions=True)
-            elif stream_task.exception() is not None:
-                counters["errors"] += 1
-                counters[f"error:stream:{type(stream_task.exception()).__name__}"] += 1
-        await asyncio.sleep(0.6)  # let scheduled cancels fire on finished tasks
-        sampler_task.cancel()
-        await asyncio.gather(sampler_task, return_exceptions=True)
+        churn = _Churn(ctx, p, engine, shared, stream, leak_every, time.perf_counter(), m.config.vocab_size)
+        await churn.run()
         engine.release(shared)
         await asyncio.sleep(0)
         gc.collect()
@@ -398,14 +477,14 @@ async def soak(ctx: SuiteContext, p: dict, *, leak_every: int = 0) -> dict:
         end_tasks = len(asyncio.all_tasks())
         end_stats = len(engine.stats)
     return {
-        "samples": samples,
+        "samples": churn.samples,
         "start": start,
         "end": end,
         "start_tasks": start_tasks,
         "end_tasks": end_tasks,
-        "counters": dict(counters),
-        "deadlock": deadlock,
-        "leaked_blocks": len(leaked),
+        "counters": dict(churn.counters),
+        "deadlock": churn.deadlock,
+        "leaked_blocks": len(churn.leaked),
         "stats_growth": end_stats - start_stats,
         "stats_entries": end_stats,
         "stats_cap": engine.limits.max_tracked_coroutines,
