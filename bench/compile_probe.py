@@ -15,6 +15,7 @@ and covers attention-only families (Llama, Qwen3). Writes compile_probe.json to 
 from __future__ import annotations
 
 import argparse
+import copy
 import shutil
 import sys
 import time
@@ -74,11 +75,7 @@ class _OpaqueContext:
 
 
 def _decoder(model: CausalLM, input_ids: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
-    x = model.model.embed_tokens(input_ids)
-    ctx = _OpaqueContext()
-    for layer in model.model.layers:
-        x = layer(x, ctx)
-    return model.lm_head(model.model.norm(x[logit_rows])).float()
+    return CausalLM.forward(model, input_ids, _OpaqueContext(), logit_rows)
 
 
 class CompiledForward:
@@ -101,31 +98,15 @@ class CompiledForward:
             _STEP_CONTEXT[0] = None
 
 
-def _opaque_copy(model: CausalLM) -> torch.nn.Module:
+def _opaque_copy(module: torch.nn.Module | None) -> torch.nn.Module | None:
     """A shallow stand-in sharing the weights, with every PackedLinear wrapped as an opaque op."""
-    import copy
-
-    twin = copy.copy(model)
-    twin._modules = dict(model._modules)
-    for name, module in list(model.named_modules()):
-        for child_name, child in list(module.named_children()):
-            if isinstance(child, PackedLinear):
-                _set_submodule(twin, f"{name}.{child_name}" if name else child_name, _OpaqueLinear(child))
+    if module is None:  # an optional submodule left unset (e.g. no q/k norm)
+        return None
+    if isinstance(module, PackedLinear):
+        return _OpaqueLinear(module)
+    twin = copy.copy(module)
+    twin._modules = {name: _opaque_copy(child) for name, child in module._modules.items()}
     return twin
-
-
-def _set_submodule(root: torch.nn.Module, path: str, new: torch.nn.Module) -> None:
-    """Replace root's submodule at `path` by `new`, copying (not mutating) the modules on the way."""
-    import copy
-
-    parts = path.split(".")
-    parent = root
-    for part in parts[:-1]:
-        child = copy.copy(parent._modules[part])
-        child._modules = dict(child._modules)
-        parent._modules[part] = child
-        parent = child
-    parent._modules[parts[-1]] = new
 
 
 def decode_ms(runner: ModelRunner, prompt: list[int], steps: int) -> tuple[float, list[int]]:

@@ -76,6 +76,7 @@ class ItemPlan:
     view_key: ViewKey  # identity of the view's content before this step (for the writer-state cache)
     runs: list[KeyRun] = field(default_factory=list)
     new_slots: torch.Tensor | None = None  # [n] pool slots this step's keys are written to
+    new_span: tuple[int, int] | None = None  # new_slots are exactly the range [a, b)
 
     @property
     def size(self) -> int:
@@ -204,9 +205,7 @@ class ViewBatch:
             torch.cat([torch.arange(p.start, p.start + p.size) for p in self.plans]).to(store.device)
         )
         # this step's keys go to the slots after each writer's old tokens
-        self.write_slots: Rows | None = None
-        if store.attn_slot:
-            self.write_slots = _rows(torch.cat([p.new_slots for p in self.plans]).tolist(), store.device)
+        self.write_slots = self._write_index() if store.attn_slot else None
         # Several single-token items (decoding coroutines) attend in one padded batch instead of a
         # Python loop over items and blocks; prefill chunks keep the per-item path.
         decode = [p for p in self.plans if p.size == 1] if store.attn_slot else []
@@ -253,14 +252,22 @@ class ViewBatch:
         cos, sin = self._rotation(writer_pos - offset)  # positions relative to the writer block
         block = item.block
         slots, span = store.slots_and_span(block, 0, start + n)
-        plan.new_slots = slots[start:]
+        plan.new_slots, plan.new_span = slots[start:], store.span(block, start, start + n)
         if n == 1:  # a single new token sees its whole block: one run
             plan.runs.append(KeyRun(slots, cos, sin, False, None, span))
         else:
             if start:
                 plan.runs.append(KeyRun(slots[:start], cos, sin, False, None, store.span(block, 0, start)))
-            plan.runs.append(KeyRun(slots[start:], cos, sin, True, None, store.span(block, start, start + n)))
+            plan.runs.append(KeyRun(plan.new_slots, cos, sin, True, None, plan.new_span))
         return plan
+
+    def _write_index(self) -> Rows:
+        """Where this step's keys go: one slice when each writer's new slots follow the previous
+        one's (always for a single writer on consecutive pages: a plain copy), else the slots."""
+        spans = [p.new_span for p in self.plans]
+        if all(spans) and all(a[1] == b[0] for a, b in zip(spans, spans[1:])):
+            return slice(spans[0][0], spans[-1][1])
+        return torch.cat([p.new_slots for p in self.plans])
 
     def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Prepared rotation tables (Rotary.prepare) for `positions`, in the pool's dtype."""
