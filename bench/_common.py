@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from cothink.ops import native
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
@@ -88,6 +90,8 @@ def machine() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        # cothink's fused C kernels (cothink.ops.native), or the torch path (COTHINK_NATIVE=0 / no compiler)
+        "cothink_kernels": "native" if native.available() else "torch",
         "load_avg_1min_at_start": round(load, 2),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

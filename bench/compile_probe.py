@@ -9,7 +9,9 @@ oneDNN-prepacked linears (opaque weight tensors inductor cannot trace) enter the
 custom ops, so inductor fuses everything between them (norms, residuals, SiLU x up, casts). Single
 greedy decode steps through `ModelRunner` on the compute thread, eager and compiled alternating,
 best of --repeats. A probe, not a cothink option: it needs a C++ compiler (inductor's CPU codegen)
-and covers attention-only families (Llama, Qwen3). Writes compile_probe.json to --out.
+and covers attention-only families (Llama, Qwen3). It measures the torch path: cothink's own fused C
+kernels (cothink.ops.native, which dynamo cannot trace) are switched off on both sides. Writes
+compile_probe.json to --out.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from cothink.execution.runner import ModelRunner, load_model  # noqa: E402
 from cothink.execution.threads import run_compute, use_threads  # noqa: E402
 from cothink.models.packing import PackedLinear  # noqa: E402
 from cothink.models.transformer import CausalLM  # noqa: E402
+from cothink.ops import native  # noqa: E402
 
 _STEP_CONTEXT: list[Any] = [None]  # the ViewBatch of the step being run (the attention op reads it)
 _PACKED: list[PackedLinear] = []  # the prepacked linears, by handle
@@ -143,6 +146,14 @@ def measure(runner: ModelRunner, probe: CompiledForward, threads: int, args: arg
 
 
 def run(args: argparse.Namespace, console: Any) -> dict[str, Any]:
+    was, native.ENABLED = native.ENABLED, False  # the torch path, eager and compiled (COTHINK_NATIVE=0)
+    try:
+        return _probe(args, console)
+    finally:
+        native.ENABLED = was
+
+
+def _probe(args: argparse.Namespace, console: Any) -> dict[str, Any]:
     dtype = C.DTYPES[args.dtype]
     runner = load_model(C.model_folder(args.model), dtype=dtype)
     if runner.config.linear_layers:

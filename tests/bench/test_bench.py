@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from cothink.ops import native
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -178,7 +180,9 @@ def test_compile_probe_quick(tiny_folder, tmp_path, capsys):
     bench = _load("compile_probe")
     argv = ["--quick", "--model", str(tiny_folder), "--out", str(tmp_path), "--threads-list", "1",
             "--prompt", "8", "--steps", "4", "--repeats", "1"]
+    enabled = native.ENABLED
     assert bench.main(argv) == 0
+    assert native.ENABLED == enabled  # it measures the torch path without switching the kernels off for good
     assert "eager / compiled" in capsys.readouterr().out
     row = json.loads((tmp_path / "compile_probe.json").read_text())["results"]["rows"][0]
     assert row["threads"] == 1 and row["eager_ms"] > 0 and row["compiled_ms"] > 0

@@ -1,7 +1,8 @@
 """The attention backend seam and the execution cache, through the runner.
 
-The "torch" path (flash kernel per run, padded batch for decode) and the plain "reference" math give
-the same logits on multi-block views, prefill chunks and batched decode steps whose items share blocks.
+The "torch" path (flash kernel per run, padded batch for decode), the "native" path (fused C kernels
+for key stores and decode attention) and the plain "reference" math give the same logits on
+multi-block views, prefill chunks and batched decode steps whose items share blocks.
 """
 
 from __future__ import annotations
@@ -11,9 +12,16 @@ import torch
 from support import ids, load_runner
 
 from cothink.errors import InvalidParameterError
-from cothink.execution.attention_backends import ReferenceAttention, TorchAttention, select_backend
+from cothink.execution import attention_backends, step
+from cothink.execution.attention_backends import (
+    NativeAttention,
+    ReferenceAttention,
+    TorchAttention,
+    select_backend,
+)
 from cothink.execution.runner import ModelRunner
 from cothink.execution.step import StepItem
+from cothink.ops import native
 
 ATOL = 1e-5
 
@@ -40,18 +48,65 @@ def _scenario(runner: ModelRunner) -> list[torch.Tensor]:
     return out
 
 
+NEEDS_NATIVE = pytest.mark.skipif(not native.available(), reason="cothink's C kernels did not build here")
+
+
+class _CountingNative(NativeAttention):
+    """The native backend, counting how many decode steps its fused attention planned."""
+
+    def __init__(self):
+        self.plans = 0
+
+    def decode_plan(self, *args):
+        plan = super().decode_plan(*args)
+        self.plans += plan is not None
+        return plan
+
+
+@pytest.mark.parametrize("backend", ["torch", pytest.param("native", marks=NEEDS_NATIVE)])
 @pytest.mark.parametrize("kind", ["llama", "qwen35", "llama_yarn"])
-def test_torch_and_reference_backends_agree(kind):
-    fast = load_runner(kind, kv_tokens=512, page_size=4)
+def test_fast_backends_agree_with_reference(kind, backend):
+    chosen = _CountingNative() if backend == "native" else backend
+    fast = load_runner(kind, kv_tokens=512, page_size=4, attention_backend=chosen)
     slow = load_runner(kind, kv_tokens=512, page_size=4, attention_backend="reference")
     assert isinstance(fast.attention, TorchAttention) and isinstance(slow.attention, ReferenceAttention)
     for a, b in zip(_scenario(fast), _scenario(slow), strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    if backend == "native":  # the decode steps (shared blocks, one or three items) took the kernel
+        assert fast.attention.plans >= 5
 
 
-def test_backend_is_chosen_once_by_name():
-    assert select_backend("auto", "cpu").name == "torch"
+@NEEDS_NATIVE
+def test_native_decode_hands_large_steps_to_the_torch_kernels(monkeypatch):
+    seen: list[tuple[bool, bool]] = []  # per attention call: (fused decode, padded torch batch)
+    monkeypatch.setattr(step.ViewBatch, "attention", _recording(step.ViewBatch.attention, seen))
+    monkeypatch.setattr(attention_backends, "NATIVE_DECODE_MAX_KEYS", 0)
+    large = _scenario(load_runner("llama", kv_tokens=512, page_size=4, attention_backend="native"))
+    over, seen[:] = list(seen), []
+    monkeypatch.setattr(attention_backends, "NATIVE_DECODE_MAX_KEYS", 1024)
+    small = _scenario(load_runner("llama", kv_tokens=512, page_size=4, attention_backend="native"))
+    for a, b in zip(large, small, strict=True):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+    assert not any(n for n, _ in over) and any(d for _, d in over)  # over the limit: the torch batch
+    assert any(n for n, _ in seen)  # the same steps under it: the fused kernel
+
+
+def _recording(attention, seen: list[tuple[bool, bool]]):
+    def record(batch, layer, q, k, v):
+        seen.append((bool(batch.native_items), batch.decode is not None))
+        return attention(batch, layer, q, k, v)
+
+    return record
+
+
+def test_backend_is_chosen_once_by_name(monkeypatch):
+    assert select_backend("auto", "cpu").name == ("native" if native.available() else "torch")
+    assert select_backend("torch", "cpu").name == "torch"
     assert select_backend("reference", "cpu").name == "reference"
+    monkeypatch.setattr(native, "ENABLED", False)  # COTHINK_NATIVE=0
+    assert select_backend("auto", "cpu").name == "torch"
+    with pytest.raises(InvalidParameterError, match="COTHINK_NATIVE"):
+        select_backend("native", "cpu")
     custom = ReferenceAttention()
     assert select_backend(custom, "cpu") is custom
     with pytest.raises(InvalidParameterError) as err:

@@ -11,17 +11,26 @@ import cothink
 from cothink.errors import InvalidParameterError, UnsupportedModelError
 from cothink.execution.threads import SPIN_COUNT, ThreadChooser
 from cothink.models.quantize import Int8Linear
+from cothink.ops import native
 from cothink.ops.rope import Rotary
 
 EXACT = 1e-4  # fp32 logits: fast path vs eager path vs transformers
 FAMILIES = ["llama", "llama3", "qwen3", "qwen35"]
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_fast_path_fp32_logits_match_eager_and_transformers(tiny_model, record_error, name):
+def test_fast_path_fp32_logits_match_eager_and_transformers(tiny_model, record_error, name, kernels,
+                                                            monkeypatch):
+    """With cothink's fused C kernels (norms, SiLU x up, key stores, decode attention) and with
+    them switched off (COTHINK_NATIVE=0: the torch fast path). The eager path is plain torch."""
+    if kernels == "native" and not native.available():
+        pytest.skip("cothink's C kernels did not build here")
+    monkeypatch.setattr(native, "ENABLED", kernels == "native")
     tm = tiny_model(name)
     ids = random_ids(40, seed=5)
-    fast, eager = tm.runner(), tm.runner(fast=False)
+    fast, eager = tm.runner(), tm.runner(fast=False, attention_backend="torch")
+    assert fast.attention.name == kernels
     assert fast.model.model.layers[0].mlp.gate_up_proj is not None
     assert eager.model.model.layers[0].mlp.gate_up_proj is None
     want = tm.logits(ids)
@@ -31,8 +40,8 @@ def test_fast_path_fp32_logits_match_eager_and_transformers(tiny_model, record_e
         prefill = runner.extend(block, ids[:32])
         decode = torch.cat([runner.extend(block, [t]) for t in ids[32:]])
         logits[label] = torch.cat([prefill, decode])
-    assert record_error("fast vs eager", name, max_err(logits["fast"], logits["eager"])) < EXACT
-    assert record_error("fast vs transformers", name, max_err(logits["fast"], want)) < EXACT
+    assert record_error(f"fast ({kernels}) vs eager", name, max_err(logits["fast"], logits["eager"])) < EXACT
+    assert record_error(f"fast ({kernels}) vs transformers", name, max_err(logits["fast"], want)) < EXACT
 
 
 def test_fused_parts_view_the_fused_weight(tiny_model):

@@ -171,12 +171,15 @@ class StrategistActor(Agent):
         # the actor may be deciding on this plan: it releases it when its decision is done
         (self._retired_plans.append(block) if self._deciding else self.engine.release(block))
 
-    def replan(self, tick: int = -1, fit: float | None = None) -> None:
+    def replan(self, tick: int = -1, fit: float | None = None, plan: int | None = None) -> None:
         """Drop the current plan and have the strategist start a new one from the newest observations
         (a plan it is writing from older ones is abandoned). Never waits: the next ticks act without a
-        plan until the new one is complete."""
-        self.replans.append(Replan(tick, self._plan_index, fit, self.forward_passes("actor")))
-        if self._plan_block is not None:
+        plan until the new one is complete. `plan`: the index of the plan found wanting; when a newer
+        plan has replaced it meanwhile (the strategist finished one while the actor was judging the
+        old), the newer one was never judged and stays."""
+        judged = self._plan_index if plan is None else plan
+        self.replans.append(Replan(tick, judged, fit, self.forward_passes("actor")))
+        if self._plan_block is not None and self._plan_index == judged:
             self._retire(self._plan_block)
             self._plan_block, self._plan_index = None, -1
         if self._window is not None:
@@ -274,7 +277,7 @@ class StrategistActor(Agent):
                 self.emit("probe", "actor", best, value=p)
                 return _Decision(best, p, True, plan_index, p_fit)
             # early exit: the plan no longer fits; drop it, have a new one started, act on own judgement
-            self.replan(tick, p_fit)
+            self.replan(tick, p_fit, plan_index)
         probs = await self._probe_action(own_view, tick)
         best = max(probs, key=probs.get)
         self.emit("probe", "actor", best, value=probs[best])

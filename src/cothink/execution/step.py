@@ -12,12 +12,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cothink.execution.attention_backends import AttentionBackend, TorchAttention
+from cothink.execution.attention_backends import AttentionBackend, NativeAttention, TorchAttention
 from cothink.execution.cache import ExecutionCache, LastLogits, ViewKey, WriterState
 from cothink.execution.linear_state import LinearState, apply_block, empty_state, run_tokens
 from cothink.memory.block import Block, view_key
 from cothink.memory.store import BlockStore
 from cothink.models.transformer import GatedDeltaNet
+from cothink.ops import native
 from cothink.ops.rope import Rotary
 
 
@@ -206,11 +207,21 @@ class ViewBatch:
         )
         # this step's keys go to the slots after each writer's old tokens
         self.write_slots = self._write_index() if store.attn_slot else None
-        # Several single-token items (decoding coroutines) attend in one padded batch instead of a
-        # Python loop over items and blocks; prefill chunks keep the per-item path.
+        native_backend = isinstance(self.backend, NativeAttention) and bool(store.attn_slot)
+        # the fused kernel writes keys slot by slot: it needs them as a list
+        self.store_slots = torch.cat([p.new_slots for p in self.plans]) if native_backend else None
+        # Single-token items (decoding coroutines) attend in one call: the fused kernel when the step
+        # is small enough for it, else one padded batch instead of a Python loop over items and
+        # blocks. Prefill chunks keep the per-item path.
         decode = [p for p in self.plans if p.size == 1] if store.attn_slot else []
-        self.decode = _DecodeRuns.build(decode, store.device) if len(decode) > 1 else None
-        batched = {id(p) for p in decode} if self.decode is not None else set()
+        self.native_items = decode if native_backend and decode else []
+        self.native_decode = self._native_plan(self.native_items)
+        if self.native_decode is None:
+            self.native_items = []
+        self.decode = (
+            _DecodeRuns.build(decode, store.device) if len(decode) > 1 and not self.native_items else None
+        )
+        batched = {id(p) for p in decode} if self.decode is not None or self.native_items else set()
         self.looped = [p for p in self.plans if id(p) not in batched]
         # per item, per linear slot: the state after the item's tokens (published by commit)
         self.new_states: list[dict[int, LinearState]] = [{} for _ in items]
@@ -261,6 +272,13 @@ class ViewBatch:
             plan.runs.append(KeyRun(plan.new_slots, cos, sin, True, None, plan.new_span))
         return plan
 
+    def _native_plan(self, plans: list[ItemPlan]) -> native.DecodePlan | None:
+        if not plans:
+            return None
+        runs = [[(run.slots, run.cos, run.sin) for run in p.runs] for p in plans]
+        rows = [p.rows.start for p in plans]
+        return self.backend.decode_plan(runs, rows, self.store.pool.k, self.store.cfg.num_heads)
+
     def _write_index(self) -> Rows:
         """Where this step's keys go: one slice when each writer's new slots follow the previous
         one's (always for a single writer on consecutive pages: a plain copy), else the slots."""
@@ -294,9 +312,19 @@ class ViewBatch:
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         slot = self.store.attn_slot[layer]
         pool, backend = self.store.pool, self.backend
-        pool.k[slot, self.write_slots] = self.rotary.apply_prepared(k, *self.key_rotation)
-        pool.v[slot, self.write_slots] = v
+        pool_k, pool_v = pool.k[slot], pool.v[slot]
+        if self.store_slots is not None and backend.can_store(k, v, pool_k):
+            native.store_kv(k, v, self.store_slots, *self.key_rotation, pool_k, pool_v)
+        else:
+            pool_k[self.write_slots] = self.rotary.apply_prepared(k, *self.key_rotation)
+            pool_v[self.write_slots] = v
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+        if self.native_items:
+            if q.dtype == pool_k.dtype and native.supports(q):
+                native.decode_attention(q, self.native_decode, pool_k, pool_v, self.scale, out)
+            else:  # not the kernel's input layout: the per-item torch path
+                for plan in self.native_items:
+                    self._attend_item(plan, q, slot, out)
         if self.decode is not None:
             d = self.decode
             outs, lses = [], []
@@ -319,17 +347,21 @@ class ViewBatch:
                 lses.append(lse)
             out[d.items] = backend.merge_grouped(torch.cat(outs), torch.cat(lses), d.owners, d.size)
         for plan in self.looped:
-            q_item = q[plan.rows]
-            outs, lses = [], []
-            for run in plan.runs:
-                k_run, v_run = self._keys(slot, run)
-                o, lse = backend.run(
-                    self.rotary.apply_prepared(q_item, run.cos, run.sin), k_run, v_run, self.scale, run.causal
-                )
-                outs.append(o)
-                lses.append(lse)
-            out[plan.rows] = outs[0] if len(outs) == 1 else backend.merge(outs, lses)
+            self._attend_item(plan, q, slot, out)
         return out
+
+    def _attend_item(self, plan: ItemPlan, q: torch.Tensor, slot: int, out: torch.Tensor) -> None:
+        """One item's queries over each of its key runs, partials merged by LSE, into out[rows]."""
+        q_item, backend = q[plan.rows], self.backend
+        outs, lses = [], []
+        for run in plan.runs:
+            k_run, v_run = self._keys(slot, run)
+            o, lse = backend.run(
+                self.rotary.apply_prepared(q_item, run.cos, run.sin), k_run, v_run, self.scale, run.causal
+            )
+            outs.append(o)
+            lses.append(lse)
+        out[plan.rows] = outs[0] if len(outs) == 1 else backend.merge(outs, lses)
 
     # ---- Gated DeltaNet ---------------------------------------------------------------------
     def linear_attention(

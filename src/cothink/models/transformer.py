@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cothink.models.config import FULL_ATTENTION, ModelConfig
+from cothink.ops import native
 from cothink.ops.gdn import l2norm
 
 
@@ -28,17 +29,34 @@ class ForwardContext(Protocol):
 
 
 class RMSNorm(nn.Module):
+    # set by CausalLM.fuse_projections (the fast path): rows go through the fused C kernel
+    # (cothink.ops.native) when it is available; the eager path stays plain torch
+    native = False
+
     def __init__(self, dim: int, eps: float, zero_centred: bool = False):
         super().__init__()
         self.eps, self.zero_centred = eps, zero_centred
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._native(x):
+            return native.rms_norm(x, self.weight, self.eps, self.zero_centred)[0]
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centred:  # Qwen3.5 scales in fp32, then casts
             return (normed * (1.0 + self.weight.float())).type_as(x)
         return self.weight * normed.to(x.dtype)  # Llama/Qwen3 cast first, then scale
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): the residual add and the next norm in one kernel."""
+        if self._native(x) and native.supports(residual):
+            return native.rms_norm(x, self.weight, self.eps, self.zero_centred, residual)
+        total = x + residual
+        return self(total), total
+
+    def _native(self, x: torch.Tensor) -> bool:
+        # rows of a 2-D activation (the q/k norms' [T, heads, D] views take the torch path)
+        return self.native and x.dim() == 2 and x.dtype == self.weight.dtype and native.supports(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -91,7 +109,10 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            gate_up = self.gate_up_proj(x)
+            if gate_up.dim() == 2 and native.supports(gate_up):
+                return self.down_proj(native.silu_mul(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
             return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
@@ -211,8 +232,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
-        x = x + mixer(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        normed, x = self.post_attention_layernorm.add_forward(x, mixer(self.input_layernorm(x), ctx))
+        return x + self.mlp(normed)
 
 
 class Decoder(nn.Module):
@@ -232,11 +253,16 @@ class CausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """Concatenate the projections that read the same input (q/k/v, gate/up, the GDN inputs):
-        fewer, larger matmuls per layer. fp32 results match the unfused modules to rounding."""
+        fewer, larger matmuls per layer; and let the norms (with their residual adds) and SiLU x up
+        run in cothink's fused C kernels where available (ops/native.py). fp32 results match the
+        unfused modules to rounding."""
         for layer in self.model.layers:
             mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
             mixer.fuse()
             layer.mlp.fuse()
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.native = True
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor) -> torch.Tensor:
         """input_ids [T] -> float32 logits for the rows `logit_rows` (indices into T)."""

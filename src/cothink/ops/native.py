@@ -1,0 +1,196 @@
+"""Fused CPU kernels for decode-sized work (ops/native.c): compiled on first use, called by ctypes.
+
+A decode step on CPU is bound by dispatch, not arithmetic: an RMSNorm of one row is eight torch ops
+(~18 us), a view attention of one query ~200 us around a ~40 us kernel. The kernels here do each unit
+in one call. They are plain C (no torch headers, so they build in about a second with the system
+compiler, for this machine's CPU) and single-threaded (no second OpenMP runtime next to torch's).
+
+`available()` is False, and every caller keeps its torch path, when the kernels are switched off
+(`COTHINK_NATIVE=0` in the environment, or `native.ENABLED = False`), when no C compiler is found, or
+when the build fails (logged once). The library is cached in cothink's user cache
+(`$COTHINK_CACHE/native`, default `~/.cache/cothink/native`) under a name that hashes the source,
+the compiler and the CPU.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from itertools import accumulate
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENABLED = os.environ.get("COTHINK_NATIVE", "1") != "0"
+SOURCE = Path(__file__).with_name("native.c")
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "ct_rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, ctypes.c_int, ctypes.c_int],
+    "ct_silu_mul": [_P, _I, _P, _I, _I, ctypes.c_int],
+    "ct_store_kv": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int],
+    "ct_decode_attention": [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _F, _I, _P,
+                            ctypes.c_int],
+}
+
+
+def _cache_dir() -> Path:
+    from cothink.models.hub import cache_dir  # a leaf helper (paths only): the one user cache
+
+    return cache_dir() / "native"
+
+
+def _cpu_signature() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags", "Features"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(b"\0".join(
+        [source, version.encode(), _cpu_signature().encode(), " ".join(_FLAGS).encode()]
+    )).hexdigest()[:16]
+    target = _cache_dir() / f"native-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build to a private name, then rename: processes building at once never load a partial file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *_FLAGS, "-o", tmp, str(SOURCE), "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    compiler = _compiler()
+    if compiler is None:
+        log.info("native kernels off: no C compiler found (set CC to use one)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        log.warning("native kernels off, torch paths used instead: %s", err)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, None
+    return lib
+
+
+def available() -> bool:
+    """Whether the fused kernels can be used (switched on, and built for this machine)."""
+    return ENABLED and _library() is not None
+
+
+def supports(x: torch.Tensor) -> bool:
+    """Whether `x` is a tensor the kernels read: on the CPU, float32 or bfloat16, last dim contiguous."""
+    return (
+        x.device.type == "cpu" and x.dtype in DTYPES and x.stride(-1) == 1 and not x.requires_grad
+        and available()
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool,
+    residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm over the last dim of 2-D x (with `residual` added first) -> (normed, x + residual).
+
+    The second result is x itself without a residual. Same math and roundings as models.RMSNorm."""
+    rows, dim = x.shape
+    out = torch.empty((rows, dim), dtype=x.dtype)
+    total = x if residual is None else torch.empty((rows, dim), dtype=x.dtype)
+    res_ptr, res_stride = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
+    _library().ct_rms_norm(
+        x.data_ptr(), x.stride(0), res_ptr, res_stride, total.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        rows, dim, eps, int(zero_centred), DTYPES[x.dtype],
+    )
+    return out, total
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """F.silu(gate) * up for 2-D gate_up = [gate | up] (the fused gate/up projection's output)."""
+    rows, width = gate_up.shape
+    out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
+    _library().ct_silu_mul(
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, DTYPES[gate_up.dtype]
+    )
+    return out
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    pool_k: torch.Tensor, pool_v: torch.Tensor,
+) -> None:
+    """Rotate keys k [T, H, D] with prepared tables cos/sin [T, 1, rot] (Rotary.prepare) and write them
+    and v [T, H, D] to `slots` [T] of one layer's pool_k/pool_v [S, H, D]."""
+    t, heads, d = k.shape
+    _library().ct_store_kv(
+        k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), t, heads, d, cos.shape[-1],
+        cos.data_ptr(), sin.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), DTYPES[k.dtype],
+    )
+
+
+def decode_attention(
+    q: torch.Tensor, plan: DecodePlan, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float,
+    out: torch.Tensor,
+) -> None:
+    """Attention of each single-query item of `plan` over its key runs (one softmax across runs, the
+    query rotated per run) from q [T, Hq, D] into rows of out [T, Hq, D] float32."""
+    _, hq, d = q.shape
+    _library().ct_decode_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), hq, pool_k.shape[1], d, plan.cos.shape[-1], plan.items,
+        plan.rows.data_ptr(), plan.run_start.data_ptr(), plan.key_start.data_ptr(), plan.slots.data_ptr(),
+        plan.cos.data_ptr(), plan.sin.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), scale, plan.longest,
+        out.data_ptr(), DTYPES[q.dtype],
+    )
+
+
+class DecodePlan:
+    """The key runs of a step's single-query items in the flat arrays ct_decode_attention reads
+    (layer-independent: built once per step). `runs[i]` lists item i's runs as (slots [L], cos, sin)
+    with cos/sin [1, 1, rot] prepared tables in the pool's dtype."""
+
+    def __init__(self, rows: list[int], runs: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]):
+        flat = [run for item in runs for run in item]
+        lengths = [slots.numel() for slots, _, _ in flat]
+        self.items = len(rows)
+        self.rows = torch.tensor(rows, dtype=torch.long)
+        self.run_start = torch.tensor([0, *accumulate(len(item) for item in runs)], dtype=torch.long)
+        self.key_start = torch.tensor([0, *accumulate(lengths)], dtype=torch.long)
+        self.slots = torch.cat([slots for slots, _, _ in flat]).to(torch.long).contiguous()
+        self.cos = torch.cat([cos.reshape(1, -1) for _, cos, _ in flat]).contiguous()
+        self.sin = torch.cat([sin.reshape(1, -1) for _, _, sin in flat]).contiguous()
+        self.longest = max(lengths, default=0)
+        self.keys = sum(lengths)  # keys read per query head: the work
+

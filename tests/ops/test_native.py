@@ -1,0 +1,142 @@
+"""cothink's fused C kernels (cothink.ops.native) against the torch ops they replace and the plain
+float64 attention math; the build falling back to torch when there is no compiler."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cothink.ops import native
+from cothink.ops.attention import reference_merge, reference_partial_attention
+from cothink.ops.rope import Rotary
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="cothink's C kernels did not build here")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _torch_norm(x, weight, eps, zero_centred):
+    """models.RMSNorm's torch path."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centred:
+        return (normed * (1.0 + weight.float())).type_as(x)
+    return weight * normed.to(x.dtype)
+
+
+@pytest.mark.parametrize("zero_centred", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual_matches_torch(dtype, zero_centred):
+    g = torch.Generator().manual_seed(0)
+    wide = torch.randn(6, 100, generator=g).to(dtype)
+    x, residual = wide[:, :48], wide[:, 50:98]  # rows with a stride: read in place
+    weight = (torch.randn(48, generator=g) * 0.1 + (0.0 if zero_centred else 1.0)).to(dtype)
+    normed, same = native.rms_norm(x, weight, 1e-6, zero_centred)
+    assert same is x
+    summed_normed, total = native.rms_norm(x, weight, 1e-6, zero_centred, residual)
+    assert torch.equal(total, x + residual)  # the add is rounded to the dtype as torch rounds it
+    for got, inp in ((normed, x), (summed_normed, x + residual)):
+        want = _torch_norm(inp, weight, 1e-6, zero_centred)
+        if dtype == torch.bfloat16:  # a float result rounded to bf16: at most one unit apart
+            torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2**-7)
+        else:  # the mean's summation order differs: float rounding
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_matches_torch(dtype):
+    g = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(5, 2 * 40, generator=g) * 4).to(dtype)
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])  # exp's clamps: silu -> 0, x, 0
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(native.silu_mul(gate_up).float(), (F.silu(gate) * up).float(),
+                               atol=1e-6, rtol=2**-7 if dtype == torch.bfloat16 else 1e-6)
+
+
+def _rotary(head_dim: int, partial: float = 1.0) -> Rotary:
+    return Rotary(SimpleNamespace(rope_parameters={"rope_theta": 10000.0, "partial_rotary_factor": partial}),
+                  head_dim)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.25])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_writes_what_the_torch_path_writes(dtype, partial):
+    """Keys rotated with Rotary.apply_prepared (bit for bit: same roundings) and values, to
+    scattered pool slots, from k/v that are column slices of one projection output."""
+    heads, d = 2, 16
+    rotary = _rotary(d, partial)
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(5, 3 * heads * d, generator=g).to(dtype)
+    k = qkv[:, heads * d : 2 * heads * d].view(5, heads, d)
+    v = qkv[:, 2 * heads * d :].view(5, heads, d)
+    cos, sin = rotary.prepared(torch.tensor([0, 3, 4, 90, 2]), dtype)
+    slots = torch.tensor([7, 1, 12, 3, 8])
+    pool_k, pool_v = torch.zeros(16, heads, d, dtype=dtype), torch.zeros(16, heads, d, dtype=dtype)
+    native.store_kv(k, v, slots, cos, sin, pool_k, pool_v)
+    want_k, want_v = torch.zeros_like(pool_k), torch.zeros_like(pool_v)
+    want_k[slots] = rotary.apply_prepared(k, cos, sin)
+    want_v[slots] = v
+    assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
+
+
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_attention_is_the_merge_of_per_run_attentions(dtype, partial):
+    """Three items (two runs with a gather; one run; an empty run and a single key), grouped-query
+    heads, a query with a head stride (a gated projection's layout): one softmax over the runs with
+    the query rotated per run equals the float64 per-run attention merged by LSE."""
+    hq, hkv, d = 6, 2, 24
+    rotary = _rotary(d, partial)
+    g = torch.Generator().manual_seed(3)
+    pool_k = torch.randn(64, hkv, d, generator=g).to(dtype)
+    pool_v = torch.randn(64, hkv, d, generator=g).to(dtype)
+    q = torch.randn(4, hq, 2 * d, generator=g).to(dtype)[:, :, :d]  # head stride 2d
+    runs = {
+        0: [(torch.arange(0, 20), 27), (torch.tensor([40, 33, 35, 50]), 3)],
+        2: [(torch.arange(20, 29), 8)],
+        3: [(torch.arange(0, 0), 0), (torch.tensor([60]), 0)],
+    }
+    plan_runs, want = [], {}
+    for row, item in runs.items():
+        prepared, outs, lses = [], [], []
+        for slots, position in item:
+            cos, sin = rotary.prepared(torch.tensor([position]), dtype)
+            prepared.append((slots, cos, sin))
+            if slots.numel():
+                rotated = rotary.apply_prepared(q[row : row + 1], cos, sin)
+                o, lse = reference_partial_attention(rotated, pool_k[slots], pool_v[slots], d**-0.5)
+                outs.append(o)
+                lses.append(lse)
+        plan_runs.append(prepared)
+        want[row] = reference_merge(outs, lses)
+    out = torch.full((4, hq, d), float("nan"))
+    native.decode_attention(q, native.DecodePlan(list(runs), plan_runs), pool_k, pool_v, d**-0.5, out)
+    for row in runs:
+        torch.testing.assert_close(out[row : row + 1], want[row], atol=2e-6, rtol=2e-6)
+    assert out[1].isnan().all()  # rows of other items are left alone
+
+
+def _probe(env: dict[str, str]) -> str:
+    code = (
+        "import torch; from cothink.ops import native; from cothink.models.transformer import RMSNorm\n"
+        "n = RMSNorm(8, 1e-6); n.native = True\n"
+        "print(native.available(), round(n(torch.ones(2, 8)).sum().item(), 3))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip() + "\n" + done.stderr
+
+
+def test_without_a_compiler_or_switched_off_the_torch_paths_run(tmp_path):
+    out = _probe({"CC": "/bin/false", "COTHINK_CACHE": str(tmp_path)})
+    assert out.startswith("False 16.0") and "native kernels off" in out
+    assert not list(tmp_path.glob("native/*.so"))
+    assert _probe({"COTHINK_NATIVE": "0"}).startswith("False 16.0")
+    assert _probe({"COTHINK_CACHE": str(tmp_path)}).startswith("True 16.0")
+    assert len(list(tmp_path.glob("native/native-*.so"))) == 1  # built once, named for source, compiler, CPU
