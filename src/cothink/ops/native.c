@@ -101,11 +101,17 @@ static void round_row(float *x, int64_t n, int bf) {
 static void rotate(const float *x, int64_t d, int64_t rot, const void *cos, const void *sin, int bf,
                    float *out) {
     int64_t half = rot / 2;
-    for (int64_t i = 0; i < rot; i++) {
-        float a = rnd(x[i] * load(cos, i, bf), bf);
-        float b = rnd(x[(i + half) % rot] * load(sin, i, bf), bf);
-        out[i] = rnd(a + b, bf);
-    }
+    float c[rot], s[rot], partner[rot]; /* partner[i] = x[(i + half) % rot], without a division */
+    load_row(cos, rot, bf, c);
+    load_row(sin, rot, bf, s);
+    memcpy(partner, x + half, (size_t)half * sizeof(float));
+    memcpy(partner + half, x, (size_t)half * sizeof(float));
+    for (int64_t i = 0; i < rot; i++) out[i] = x[i] * c[i];
+    for (int64_t i = 0; i < rot; i++) partner[i] *= s[i];
+    round_row(out, rot, bf);
+    round_row(partner, rot, bf);
+    for (int64_t i = 0; i < rot; i++) out[i] += partner[i];
+    round_row(out, rot, bf);
     for (int64_t i = rot; i < d; i++) out[i] = x[i];
 }
 

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 ENABLED = os.environ.get("COTHINK_NATIVE", "1") != "0"
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared"]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
