@@ -47,7 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         nargs="+",
         default=None,
-        help="values of N (default: 1 2 4 8 16 32; --quick: 1 2 4 8)",
+        help="values of N; 1 is always added (default: 1 2 4 8 16 32; --quick: 1 2 4 8)",
     )
     p.add_argument(
         "--context", type=int, default=None, help="shared context tokens (default: 256; quick: 128)"
@@ -72,6 +72,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     q = args.quick
     args.coroutines = args.coroutines or ([1, 2, 4, 8] if q else [1, 2, 4, 8, 16, 32])
+    if min(args.coroutines) < 1:
+        p.error("--coroutines: every N must be at least 1")
+    # N=1 is the baseline of the sequential extrapolation and of the KV copies: always measured, first
+    args.coroutines = sorted({1, *args.coroutines})
     args.context = args.context or (128 if q else 256)
     args.new_tokens = args.new_tokens or (16 if q else 32)
     args.sequential_max = args.sequential_max if args.sequential_max is not None else (2 if q else 4)

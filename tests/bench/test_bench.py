@@ -143,6 +143,14 @@ def test_coroutines_quick(tiny_folder, tmp_path, capsys):
     assert (tmp_path / "coroutines.png").stat().st_size > 1000
 
 
+def test_coroutines_always_measures_the_single_coroutine_baseline():
+    """N=1 is what sequential runs and KV copies are extrapolated from: added when not asked for."""
+    bench = _load("coroutines")
+    assert bench.parse_args(["--coroutines", "8", "4"]).coroutines == [1, 4, 8]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--coroutines", "0", "4"])
+
+
 def test_linear_calls_record_what_a_forward_calls(tiny_folder):
     """LinearCalls sees every linear a step runs, in order, with its rows, and nothing else."""
     import sys
