@@ -208,16 +208,14 @@ class ViewBatch:
         # this step's keys go to the slots after each writer's old tokens
         self.write_slots = self._write_index() if store.attn_slot else None
         native_backend = isinstance(self.backend, NativeAttention) and bool(store.attn_slot)
-        # the fused kernel writes keys slot by slot: it needs them as a list
+        # the fused kernel writes keys slot by slot: it takes every new slot in one index tensor
         self.store_slots = torch.cat([p.new_slots for p in self.plans]) if native_backend else None
         # Single-token items (decoding coroutines) attend in one call: the fused kernel when the step
         # is small enough for it, else one padded batch instead of a Python loop over items and
         # blocks. Prefill chunks keep the per-item path.
         decode = [p for p in self.plans if p.size == 1] if store.attn_slot else []
-        self.native_items = decode if native_backend and decode else []
-        self.native_decode = self._native_plan(self.native_items)
-        if self.native_decode is None:
-            self.native_items = []
+        self.native_decode = self._native_plan(decode) if native_backend else None
+        self.native_items = decode if self.native_decode is not None else []
         self.decode = (
             _DecodeRuns.build(decode, store.device) if len(decode) > 1 and not self.native_items else None
         )

@@ -50,7 +50,7 @@ static inline void store(void *p, int64_t i, float x, int bf) {
  * [-87, 88]; 0 below (where the softmax's and the SiLU's callers want 0), +inf above. */
 static inline float fast_exp(float x) {
     float z = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
-    /* round to nearest by the 1.5 * 2^23 trick (floorf does not vectorise without -fno-trapping-math) */
+    /* round to nearest by the 1.5 * 2^23 trick: plain arithmetic, vectorises where rintf/floorf may not */
     float n = (z * 1.44269504f + 12582912.0f) - 12582912.0f;
     float r = z - n * 0.693359375f;
     r = r + n * 2.12194440e-4f;

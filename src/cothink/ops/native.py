@@ -192,5 +192,4 @@ class DecodePlan:
         self.cos = torch.cat([cos.reshape(1, -1) for _, cos, _ in flat]).contiguous()
         self.sin = torch.cat([sin.reshape(1, -1) for _, _, sin in flat]).contiguous()
         self.longest = max(lengths, default=0)
-        self.keys = sum(lengths)  # keys read per query head: the work
 
