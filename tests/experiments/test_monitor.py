@@ -86,7 +86,11 @@ def test_every_anomaly_shows_and_nothing_is_left_behind():
     assert last("io_slow").io_ops_s > 50
     assert max(p.cpu_pct for o in by["cpu_spike"][1] for p in o.processes if p.name == by["cpu_spike"][0]
                .scenario.service) > 15
-    assert last("none").fds == first("none").fds and last("none").threads == 1
+    # the healthy service opens its log now and then (one file, briefly): its fd count may blip by one
+    # in a sample, but never grows
+    none_sim, none_obs = by["none"]
+    none_fds = [p.fds for o in none_obs for p in o.processes if p.name == none_sim.scenario.service]
+    assert max(none_fds) <= min(none_fds) + 1 and last("none").threads == 1
     for sim, obs, sandbox in results:
         assert len(obs) == 6 and [o.index for o in obs] == list(range(1, 7))
         assert len(obs[0].processes) == 4  # web, cron, cache + the service
