@@ -214,7 +214,8 @@ def _best(fn, repeats: int) -> float:
 
 def measure_limits(dtype: torch.dtype, threads: int, quick: bool) -> dict[str, float]:
     """This machine's limits, measured now with torch itself: GEMV bandwidth (a [1, K] x [K, N]
-    matmul over a weight larger than the caches: bytes / time) and GEMM throughput (GFLOP/s)."""
+    matmul over a weight larger than the caches: bytes / time) and GEMM throughput (GFLOP/s), each
+    the best of `F.linear` and the kernel cothink's fast path has for the dtype on this CPU."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -228,10 +229,16 @@ def measure_limits(dtype: torch.dtype, threads: int, quick: bool) -> dict[str, f
         with torch.inference_mode():
             gemv_s = _best(lambda: torch.nn.functional.linear(x, w), 3 if quick else 8)
             gemm_s = _best(lambda: torch.nn.functional.linear(a, b), 2 if quick else 4)
-            if _packable(dtype):  # the fastest kernel torch has for this dtype sets the limit
+            # the fastest way this machine multiplies by weights of this dtype sets the limit
+            if _packable(dtype):
                 wp, bp = (torch.ops.mkldnn._reorder_linear_weight(t) for t in (w, b))
                 gemv_s = min(gemv_s, _best(lambda: _packed(x, wp), 3 if quick else 8))
                 gemm_s = min(gemm_s, _best(lambda: _packed(a, bp), 2 if quick else 4))
+            elif dtype == torch.bfloat16:  # bfloat16 weights widened to float32 slab by slab
+                from cothink.models.packing import CpuLinear
+
+                widened = CpuLinear(b, None)
+                gemm_s = min(gemm_s, _best(lambda: widened(a), 2 if quick else 4))
         return {"gemv_gb_s": n * k * elsize / gemv_s / 1e9, "gemm_gflop_s": 2 * m * k * k / gemm_s / 1e9}
     finally:
         torch.set_num_threads(before)

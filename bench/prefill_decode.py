@@ -14,13 +14,16 @@ faster). Dtype "int8" is cothink with weight-only int8 linears (bfloat16 activat
 transformers in bfloat16.
 
 Limits, measured in the same run per dtype (bench/_common.py): GEMV bandwidth over a weight larger
-than the caches, and GEMM GFLOP/s. The decode limit is bandwidth / the bytes of weights a step reads;
-the prefill limit is GEMM GFLOP/s / (2 x linear parameters) tokens/s (attention not counted). Each
-cothink figure is also printed as a fraction of its limit. "Linears alone": the linear layers one
-cothink decode step calls (recorded by hooks), replayed back to back with nothing else, through the
-same modules and kernels; layer-sized matrices stream slower than the one big GEMV of the limit, so
-this is the tighter bound on decode for any engine on torch's kernels. --contention (on by default
-in full runs) repeats decode and the first prefill length while another process keeps one core busy.
+than the caches, and GEMM GFLOP/s, each the faster of `F.linear` and the kernel cothink's fast path
+uses for the dtype on this CPU (oneDNN-prepacked bfloat16, or bfloat16 widened to float32 where the
+CPU has no bfloat16 arithmetic: models/packing.py). The decode limit is bandwidth / the bytes of
+weights a step reads; the prefill limit is GEMM GFLOP/s / (2 x linear parameters) tokens/s
+(attention not counted). Each cothink figure is also printed as a fraction of its limit. "Linears
+alone": the linear layers one cothink decode step calls (recorded by hooks), replayed back to back
+with nothing else, through the same modules and kernels; layer-sized matrices stream slower than the
+one big GEMV of the limit, so this is the tighter bound on decode for any engine on torch's kernels.
+--contention (on by default in full runs) repeats decode and the first prefill length while another
+process keeps one core busy.
 Writes prefill_decode.json and prefill_decode.png to --out.
 """
 

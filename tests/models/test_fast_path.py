@@ -146,28 +146,34 @@ async def test_engine_from_pretrained_int8(tiny_model):
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen35"])
-def test_bf16_prepacked_linears_match_the_eager_bf16_path(tiny_model, record_error, name):
-    from cothink.models.packing import PackedLinear, can_pack
+def test_bf16_fast_linears_match_the_eager_bf16_path(tiny_model, record_error, name):
+    """bfloat16 linears: oneDNN-prepacked where the CPU has bfloat16 kernels (bit-identical, batch
+    invariant to the bit), else CpuLinear (steps of >= 8 rows in float32 arithmetic: batch invariant
+    up to bfloat16 rounding)."""
+    from cothink.models.packing import CpuLinear, PackedLinear, can_pack
 
-    if not can_pack(torch.bfloat16, "cpu"):
-        pytest.skip("oneDNN without bfloat16 kernels on this CPU")
     tm = tiny_model(name)
     fast, eager = tm.runner(dtype=torch.bfloat16), tm.runner(dtype=torch.bfloat16, fast=False)
-    assert isinstance(fast.model.lm_head, PackedLinear)
+    packed = can_pack(torch.bfloat16, "cpu")
+    assert isinstance(fast.model.lm_head, PackedLinear if packed else CpuLinear)
     ids = random_ids(24, seed=11)
     got = {}
     for label, runner in (("fast", fast), ("eager", eager)):
         block = runner.new_block()
-        prefill = runner.extend(block, ids[:16])
+        prefill = runner.extend(block, ids[:16])  # 16 rows: CpuLinear widens
         got[label] = torch.cat([prefill, *(runner.extend(block, [t]) for t in ids[16:])])
     err = max_err(got["fast"], got["eager"])
-    record_error("bf16 packed vs eager", name, err)
-    assert err < 0.02 * got["eager"].abs().max().item()
-    # batch invariance: the same decode step alone and next to a prefill chunk
+    record_error("bf16 packed vs eager" if packed else "bf16 CpuLinear vs eager", name, err)
+    bound = 0.02 * got["eager"].abs().max().item()
+    assert err < bound
+    # batch invariance: the same decode step alone (one row) and next to a prefill chunk (13 rows)
     block_a, block_b = fast.new_block(), fast.new_block()
     fast.extend(block_a, ids[:8])
     alone = fast.extend(fast.fork(block_a), [ids[8]])
     from cothink.execution.step import StepItem
 
     together = fast.step([StepItem(block_a, [ids[8]]), StepItem(block_b, ids[:12])])[0]
-    assert torch.equal(alone, together)
+    if packed:
+        assert torch.equal(alone, together)
+    else:
+        assert max_err(alone, together) < bound

@@ -5,21 +5,22 @@ absmax / 127); activations, norms, attention and the KV pool keep the model's dt
 half the weight bytes of bfloat16 through torch's CPU int8 weight-only kernel
 (`aten._weight_int8pack_mm`, the op gpt-fast uses), which takes bfloat16 activations. For wide
 inputs (prefill chunks) that kernel is slower than a dense matmul, so there the layer dequantizes
-its weight once per call and runs the ordinary bfloat16 GEMM: the cost is one weight read for many
-rows. The lm_head gets its own int8 copy; the (tied) embedding stays in the model dtype for lookup.
+its weight once per call and runs the ordinary bfloat16 GEMM (on a CPU without bfloat16 arithmetic:
+dequantized to float32 a slab at a time, as models/packing.py widens bfloat16): the cost is one
+weight read for many rows. The lm_head gets its own int8 copy; the (tied) embedding stays in the
+model dtype for lookup.
 
 Quality is reported, not assumed: docs/benchmarks.md gives greedy agreement and perplexity change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cothink.errors import InvalidParameterError, UnsupportedModelError
+from cothink.models.packing import can_pack, replace_linears, widened_matmul
 
 QUANTIZE_MODES = ("int8",)
 # Families whose every linear is a plain projection of the residual stream, validated for quality.
@@ -27,13 +28,6 @@ QUANTIZE_MODES = ("int8",)
 INT8_FAMILIES = ("llama", "qwen3")
 # rows per call up to which the int8 kernel beats dequantize + dense GEMM (measured: bench/limits)
 INT8_KERNEL_MAX_ROWS = 16
-
-# fused module -> the HF-named parts it replaces (models/transformer.py, fuse())
-_FUSED_PARTS = {
-    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
-    "gate_up_proj": ("gate_proj", "up_proj"),
-    "in_proj": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
-}
 
 _INT8_MM = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 
@@ -57,8 +51,16 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if rows.shape[0] <= INT8_KERNEL_MAX_ROWS and _INT8_MM is not None and x.device.type == "cpu":
+        cpu = x.device.type == "cpu"
+        if rows.shape[0] <= INT8_KERNEL_MAX_ROWS and _INT8_MM is not None and cpu:
             y = _INT8_MM(rows.to(torch.bfloat16).contiguous(), self.weight_int8, self.scale).to(x.dtype)
+        elif cpu and not can_pack(torch.bfloat16, "cpu"):  # no bfloat16 arithmetic: float32 slabs
+            scale = self.scale.float()[:, None]
+
+            def dequantize(slab: torch.Tensor, a: int, b: int) -> None:
+                torch.mul(self.weight_int8[a:b], scale[a:b], out=slab)
+
+            y = widened_matmul(rows.to(torch.bfloat16), dequantize, self.out_features, None).to(x.dtype)
         else:
             y = F.linear(rows.to(torch.bfloat16), self.dequantized(torch.bfloat16)).to(x.dtype)
         if self.bias is not None:
@@ -83,16 +85,6 @@ def check_quantize(mode: str | None, family: str) -> None:
         )
 
 
-def drop_fused_parts(model: nn.Module) -> None:
-    """Set the HF-named parts of every fused projection to None (the fused forward does not use
-    them; they are views that would keep the dense fused weight alive)."""
-    for module in list(model.modules()):
-        for fused, parts in _FUSED_PARTS.items():
-            if getattr(module, fused, None) is not None:
-                for part in parts:
-                    setattr(module, part, None)
-
-
 def quantize_int8(model: nn.Module) -> nn.Module:
     """Replace every nn.Linear of `model` (after any projection fusion) by an Int8Linear, in place.
 
@@ -101,18 +93,3 @@ def quantize_int8(model: nn.Module) -> nn.Module:
     a quantized weight stays alive. Per-row scales make the two orders identical.
     """
     return replace_linears(model, Int8Linear)
-
-
-LinearFactory = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
-
-
-def replace_linears(model: nn.Module, make: LinearFactory) -> nn.Module:
-    """Replace every nn.Linear of `model` by make(weight, bias), in place, after dropping the
-    HF-named parts of fused projections (so each weight is converted once, through the fused module,
-    and no dense copy of it stays alive)."""
-    drop_fused_parts(model)
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, make(child.weight, child.bias))
-    return model

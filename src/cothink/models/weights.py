@@ -9,7 +9,7 @@ from safetensors import safe_open
 
 from cothink.errors import UnsupportedModelError
 from cothink.models.config import ModelConfig
-from cothink.models.packing import can_pack, pack_linears
+from cothink.models.packing import pack_linears
 from cothink.models.quantize import check_quantize, quantize_int8
 from cothink.models.transformer import CausalLM
 
@@ -54,7 +54,7 @@ def load_weights(
     """Build the model and fill it from the checkpoint; every parameter must be present.
 
     `fuse` concatenates the projections that share an input (models/transformer.py, the fast
-    path) and, for bfloat16 on CPU, prepacks the linear weights for oneDNN (models/packing.py);
+    path) and, on CPU, gives the linears the kernel for their dtype and row count (models/packing.py);
     `quantize="int8"` makes the linear weights int8 (models/quantize.py)."""
     check_quantize(quantize, cfg.family)
     with torch.device("meta"):
@@ -75,6 +75,6 @@ def load_weights(
         model.fuse_projections()
     if quantize == "int8":
         quantize_int8(model)
-    elif fuse and can_pack(dtype, device):
-        pack_linears(model)  # bfloat16: oneDNN-prepacked weights, bit-identical to F.linear
+    elif fuse and torch.device(device).type == "cpu":
+        pack_linears(model, dtype)  # the CPU kernel for each dtype and row count (models/packing.py)
     return model

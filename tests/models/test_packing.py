@@ -1,0 +1,100 @@
+"""The fast path's CPU linears (models/packing.py) against F.linear and a float64 reference: each
+kernel choice by dtype and row count, several weight slabs, bias, inputs that are not the fast path's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cothink.models import packing
+from cothink.models.packing import WIDEN_MIN_ROWS, CpuLinear
+
+
+def _data(rows: int, out: int, k: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, k, generator=gen).to(dtype)
+    b = torch.randn(out, generator=gen).to(dtype)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    return x, w, b
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 64, 65, 130])
+def test_float32_matches_f_linear_at_every_row_count(rows):
+    x, w, b = _data(rows, 300, 96, torch.float32)
+    for bias in (None, b):
+        got = CpuLinear(w, bias)(x)
+        assert got.shape == (rows, 300) and got.is_contiguous()
+        ref = _reference(x, w, bias)
+        assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+def test_bfloat16_below_the_widening_threshold_is_f_linear_to_the_bit():
+    x, w, b = _data(WIDEN_MIN_ROWS - 1, 200, 64, torch.bfloat16)
+    assert torch.equal(CpuLinear(w, b)(x), F.linear(x, w, b))
+
+
+@pytest.mark.parametrize("rows", [WIDEN_MIN_ROWS, 33, 100])
+def test_bfloat16_widened_rounds_the_float32_product_once(rows, monkeypatch):
+    """Many slabs (a scratch of 4 rows, so 200 rows take 50 slabs) and a bias: the result is the
+    float32 product rounded to bfloat16, i.e. within one bfloat16 rounding of the float64 product."""
+    monkeypatch.setattr(packing, "_scratch", lambda: torch.empty(4 * 64))
+    x, w, b = _data(rows, 200, 64, torch.bfloat16, seed=rows)
+    for bias in (None, b):
+        got = CpuLinear(w, bias)(x)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 200)
+        ref = _reference(x, w, bias)
+        # a bfloat16 has 8 significant bits: a correctly rounded result is within 2^-8 relative
+        assert ((got.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
+        plain = F.linear(x, w, bias)
+        assert (got.float() - plain.float()).abs().max() <= 2**-7 * plain.float().abs().max()
+
+
+def test_widened_rows_do_not_depend_on_the_batch():
+    x, w, _ = _data(40, 120, 64, torch.bfloat16, seed=3)
+    lin = CpuLinear(w, None)
+    whole = lin(x)
+    for a, b in ((0, WIDEN_MIN_ROWS), (5, 22), (39, 40)):  # the last: one row, not widened
+        got, ref = lin(x[a:b]).float(), whole[a:b].float()
+        assert (got - ref).abs().max() <= 2**-7 * ref.abs().max()
+
+
+def test_three_dimensional_input_and_foreign_dtype():
+    x, w, b = _data(6, 50, 32, torch.float32)
+    lin = CpuLinear(w.bfloat16(), b.bfloat16())
+    x3 = x.bfloat16().view(2, 3, 32).repeat(1, 4, 1)  # [2, 12, 32]: 24 rows, widened
+    got = lin(x3)
+    assert got.shape == (2, 12, 50)
+    assert (got.float() - F.linear(x3, w.bfloat16(), b.bfloat16()).float()).abs().max() < 0.05
+    # a float32 input to a bfloat16 layer is not the fast path's: plain math in the input's dtype
+    got32 = lin(x)
+    assert got32.dtype == torch.float32
+    assert torch.allclose(got32, F.linear(x, w.bfloat16().float(), b.bfloat16().float()))
+
+
+def test_parameters_stay_visible_and_share_the_weight():
+    _, w, b = _data(1, 20, 8, torch.float32)
+    lin = CpuLinear(w, b)
+    assert lin.weight.data_ptr() == w.data_ptr()
+    assert sum(p.numel() for p in lin.parameters()) == w.numel() + b.numel()
+    assert set(lin.state_dict()) == {"weight", "bias"}
+
+
+def test_int8_wide_inputs_dequantize_to_float32_slabs(monkeypatch):
+    """Above the int8 kernel's row limit the weight is dequantized (to float32 slabs where the CPU has
+    no bfloat16 arithmetic, else to bfloat16): the product of the dequantized weight either way."""
+    from cothink.models.quantize import INT8_KERNEL_MAX_ROWS, Int8Linear
+
+    monkeypatch.setattr(packing, "_scratch", lambda: torch.empty(7 * 64))  # 7-row slabs: 18 of them
+    x, w, b = _data(INT8_KERNEL_MAX_ROWS + 9, 120, 64, torch.bfloat16, seed=4)
+    lin = Int8Linear(w, b)
+    got = lin(x)
+    ref = _reference(x, lin.dequantized(torch.float32), b)
+    assert got.dtype == torch.bfloat16 and got.shape == (x.shape[0], 120)
+    # dequantized in float32 (no bfloat16 arithmetic) or rounded to bfloat16 first (oneDNN): within
+    # a few bfloat16 roundings of the float64 product
+    assert (got.double() - ref).abs().max() <= 2**-6 * ref.abs().max()
