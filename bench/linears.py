@@ -7,7 +7,8 @@ For each dtype the model is loaded through cothink (fast path), and every linear
 calls (all layers and the lm_head: more bytes than the caches hold, as in a real step) runs on a
 random input of M rows, back to back: once through the module the fast path installed
 (models/packing.py: `CpuLinear`, or `PackedLinear` where oneDNN has bfloat16 kernels) and once
-through `F.linear` on the same dense weight. Each is the best of --repeats passes, alternating.
+through an `nn.Linear` (`F.linear`) on the same dense weight: the same module call around a different
+kernel. Each is the best of --repeats passes, alternating.
 Prints ms per pass, weight GB/s (bytes of weights / time) and GFLOP/s, and the ratio; this is the
 measurement behind the row thresholds in models/packing.py. Writes linears.json and linears.png to --out.
 """
@@ -21,7 +22,6 @@ from typing import Any
 
 import cothink  # noqa: E402,F401  sets the OpenMP wait policy, so it precedes torch
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
@@ -54,8 +54,17 @@ def fast_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "in_features") and not list(m.children())]
 
 
+def plain_linear(module: torch.nn.Module) -> torch.nn.Linear:
+    """An nn.Linear (F.linear behind the same module call) on the fast-path module's dense weight."""
+    weight = dense_weight(module)
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return linear
+
+
 def measure(modules: list[torch.nn.Module], rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
-    weights = [dense_weight(m) for m in modules]
+    plains = [plain_linear(m) for m in modules]
+    weights = [p.weight for p in plains]
     inputs = {m.in_features: torch.randn(rows, m.in_features).to(dtype) for m in modules}
 
     def fast() -> None:
@@ -63,8 +72,8 @@ def measure(modules: list[torch.nn.Module], rows: int, dtype: torch.dtype, repea
             m(inputs[m.in_features])
 
     def plain() -> None:
-        for m, w in zip(modules, weights):
-            F.linear(inputs[m.in_features], w)
+        for m in plains:
+            m(inputs[m.in_features])
 
     best = {"fast": float("inf"), "plain": float("inf")}
     with torch.inference_mode():

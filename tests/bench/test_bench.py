@@ -178,6 +178,22 @@ def test_linear_calls_record_what_a_forward_calls(tiny_folder):
     assert C.LinearCalls.seconds(step, torch.float32, 1) > 0
 
 
+def test_linears_quick(tiny_folder, tmp_path, capsys):
+    """Every linear of a pass, through the fast path's module and through nn.Linear, per row count."""
+    bench = _load("linears")
+    argv = ["--quick", "--model", str(tiny_folder), "--out", str(tmp_path), "--rows", "1", "9",
+            "--repeats", "1"]
+    assert bench.main(argv) == 0
+    assert "fast-path linears vs F.linear" in capsys.readouterr().out
+    runs = json.loads((tmp_path / "linears.json").read_text())["runs"]
+    assert [r["dtype"] for r in runs] == ["float32", "bfloat16"]
+    for run in runs:
+        assert run["modules"] == 2 * 4 + 1  # four fused projections per layer, and the lm_head
+        assert [r["rows"] for r in run["results"]] == [1, 9]
+        assert all(r["fast_ms"] > 0 and r["plain_ms"] > 0 for r in run["results"])
+    assert (tmp_path / "linears.png").stat().st_size > 0
+
+
 _NO_COMPILER = shutil.which("g++") is None and shutil.which("c++") is None
 
 

@@ -8,8 +8,9 @@
 - Otherwise float32 and bfloat16: `CpuLinear`, which picks the call by the number of rows
   (measured on an AMD EPYC Zen 3 with AVX2, 2 threads, `bench/linears.py`):
   * float32, from 2 to SGEMM_TRANSPOSED_MAX_ROWS rows: y^T = W x^T (`torch.mm(W, x.t())`) instead
-    of `F.linear`'s y = x W^T. Same products, other operand order: MKL's small-row kernel for
-    `F.linear` streams the weights at 5-10 GB/s, the other order at the GEMV's 12-20 GB/s.
+    of `F.linear`'s y = x W^T. Same products, other operand order: at 2-4 rows MKL's kernel for
+    `F.linear` streams the weights at 6-7 GB/s, the other order at ~13 (as one row does); 1.3-1.4x
+    faster up to 64 rows.
   * bfloat16 without bfloat16 hardware, from WIDEN_MIN_ROWS rows on: the product is float32 math
     in either case (`F.linear` in bfloat16 accumulates in float32 and rounds the result), but the
     bfloat16 GEMM runs at ~18 GFLOP/s there against ~100 for float32. So the weight is widened to
@@ -17,7 +18,8 @@
     copy of the model), multiplied in float32 and the result rounded to bfloat16 once, as before.
     Results agree with `F.linear` up to the order of the float32 sums: a bfloat16 rounding step
     apart on ~1e-4 of the outputs, so batch invariance holds up to float tolerance (BRIEF §2), not
-    to the bit. Fewer rows stay on `F.linear`, which is bandwidth-bound like any GEMV.
+    to the bit. Fewer rows stay on `F.linear`, which is bandwidth-bound like any GEMV. int8 layers
+    (models/quantize.py) widen their wide inputs the same way (`widened_matmul`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -61,7 +62,7 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, prepacked bf16"
 
 
-# rows up to which float32 runs as y^T = W x^T (one row and above, F.linear is as fast or faster)
+# rows up to which float32 runs as y^T = W x^T (at one row, and above this, F.linear is as fast)
 SGEMM_TRANSPOSED_MAX_ROWS = 64
 # rows from which a bfloat16 product is computed in float32 on CPUs without bfloat16 kernels
 WIDEN_MIN_ROWS = 8
