@@ -85,11 +85,14 @@ def widened_matmul(x: torch.Tensor, fill: SlabFill, n: int, bias: torch.Tensor |
     """x W^T (+ b) for bfloat16 x [M, K] and an [n, K] weight in float32 arithmetic: `fill` writes the
     weight's rows a..b as float32 into a slab of this thread's scratch, slab after slab; the float32
     result is rounded to bfloat16 once."""
-    k = x.shape[1]
+    m, k = x.shape
     xf, scratch = x.float(), _scratch()
     rows = max(1, scratch.numel() // k)
-    transposed = x.shape[0] <= SGEMM_TRANSPOSED_MAX_ROWS  # as _sgemm: y^T = W x^T for few rows
-    acc = torch.empty((n, x.shape[0]) if transposed else (x.shape[0], n))
+    bias = None if bias is None else bias.float()
+    transposed = m <= SGEMM_TRANSPOSED_MAX_ROWS  # as _sgemm: y^T = W x^T for few rows
+    # few rows: y^T in float32 (small), rounded in one transposing pass; many rows: each slab's
+    # columns rounded straight into the result (no float32 copy of a wide [M, n] output)
+    acc = torch.empty(n, m) if transposed else torch.empty(m, n, dtype=x.dtype)
     for a in range(0, n, rows):
         b = min(n, a + rows)
         slab = scratch[: (b - a) * k].view(b - a, k)
@@ -97,11 +100,11 @@ def widened_matmul(x: torch.Tensor, fill: SlabFill, n: int, bias: torch.Tensor |
         if transposed:  # rows a..b of y^T are contiguous: the product lands in place
             torch.mm(slab, xf.t(), out=acc[a:b])
         else:
-            acc[:, a:b] = F.linear(xf, slab)
-    y = acc.t() if transposed else acc
-    if bias is not None:
-        y = y + bias.float()
-    return torch.empty(y.shape, dtype=x.dtype).copy_(y)  # one rounding, one (transposing) pass
+            acc[:, a:b] = F.linear(xf, slab, None if bias is None else bias[a:b])
+    if not transposed:
+        return acc
+    y = acc.t() if bias is None else acc.t() + bias
+    return torch.empty(y.shape, dtype=x.dtype).copy_(y)
 
 
 class CpuLinear(nn.Module):
