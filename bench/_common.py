@@ -97,6 +97,12 @@ def machine() -> dict[str, Any]:
     }
 
 
+def machine_line(info: dict[str, Any]) -> str:
+    """The CPU, threads and load a result was measured under, for the first line a script prints."""
+    return (f"{info['processor']}, {info['cpu_count']} CPUs, torch {info['torch']} with "
+            f"{info['torch_threads']} threads (load avg {info['load_avg_1min_at_start']})")
+
+
 def model_folder(model: str) -> Path:
     """An embedded name, "qwen35-random" (the eval suite's random Qwen3.5 hybrid, built once) or a folder."""
     from cothink.models.hub import resolve_model_path
@@ -164,6 +170,39 @@ def timed(fn, *args: Any, **kwargs: Any) -> tuple[float, Any]:
 def write_json(path: Path, data: dict[str, Any]) -> Path:
     path.write_text(json.dumps(data, indent=2, default=str))
     return path
+
+
+def ratio_plot(series: dict[str, list[tuple[float, float]]], path: Path, *, title: str, xlabel: str,
+               ylabel: str) -> Path:
+    """One line per series of (x, ratio) points on a log2 x axis, with the 1.0 line; written to `path`."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for label, points in series.items():
+        points = sorted(points)
+        ax.plot([x for x, _ in points], [y for _, y in points], "o-", label=label)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def write_speedups(args: argparse.Namespace, info: dict[str, Any], stem: str, runs: list[dict[str, Any]],
+                   x_key: str, *, title: str, xlabel: str, ylabel: str) -> None:
+    """Write `stem`.json (machine, model, runs) and `stem`.png (each run's "speedup" by `x_key`, one
+    line per dtype) to --out, and say where."""
+    json_path = write_json(args.out / f"{stem}.json", {"machine": info, "model": args.model, "runs": runs})
+    series = {run["dtype"]: [(r[x_key], r["speedup"]) for r in run["results"]] for run in runs}
+    png = ratio_plot(series, args.out / f"{stem}.png", title=title, xlabel=xlabel, ylabel=ylabel)
+    print(f"wrote {json_path} and {png}")
 
 
 def ratio(a: float, b: float) -> float:

@@ -362,9 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     info = C.machine()
     console.print(
         f"[bold]coroutines[/bold]: {args.model} {args.dtype}, context {args.context} + {args.suffix} own "
-        f"tokens, {args.new_tokens} new tokens each; {info['processor']}, {info['cpu_count']} CPUs, "
-        f"torch {info['torch']} with {info['torch_threads']} threads (load avg "
-        f"{info['load_avg_1min_at_start']})"
+        f"tokens, {args.new_tokens} new tokens each; {C.machine_line(info)}"
     )
     t0 = time.perf_counter()
     res = asyncio.run(measure(args, folder, console))

@@ -121,42 +121,19 @@ def show(runs: list[dict[str, Any]]) -> None:
     C.console().print(table)
 
 
-def plot(runs: list[dict[str, Any]], path: Path, title: str) -> Path:
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.5))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot(1, 1, 1)
-    for run in runs:
-        rows = [r["rows"] for r in run["results"]]
-        ax.plot(rows, [r["speedup"] for r in run["results"]], "o-", label=run["dtype"])
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("rows per call (M)")
-    ax.set_ylabel("F.linear time / fast path time")
-    ax.set_title(title, fontsize=9)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    return path
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     C.setup(args)
     info = C.machine()
     folder = C.model_folder(args.model)
-    print(f"linears: {args.model} on {info['processor']}, {info['cpu_count']} CPUs, torch {info['torch']} "
-          f"with {info['torch_threads']} threads (load avg {info['load_avg_1min_at_start']})")
+    print(f"linears: {args.model} on {C.machine_line(info)}")
     runs = [run_dtype(folder, name, args) for name in args.dtypes]
     for run in runs:
         print(f"{run['dtype']}: {run['modules']} linears per pass through {', '.join(run['module_kinds'])}")
     show(runs)
-    out = {"machine": info, "model": args.model, "runs": runs}
-    json_path = C.write_json(args.out / "linears.json", out)
-    png = plot(runs, args.out / "linears.png", f"{args.model} linears on {info['processor']}")
-    print(f"wrote {json_path} and {png}")
+    C.write_speedups(args, info, "linears", runs, "rows",
+                     title=f"{args.model} linears on {info['processor']}",
+                     xlabel="rows per call (M)", ylabel="F.linear time / fast path time")
     return 0
 
 

@@ -385,11 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     console = C.console()
     folder = C.model_folder(args.model)
     info = C.machine()
-    console.print(
-        f"[bold]prefill/decode[/bold]: {args.model} on {info['processor']}, {info['cpu_count']} CPUs, "
-        f"torch {info['torch']} with {info['torch_threads']} threads "
-        f"(load avg {info['load_avg_1min_at_start']})"
-    )
+    console.print(f"[bold]prefill/decode[/bold]: {args.model} on {C.machine_line(info)}")
     t0 = time.perf_counter()
     results = {dtype: asyncio.run(measure_dtype(args, folder, dtype, console)) for dtype in args.dtypes}
     console.print()

@@ -33,7 +33,7 @@ def tiny_folder(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(
         vocab_size=49152,
-        hidden_size=32,
+        hidden_size=64,  # head size 16, as the fused decode attention reads it
         intermediate_size=64,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -192,6 +192,30 @@ def test_linears_quick(tiny_folder, tmp_path, capsys):
         assert [r["rows"] for r in run["results"]] == [1, 9]
         assert all(r["fast_ms"] > 0 and r["plain_ms"] > 0 for r in run["results"])
     assert (tmp_path / "linears.png").stat().st_size > 0
+
+
+@pytest.mark.skipif(not native.available(), reason="cothink's C kernels did not build here")
+def test_decode_attention_quick(tiny_folder, tmp_path, capsys, monkeypatch):
+    """Whole decode steps through the fused kernel and through the torch kernels, alternating; the
+    backend's key limit is restored afterwards."""
+    from cothink.execution import attention_backends
+
+    calls, kernel = [], native.decode_attention
+    monkeypatch.setattr(native, "decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    limit = attention_backends.NATIVE_DECODE_MAX_KEYS
+    bench = _load("decode_attention")
+    argv = ["--quick", "--model", str(tiny_folder), "--out", str(tmp_path), "--contexts", "40",
+            "--coroutines", "1", "3"]
+    assert bench.main(argv) == 0
+    assert "fused C attention vs torch kernels" in capsys.readouterr().out
+    assert attention_backends.NATIVE_DECODE_MAX_KEYS == limit and calls  # the kernel ran
+    runs = json.loads((tmp_path / "decode_attention.json").read_text())["runs"]
+    assert [r["dtype"] for r in runs] == ["bfloat16", "float32"]
+    for run in runs:
+        assert [(r["context"], r["coroutines"], r["keys_per_step"]) for r in run["results"]] == [
+            (40, 1, 44), (40, 3, 132)]
+        assert all(r["native_ms"] > 0 and r["torch_ms"] > 0 for r in run["results"])
+    assert (tmp_path / "decode_attention.png").stat().st_size > 0
 
 
 _NO_COMPILER = shutil.which("g++") is None and shutil.which("c++") is None

@@ -72,8 +72,9 @@ def test_fast_backends_agree_with_reference(kind, backend):
     assert isinstance(fast.attention, TorchAttention) and isinstance(slow.attention, ReferenceAttention)
     for a, b in zip(_scenario(fast), _scenario(slow), strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
-    if backend == "native":  # the decode steps (shared blocks, one or three items) took the kernel
-        assert fast.attention.plans >= 5
+    if backend == "native":  # the decode steps (shared blocks, one or three items) took the kernel,
+        # except with llama_yarn's head size 8: the kernel reads heads in 16-lane blocks
+        assert fast.attention.plans >= 5 if fast.config.head_dim % 16 == 0 else fast.attention.plans == 0
 
 
 @NEEDS_NATIVE

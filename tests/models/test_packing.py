@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from cothink.models import packing
-from cothink.models.packing import WIDEN_MIN_ROWS, CpuLinear
+from cothink.models.packing import NATIVE_MAX_ROWS, WIDEN_MIN_ROWS, CpuLinear
+from cothink.ops import native
 
 
 def _data(rows: int, out: int, k: int, dtype: torch.dtype, seed: int = 0):
@@ -23,7 +24,7 @@ def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torc
     return F.linear(x.double(), w.double(), None if b is None else b.double())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 64, 65, 130])
+@pytest.mark.parametrize("rows", [1, 2, 5, NATIVE_MAX_ROWS + 1, 64, 65, 130])
 def test_float32_matches_f_linear_at_every_row_count(rows):
     x, w, b = _data(rows, 300, 96, torch.float32)
     for bias in (None, b):
@@ -33,12 +34,36 @@ def test_float32_matches_f_linear_at_every_row_count(rows):
         assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
 
 
-def test_bfloat16_below_the_widening_threshold_is_f_linear_to_the_bit():
+@pytest.mark.skipif(not native.available(), reason="cothink's C kernels did not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_rows_run_in_the_c_kernel_independent_of_the_batch(dtype, monkeypatch):
+    """Up to NATIVE_MAX_ROWS rows the C kernel runs the product (float32 sums in a fixed order per
+    output): each row's result is the same to the bit alone or in any batch, and a bfloat16 result
+    is the float32 product rounded once (within a bfloat16 rounding of float64)."""
+    x, w, b = _data(NATIVE_MAX_ROWS, 200, 64, dtype, seed=1)
+    called, kernel = [], native.linear
+    monkeypatch.setattr(native, "linear", lambda *a: called.append(1) or kernel(*a))
+    lin = CpuLinear(torch.nn.Parameter(w), b)  # a loaded model's weight requires grad: not a reason to skip
+    whole = lin(x)
+    assert len(called) == 1
+    for a, c in ((0, 1), (3, 8), (5, NATIVE_MAX_ROWS)):
+        assert torch.equal(lin(x[a:c]), whole[a:c])
+    ref = _reference(x, w, b)
+    if dtype == torch.bfloat16:
+        assert ((whole.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
+    else:
+        assert (whole.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+    lin(torch.randn(NATIVE_MAX_ROWS + 1, 64).to(dtype))  # above the limit: torch's kernels
+    assert len(called) == 4
+
+
+def test_bfloat16_below_the_widening_threshold_without_c_kernels_is_f_linear_to_the_bit(monkeypatch):
+    monkeypatch.setattr(native, "ENABLED", False)
     x, w, b = _data(WIDEN_MIN_ROWS - 1, 200, 64, torch.bfloat16)
     assert torch.equal(CpuLinear(w, b)(x), F.linear(x, w, b))
 
 
-@pytest.mark.parametrize("rows", [WIDEN_MIN_ROWS, 33, 100])
+@pytest.mark.parametrize("rows", [NATIVE_MAX_ROWS + 1, 33, 100])
 def test_bfloat16_widened_rounds_the_float32_product_once(rows, monkeypatch):
     """Many slabs (a scratch of 4 rows, so 200 rows take 50 slabs) and a bias: the result is the
     float32 product rounded to bfloat16, i.e. within one bfloat16 rounding of the float64 product."""

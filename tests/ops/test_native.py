@@ -87,19 +87,21 @@ def test_store_kv_writes_what_the_torch_path_writes(dtype, partial):
 @pytest.mark.parametrize("partial", [1.0, 0.5])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_is_the_merge_of_per_run_attentions(dtype, partial):
-    """Three items (two runs with a gather; one run; an empty run and a single key), grouped-query
-    heads, a query with a head stride (a gated projection's layout): one softmax over the runs with
-    the query rotated per run equals the float64 per-run attention merged by LSE."""
-    hq, hkv, d = 6, 2, 24
+    """Four items (two runs with a gather; one run; an empty run and a single key; a run of several
+    passes of the kernel's 64 keys, not a multiple of 8), grouped-query heads, head size 80 (one 64-lane
+    block and a 16-lane tail), a query with a head stride (a gated projection's layout): one softmax
+    over the runs with the query rotated per run equals the float64 per-run attention merged by LSE."""
+    hq, hkv, d = 6, 2, 80
     rotary = _rotary(d, partial)
     g = torch.Generator().manual_seed(3)
-    pool_k = torch.randn(64, hkv, d, generator=g).to(dtype)
-    pool_v = torch.randn(64, hkv, d, generator=g).to(dtype)
-    q = torch.randn(4, hq, 2 * d, generator=g).to(dtype)[:, :, :d]  # head stride 2d
+    pool_k = torch.randn(256, hkv, d, generator=g).to(dtype)
+    pool_v = torch.randn(256, hkv, d, generator=g).to(dtype)
+    q = torch.randn(5, hq, 2 * d, generator=g).to(dtype)[:, :, :d]  # head stride 2d
     runs = {
         0: [(torch.arange(0, 20), 27), (torch.tensor([40, 33, 35, 50]), 3)],
         2: [(torch.arange(20, 29), 8)],
         3: [(torch.arange(0, 0), 0), (torch.tensor([60]), 0)],
+        4: [(torch.randperm(256, generator=g)[:150], 200), (torch.arange(100, 110), 9)],
     }
     plan_runs, want = [], {}
     for row, item in runs.items():
@@ -114,11 +116,36 @@ def test_decode_attention_is_the_merge_of_per_run_attentions(dtype, partial):
                 lses.append(lse)
         plan_runs.append(prepared)
         want[row] = reference_merge(outs, lses)
-    out = torch.full((4, hq, d), float("nan"))
+    out = torch.full((5, hq, d), float("nan"))
     native.decode_attention(q, native.DecodePlan(list(runs), plan_runs), pool_k, pool_v, d**-0.5, out)
     for row in runs:
         torch.testing.assert_close(out[row : row + 1], want[row], atol=2e-6, rtol=2e-6)
     assert out[1].isnan().all()  # rows of other items are left alone
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_linear_is_the_float32_product_rounded_once(dtype):
+    """Row counts below, at and across the kernel's groups of 8 (1, 8, 9, 17), with and without a
+    bias, an input with a row stride: float32 within float tolerance of float64, bfloat16 within one
+    rounding of it; every row the same to the bit alone as in the batch."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(70, 48, generator=g).to(dtype)
+    b = torch.randn(70, generator=g).to(dtype)
+    x_all = torch.randn(17, 96, generator=g).to(dtype)[:, :48]  # row stride 96
+    assert native.linear_fits(w, b) and not native.linear_fits(w[:, :40].contiguous(), None)
+    for rows in (1, 8, 9, 17):
+        x = x_all[:rows]
+        for bias in (None, b):
+            got = native.linear(x, w, bias)
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            assert got.dtype == dtype and got.shape == (rows, 70)
+            if dtype == torch.bfloat16:
+                assert ((got.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
+            else:
+                assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
+            assert torch.equal(native.linear(x[-1:], w, bias), got[-1:])
+    with pytest.raises(ValueError, match="does not fit"):  # the C kernel would read past the rows
+        native.linear(x_all[:, :32], w, None)
 
 
 def _probe(env: dict[str, str]) -> str:

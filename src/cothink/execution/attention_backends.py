@@ -40,9 +40,11 @@ from cothink.ops.attention import (
 BACKEND_NAMES = ("auto", "torch", "native", "reference")
 
 # Keys (per query head, summed over a step's decode items) up to which the single-threaded fused
-# decode attention beats the two-thread torch kernels plus their dispatch; measured on a 2-core
-# AMD EPYC, bfloat16, 9 query heads: 128 keys 25 vs 69 us, 512 keys 81 vs 108, 2048 keys 339 vs 269.
-NATIVE_DECODE_MAX_KEYS = 1024
+# decode attention beats the two-thread torch kernels plus their dispatch (`bench/decode_attention.py`:
+# whole SmolLM2 decode steps of N items sharing a context, 2-core AMD EPYC Zen 3; torch / native step
+# time 1.3-2.8x up to 16,416 keys, 1.25-1.29x at 8,320, 1.0 at 32,832, 0.74-0.78 at 65,664: the torch
+# path reads a shared run once for all its readers, the kernel once per reader).
+NATIVE_DECODE_MAX_KEYS = 16384
 
 
 class AttentionBackend(Protocol):
@@ -100,11 +102,12 @@ class NativeAttention(TorchAttention):
 
     def decode_plan(
         self, runs: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], rows: list[int],
-        pool: torch.Tensor, num_heads: int,
+        pool: torch.Tensor,
     ) -> native.DecodePlan | None:
         """A plan for the fused decode attention of these items, or None where the torch kernels
-        are the better choice (too many keys) or cannot be matched (dtype, head size)."""
-        if pool.dtype not in native.DTYPES or num_heads // pool.shape[-2] > 64:
+        are the better choice (too many keys) or cannot be matched (dtype, head size: a multiple
+        of 16, as every released model's)."""
+        if pool.dtype not in native.DTYPES or pool.shape[-1] % 16:
             return None
         if sum(slots.numel() for item in runs for slots, _, _ in item) > NATIVE_DECODE_MAX_KEYS:
             return None

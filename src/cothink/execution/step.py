@@ -275,7 +275,7 @@ class ViewBatch:
             return None
         runs = [[(run.slots, run.cos, run.sin) for run in p.runs] for p in plans]
         rows = [p.rows.start for p in plans]
-        return self.backend.decode_plan(runs, rows, self.store.pool.k, self.store.cfg.num_heads)
+        return self.backend.decode_plan(runs, rows, self.store.pool.k)
 
     def _write_index(self) -> Rows:
         """Where this step's keys go: one slice when each writer's new slots follow the previous

@@ -7,6 +7,13 @@
   bit-identical results, row by row independent of the batch (tests/models/test_fast_path.py).
 - Otherwise float32 and bfloat16: `CpuLinear`, which picks the call by the number of rows
   (measured on an AMD EPYC Zen 3 with AVX2, 2 threads, `bench/linears.py`):
+  * up to NATIVE_MAX_ROWS rows (decode steps of a few coroutines), either dtype: cothink's C kernel
+    (`ops/native.py` `linear`, one thread): each weight element read once per 8 rows, bfloat16
+    widened in registers, float32 sums in a fixed order per output, so a row's result is the same
+    to the bit in any batch of up to NATIVE_MAX_ROWS rows. As fast as torch's two-thread GEMV at one
+    bfloat16 row, 1.2x at one float32 row; at 2-8 bfloat16 rows 1.5-2.7x faster than `F.linear`,
+    whose bfloat16 kernel costs a GEMV per row there; float32 rows as fast as the operand order
+    below, or up to 1.2x. Without the C kernels the choices below apply from one row.
   * float32, from 2 to SGEMM_TRANSPOSED_MAX_ROWS rows: y^T = W x^T (`torch.mm(W, x.t())`) instead
     of `F.linear`'s y = x W^T. Same products, other operand order: at 2-4 rows MKL's kernel for
     `F.linear` streams the weights at 6-7 GB/s, the other order at ~13 (as one row does); 1.3-1.4x
@@ -18,7 +25,7 @@
     copy of the model), multiplied in float32 and the result rounded to bfloat16 once, as before.
     Results agree with `F.linear` up to the order of the float32 sums: a bfloat16 rounding step
     apart on ~1e-4 of the outputs, so batch invariance holds up to float tolerance (BRIEF §2), not
-    to the bit. Fewer rows stay on `F.linear`, which is bandwidth-bound like any GEMV. int8 layers
+    to the bit. Fewer rows stay on `F.linear` (without the C kernels). int8 layers
     (models/quantize.py) widen their wide inputs the same way (`widened_matmul`).
 """
 
@@ -30,6 +37,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from cothink.ops import native
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -62,6 +71,8 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, prepacked bf16"
 
 
+# rows up to which cothink's C kernel (ops/native.py `linear`) runs float32 and bfloat16 products
+NATIVE_MAX_ROWS = 12
 # rows up to which float32 runs as y^T = W x^T (at one row, and above this, F.linear is as fast)
 SGEMM_TRANSPOSED_MAX_ROWS = 64
 # rows from which a bfloat16 product is computed in float32 on CPUs without bfloat16 kernels
@@ -118,13 +129,16 @@ class CpuLinear(nn.Module):
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._w, self._b = self.weight.data, None if bias is None else self.bias.data
+        self._native_rows = NATIVE_MAX_ROWS if native.linear_fits(self._w, self._b) else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self._w, self._b
         if x.dtype != w.dtype or not x.is_cpu:  # not the fast path's input: plain math
             return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if w.dtype == torch.float32:
+        if rows.shape[0] <= self._native_rows and rows.stride(-1) == 1 and native.available():
+            y = native.linear(rows, w, b)
+        elif w.dtype == torch.float32:
             y = _sgemm(rows, w, b)
         elif rows.shape[0] >= WIDEN_MIN_ROWS:
             y = widened_matmul(rows, lambda slab, a, b: slab.copy_(w[a:b]), self.out_features, b)

@@ -3,7 +3,8 @@
  * A decode step spends more time dispatching small torch ops than computing them: an RMSNorm is
  * eight ops (~18 us for one row), a view attention of one query ~200 us of which the kernel is ~40.
  * Each function here does one of those units in a single call, single-threaded (no OpenMP: a second
- * OpenMP runtime next to torch's would fight it for the cores).
+ * OpenMP runtime next to torch's would fight it for the cores). ct_linear runs the products of steps
+ * of a few rows: bound by reading the weight, which one thread does as fast as torch's two here.
  *
  * Tensors arrive as data pointers with their row strides (elements); the last dimension is always
  * contiguous. `bf` selects the storage type: 0 float32, 1 bfloat16. Arithmetic is float32, and every
@@ -218,63 +219,258 @@ void ct_store_kv(const void *k, int64_t ks, const void *v, int64_t vs, const int
  * runs run_start[i] .. run_start[i+1]-1; run r is the pool slots slots[key_start[r] .. key_start[r+1])
  * and rotates the query with its own tables cos/sin [R, rot] (the query's position relative to the
  * run's block; keys carry block-local RoPE). All runs of an item form one softmax, which is what the
- * log-sum-exp merge of per-run partials computes. out [T, Hq, D] float32, row rows[i] written.
- * `longest` is the longest run, for the score buffer. */
-void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int64_t hkv, int64_t d,
-                         int64_t rot, int64_t items, const int64_t *rows, const int64_t *run_start,
-                         const int64_t *key_start, const int64_t *slots, const void *cos, const void *sin,
-                         const void *pool_k, const void *pool_v, float scale, int64_t longest, float *out,
-                         int bf) {
-    int64_t g = hq / hkv, size = bf ? 2 : 4;
-    float *qf = malloc((size_t)(g * d) * sizeof(float)), *qr = malloc((size_t)(g * d) * sizeof(float));
-    float *kf = malloc((size_t)d * sizeof(float)), *acc = malloc((size_t)(g * d) * sizeof(float));
-    float *scores = malloc((size_t)(g * (longest > 0 ? longest : 1)) * sizeof(float));
-    float m[64], l[64]; /* per query head of the group; Python checks g <= 64 */
-    for (int64_t i = 0; i < items; i++) {
-        int64_t row = rows[i];
-        for (int64_t kh = 0; kh < hkv; kh++) {
-            for (int64_t j = 0; j < g; j++) {
-                load_row((const char *)q + (row * qs + (kh * g + j) * qh) * size, d, bf, qf + j * d);
-                m[j] = -INFINITY;
-                l[j] = 0.0f;
-            }
-            memset(acc, 0, (size_t)(g * d) * sizeof(float));
-            for (int64_t r = run_start[i]; r < run_start[i + 1]; r++) {
-                int64_t a = key_start[r], n = key_start[r + 1] - a;
-                if (n == 0) continue;
-                const char *c = (const char *)cos + r * rot * size, *s = (const char *)sin + r * rot * size;
-                for (int64_t j = 0; j < g; j++) rotate(qf + j * d, d, rot, c, s, bf, qr + j * d);
-                for (int64_t x = 0; x < n; x++) {
-                    load_row((const char *)pool_k + ((slots[a + x] * hkv + kh) * d) * size, d, bf, kf);
-                    for (int64_t j = 0; j < g; j++) scores[j * n + x] = dot(qr + j * d, kf, d) * scale;
-                }
-                for (int64_t j = 0; j < g; j++) {
-                    float top = m[j], *sj = scores + j * n;
-                    for (int64_t x = 0; x < n; x++) top = sj[x] > top ? sj[x] : top;
-                    float rescale = fast_exp(m[j] - top); /* 0 for the first run (m = -inf) */
-                    l[j] *= rescale;
-                    for (int64_t e = 0; e < d; e++) acc[j * d + e] *= rescale;
-                    m[j] = top;
-                    for (int64_t x = 0; x < n; x++) sj[x] = fast_exp(sj[x] - top);
-                    l[j] += sum(sj, n);
-                }
-                for (int64_t x = 0; x < n; x++) {
-                    load_row((const char *)pool_v + ((slots[a + x] * hkv + kh) * d) * size, d, bf, kf);
-                    for (int64_t j = 0; j < g; j++) {
-                        float p = scores[j * n + x], *o = acc + j * d;
-                        for (int64_t e = 0; e < d; e++) o[e] += p * kf[e];
-                    }
-                }
-            }
-            for (int64_t j = 0; j < g; j++) {
-                float *o = out + (row * hq + kh * g + j) * d;
-                for (int64_t e = 0; e < d; e++) o[e] = acc[j * d + e] / l[j];
+ * log-sum-exp merge of per-run partials computes (here online, CHUNK keys at a time). out [T, Hq, D]
+ * float32, row rows[i] written. D is a multiple of 16 (Python checks). */
+/* Eight float32 lanes (GCC/Clang vector extensions: AVX on x86, NEON pairs on Arm, plain code
+ * elsewhere). Loads and stores go through memcpy: nothing needs to be aligned. */
+typedef float v8 __attribute__((vector_size(32)));
+typedef uint32_t w8 __attribute__((vector_size(32)));
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
+#error "ld16x reads bfloat16 pairs as little-endian words"
+#endif
+
+static inline v8 ld8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void st8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+
+/* Elements i .. i+15 of a float32 (bf 0) or bfloat16 (bf 1) row as two float32 vectors: for float32
+ * the two halves, for bfloat16 the even and the odd elements (one load and two integer ops, no lane
+ * shuffles). `deal` puts float32 rows that meet these in the same order. */
+static inline void ld16x(const void *p, int64_t i, int bf, v8 *lo, v8 *hi) {
+    if (!bf) {
+        *lo = ld8((const float *)p + i);
+        *hi = ld8((const float *)p + i + 8);
+        return;
+    }
+    w8 w, even, odd;
+    memcpy(&w, (const bf16 *)p + i, sizeof w);
+    even = w << 16;
+    odd = w & 0xffff0000u;
+    memcpy(lo, &even, sizeof *lo);
+    memcpy(hi, &odd, sizeof *hi);
+}
+
+/* x[n] (n a multiple of 16) from natural order into ld16x's order for bf (back with `inverse`) */
+static void deal(float *x, int64_t n, int bf, int inverse) {
+    if (!bf) return;
+    float t[16];
+    for (int64_t b = 0; b < n; b += 16) {
+        memcpy(t, x + b, sizeof t);
+        for (int u = 0; u < 8; u++) {
+            if (inverse) {
+                x[b + 2 * u] = t[u];
+                x[b + 2 * u + 1] = t[u + 8];
+            } else {
+                x[b + u] = t[2 * u];
+                x[b + u + 8] = t[2 * u + 1];
             }
         }
     }
+}
+
+static inline float hsum8(v8 v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+
+/* The lane sums of a[0..7] as one vector (a transpose folded into the adds): lane u is hsum8(a[u]),
+ * to the bit. */
+static inline v8 sum8x8(const v8 *a) {
+    v8 b[4], c[2];
+    for (int u = 0; u < 4; u++) /* lane pairs (i, i+4) of a[2u] and a[2u+1], interleaved */
+        b[u] = __builtin_shufflevector(a[2 * u], a[2 * u + 1], 0, 8, 1, 9, 2, 10, 3, 11)
+             + __builtin_shufflevector(a[2 * u], a[2 * u + 1], 4, 12, 5, 13, 6, 14, 7, 15);
+    for (int u = 0; u < 2; u++)
+        c[u] = __builtin_shufflevector(b[2 * u], b[2 * u + 1], 0, 1, 8, 9, 2, 3, 10, 11)
+             + __builtin_shufflevector(b[2 * u], b[2 * u + 1], 4, 5, 12, 13, 6, 7, 14, 15);
+    return __builtin_shufflevector(c[0], c[1], 0, 1, 2, 3, 8, 9, 10, 11)
+         + __builtin_shufflevector(c[0], c[1], 4, 5, 6, 7, 12, 13, 14, 15);
+}
+
+/* q . k for 16-channel blocks of q (float32, ld16x's order) and one key row */
+static inline v8 dot_lanes(const float *q, const void *k, int64_t d, int bf) {
+    v8 a = {0}, k0, k1;
+    for (int64_t e = 0; e < d; e += 16) {
+        ld16x(k, e, bf, &k0, &k1);
+        a += ld8(q + e) * k0;
+        a += ld8(q + e + 8) * k1;
+    }
+    return a;
+}
+
+/* Keys per pass of the online softmax (the score buffer's width). */
+#define CHUNK 64
+
+/* One pass of an online softmax over c <= CHUNK keys for the g query heads of one key head, read in
+ * place from the pool (k[x], v[x]: row pointers; d a multiple of 16): qr [g, d] rotated float32
+ * queries, running max m, sum l and unnormalised output acc [g, d], both in ld16x's order. Inlined
+ * per dtype (bf a constant). */
+static inline __attribute__((always_inline)) void attend_chunk(
+    const float *qr, const char *const *k, const char *const *v, int64_t c, int64_t g, int64_t d, float scale,
+    float *scores, float *m, float *l, float *acc, int bf) {
+    for (int64_t j = 0; j < g; j++) {
+        const float *qj = qr + j * d;
+        float *sj = scores + j * CHUNK;
+        int64_t x = 0;
+        for (; x + 8 <= c; x += 8) { /* eight keys at once: one vector of scores, no per-key lane sum */
+            v8 a[8];
+            for (int u = 0; u < 8; u++) a[u] = dot_lanes(qj, k[x + u], d, bf);
+            st8(sj + x, sum8x8(a) * scale);
+        }
+        for (; x < c; x++) sj[x] = hsum8(dot_lanes(qj, k[x], d, bf)) * scale;
+        float top = m[j];
+        for (x = 0; x < c; x++) top = sj[x] > top ? sj[x] : top;
+        float rescale = fast_exp(m[j] - top); /* 0 on the first pass (m = -inf) */
+        m[j] = top;
+        for (x = 0; x < c; x++) sj[x] = fast_exp(sj[x] - top);
+        l[j] = l[j] * rescale + sum(sj, c);
+        float *o = acc + j * d;
+        int64_t e = 0;
+        for (; e + 64 <= d; e += 64) { /* 64 output lanes in registers: eight independent add chains */
+            v8 y[8], v0, v1;
+            for (int u = 0; u < 8; u++) y[u] = ld8(o + e + 8 * u) * rescale;
+            for (x = 0; x < c; x++)
+                for (int u = 0; u < 4; u++) {
+                    ld16x(v[x], e + 16 * u, bf, &v0, &v1);
+                    y[2 * u] += sj[x] * v0;
+                    y[2 * u + 1] += sj[x] * v1;
+                }
+            for (int u = 0; u < 8; u++) st8(o + e + 8 * u, y[u]);
+        }
+        for (; e < d; e += 16) {
+            v8 y0 = ld8(o + e) * rescale, y1 = ld8(o + e + 8) * rescale, v0, v1;
+            for (x = 0; x < c; x++) {
+                ld16x(v[x], e, bf, &v0, &v1);
+                y0 += sj[x] * v0;
+                y1 += sj[x] * v1;
+            }
+            st8(o + e, y0);
+            st8(o + e + 8, y1);
+        }
+    }
+}
+
+/* One item's query heads over its runs (the query rotated per run) into out [hq, d]. A pass reads
+ * the chunk's keys of every key head, so each slot's rows are read together (adjacent lines). */
+static inline __attribute__((always_inline)) void attend_item(
+    const char *qrow, int64_t qh, int64_t hq, int64_t hkv, int64_t d, int64_t rot, int64_t r0, int64_t r1,
+    const int64_t *key_start, const int64_t *slots, const char *cos, const char *sin, const char *pool_k,
+    const char *pool_v, float scale, float *qf, float *qr, float *scores, float *acc, float *m, float *l,
+    float *out, int bf) {
+    int64_t g = hq / hkv, size = bf ? 2 : 4;
+    const char *k[CHUNK], *v[CHUNK];
+    for (int64_t h = 0; h < hq; h++) {
+        load_row(qrow + h * qh * size, d, bf, qf + h * d);
+        m[h] = -INFINITY;
+        l[h] = 0.0f;
+    }
+    memset(acc, 0, (size_t)(hq * d) * sizeof(float));
+    for (int64_t r = r0; r < r1; r++) {
+        for (int64_t h = 0; h < hq; h++) {
+            rotate(qf + h * d, d, rot, cos + r * rot * size, sin + r * rot * size, bf, qr + h * d);
+            deal(qr + h * d, d, bf, 0);
+        }
+        for (int64_t a = key_start[r]; a < key_start[r + 1]; a += CHUNK) {
+            int64_t c = key_start[r + 1] - a < CHUNK ? key_start[r + 1] - a : CHUNK;
+            for (int64_t kh = 0; kh < hkv; kh++) {
+                for (int64_t x = 0; x < c; x++) {
+                    int64_t at = (slots[a + x] * hkv + kh) * d * size;
+                    k[x] = pool_k + at;
+                    v[x] = pool_v + at;
+                }
+                attend_chunk(qr + kh * g * d, k, v, c, g, d, scale, scores, m + kh * g, l + kh * g,
+                             acc + kh * g * d, bf);
+            }
+        }
+    }
+    for (int64_t h = 0; h < hq; h++) {
+        deal(acc + h * d, d, bf, 1);
+        for (int64_t e = 0; e < d; e++) out[h * d + e] = acc[h * d + e] / l[h];
+    }
+}
+
+void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int64_t hkv, int64_t d,
+                         int64_t rot, int64_t items, const int64_t *rows, const int64_t *run_start,
+                         const int64_t *key_start, const int64_t *slots, const void *cos, const void *sin,
+                         const void *pool_k, const void *pool_v, float scale, float *out, int bf) {
+    int64_t g = hq / hkv, size = bf ? 2 : 4;
+    float *qf = malloc((size_t)(hq * d) * sizeof(float)), *qr = malloc((size_t)(hq * d) * sizeof(float));
+    float *acc = malloc((size_t)(hq * d) * sizeof(float)), *scores = malloc((size_t)(g * CHUNK) * sizeof(float));
+    float *m = malloc((size_t)hq * sizeof(float)), *l = malloc((size_t)hq * sizeof(float));
+    for (int64_t i = 0; i < items; i++) {
+        const char *qrow = (const char *)q + rows[i] * qs * size;
+        float *o = out + rows[i] * hq * d;
+        if (bf)
+            attend_item(qrow, qh, hq, hkv, d, rot, run_start[i], run_start[i + 1], key_start, slots, cos, sin,
+                        pool_k, pool_v, scale, qf, qr, scores, acc, m, l, o, 1);
+        else
+            attend_item(qrow, qh, hq, hkv, d, rot, run_start[i], run_start[i + 1], key_start, slots, cos, sin,
+                        pool_k, pool_v, scale, qf, qr, scores, acc, m, l, o, 0);
+    }
+    free(m);
+    free(l);
     free(qf);
     free(qr);
-    free(kf);
     free(acc);
     free(scores);
+}
+
+/* Rows of a linear layer processed per pass over the weight: their accumulators stay in registers. */
+#define LINEAR_GROUP 8
+
+/* y[i, r] = x[i] . w[r] for m <= LINEAR_GROUP rows of xf (float32, ld16x's order for w's dtype) and
+ * every weight row r: each weight element is read once per pass. Inlined per (m, bf) constant pair. */
+static inline __attribute__((always_inline)) void linear_group(const float *xf, const void *w, const void *bias,
+                                                                void *y, int64_t ys, int64_t m, int64_t n,
+                                                                int64_t k, int bf) {
+    int64_t size = bf ? 2 : 4;
+    for (int64_t r = 0; r < n; r++) {
+        const char *wr = (const char *)w + r * k * size;
+        v8 acc[LINEAR_GROUP] = {0}, w0, w1;
+        for (int64_t e = 0; e < k; e += 16) {
+            ld16x(wr, e, bf, &w0, &w1);
+            for (int64_t i = 0; i < m; i++) acc[i] += ld8(xf + i * k + e) * w0 + ld8(xf + i * k + e + 8) * w1;
+        }
+        float b = bias ? load(bias, r, bf) : 0.0f;
+        for (int64_t i = 0; i < m; i++) store(y, i * ys + r, hsum8(acc[i]) + b, bf);
+    }
+}
+
+#define LINEAR_CASE(M)                                          \
+    case M:                                                     \
+        if (bf)                                                 \
+            linear_group(xf, w, bias, yg, ys, M, n, k, 1);      \
+        else                                                    \
+            linear_group(xf, w, bias, yg, ys, M, n, k, 0);      \
+        break;
+
+/* y = x w^T (+ bias) for x [m, k] (row stride xs), w [n, k] and y [m, n] (row stride ys), all of the
+ * model dtype; k a multiple of 16 (Python checks). Float32 sums in a fixed order per output, so a
+ * row's result does not depend on the others; bfloat16 results rounded once, after the bias. A
+ * decode-sized product is bound by reading the weight: one pass per LINEAR_GROUP rows. */
+void ct_linear(const void *x, int64_t xs, const void *w, const void *bias, void *y, int64_t ys, int64_t m,
+               int64_t n, int64_t k, int bf) {
+    int64_t size = bf ? 2 : 4;
+    float *xf = malloc((size_t)(LINEAR_GROUP * k) * sizeof(float));
+    for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
+        int64_t rows = m - i0 < LINEAR_GROUP ? m - i0 : LINEAR_GROUP;
+        for (int64_t i = 0; i < rows; i++) {
+            load_row((const char *)x + (i0 + i) * xs * size, k, bf, xf + i * k);
+            deal(xf + i * k, k, bf, 0);
+        }
+        void *yg = (char *)y + i0 * ys * size;
+        switch (rows) {
+            LINEAR_CASE(1)
+            LINEAR_CASE(2)
+            LINEAR_CASE(3)
+            LINEAR_CASE(4)
+            LINEAR_CASE(5)
+            LINEAR_CASE(6)
+            LINEAR_CASE(7)
+            LINEAR_CASE(8)
+        }
+    }
+    free(xf);
 }

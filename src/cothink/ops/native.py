@@ -2,8 +2,10 @@
 
 A decode step on CPU is bound by dispatch, not arithmetic: an RMSNorm of one row is eight torch ops
 (~18 us), a view attention of one query ~200 us around a ~40 us kernel. The kernels here do each unit
-in one call. They are plain C (no torch headers, so they build in about a second with the system
-compiler, for this machine's CPU) and single-threaded (no second OpenMP runtime next to torch's).
+in one call; `linear` runs the products of steps of a few rows, where torch's bfloat16 kernel on a
+CPU without bfloat16 arithmetic costs a GEMV per row. They are plain C (no torch headers, so they
+build in about a second with the system compiler, for this machine's CPU) and single-threaded (no
+second OpenMP runtime next to torch's).
 
 `available()` is False, and every caller keeps its torch path, when the kernels are switched off
 (`COTHINK_NATIVE=0` in the environment, or `native.ENABLED = False`), when no C compiler is found, or
@@ -40,8 +42,9 @@ _SIGNATURES = {
     "ct_rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, ctypes.c_int, ctypes.c_int],
     "ct_silu_mul": [_P, _I, _P, _I, _I, ctypes.c_int],
     "ct_store_kv": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int],
-    "ct_decode_attention": [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _F, _I, _P,
+    "ct_decode_attention": [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _F, _P,
                             ctypes.c_int],
+    "ct_linear": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
 }
 
 
@@ -171,8 +174,32 @@ def decode_attention(
     _library().ct_decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1), hq, pool_k.shape[1], d, plan.cos.shape[-1], plan.items,
         plan.rows.data_ptr(), plan.run_start.data_ptr(), plan.key_start.data_ptr(), plan.slots.data_ptr(),
-        plan.cos.data_ptr(), plan.sin.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), scale, plan.longest,
+        plan.cos.data_ptr(), plan.sin.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), scale,
         out.data_ptr(), DTYPES[q.dtype],
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) for 2-D x [M, K] and a contiguous weight [N, K] of x's dtype, K a multiple of 16
+    (`linear_fits`): a few rows at a time over the weight, bound by reading it once per 8 rows."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if k != weight.shape[1] or x.dtype != weight.dtype or x.stride(1) != 1:  # C reads k columns blindly
+        raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
+                         f"{weight.dtype} (or its rows are not contiguous)")
+    y = torch.empty((m, n), dtype=x.dtype)
+    _library().ct_linear(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+        n, m, n, k, DTYPES[x.dtype],
+    )
+    return y
+
+
+def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear` takes this weight (and bias): contiguous, of a kernel dtype, K % 16 == 0."""
+    return (
+        supports(weight) and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] % 16 == 0
+        and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
     )
 
 
@@ -191,5 +218,4 @@ class DecodePlan:
         self.slots = torch.cat([slots for slots, _, _ in flat]).to(torch.long).contiguous()
         self.cos = torch.cat([cos.reshape(1, -1) for _, cos, _ in flat]).contiguous()
         self.sin = torch.cat([sin.reshape(1, -1) for _, _, sin in flat]).contiguous()
-        self.longest = max(lengths, default=0)
 
