@@ -103,6 +103,14 @@ def machine_line(info: dict[str, Any]) -> str:
             f"{info['torch_threads']} threads (load avg {info['load_avg_1min_at_start']})")
 
 
+def begin(args: argparse.Namespace, what: str) -> tuple[dict[str, Any], Path]:
+    """A script's start: `setup`, the line "<what>: <model> on <machine_line>", and the model folder."""
+    setup(args)
+    info = machine()
+    print(f"{what}: {args.model} on {machine_line(info)}")
+    return info, model_folder(args.model)
+
+
 def model_folder(model: str) -> Path:
     """An embedded name, "qwen35-random" (the eval suite's random Qwen3.5 hybrid, built once) or a folder."""
     from cothink.models.hub import resolve_model_path

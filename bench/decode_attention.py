@@ -129,10 +129,7 @@ def show(runs: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    C.setup(args)
-    info = C.machine()
-    folder = C.model_folder(args.model)
-    print(f"decode attention: {args.model} on {C.machine_line(info)}")
+    info, folder = C.begin(args, "decode attention")
     runs = [run_dtype(folder, name, args) for name in args.dtypes]
     show(runs)
     C.write_speedups(args, info, "decode_attention", runs, "keys_per_step",

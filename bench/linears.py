@@ -123,10 +123,7 @@ def show(runs: list[dict[str, Any]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    C.setup(args)
-    info = C.machine()
-    folder = C.model_folder(args.model)
-    print(f"linears: {args.model} on {C.machine_line(info)}")
+    info, folder = C.begin(args, "linears")
     runs = [run_dtype(folder, name, args) for name in args.dtypes]
     for run in runs:
         print(f"{run['dtype']}: {run['modules']} linears per pass through {', '.join(run['module_kinds'])}")

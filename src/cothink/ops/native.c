@@ -124,15 +124,6 @@ static inline float fold16(float *acc) {
     return acc[0];
 }
 
-static inline float dot(const float *a, const float *b, int64_t d) {
-    float acc[16] = {0};
-    int64_t body = d - d % 16;
-    for (int64_t i = 0; i < body; i += 16)
-        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
-    for (int64_t i = body; i < d; i++) acc[i - body] += a[i] * b[i];
-    return fold16(acc);
-}
-
 static inline float sum(const float *x, int64_t n) {
     float acc[16] = {0};
     int64_t body = n - n % 16;
@@ -213,14 +204,6 @@ void ct_store_kv(const void *k, int64_t ks, const void *v, int64_t vs, const int
     free(y);
 }
 
-/* Attention of single-query items over their views, one call for all of them.
- *
- * Item i's query is row rows[i] of q [T, Hq, D] (row stride qs, head stride qh). It reads the key
- * runs run_start[i] .. run_start[i+1]-1; run r is the pool slots slots[key_start[r] .. key_start[r+1])
- * and rotates the query with its own tables cos/sin [R, rot] (the query's position relative to the
- * run's block; keys carry block-local RoPE). All runs of an item form one softmax, which is what the
- * log-sum-exp merge of per-run partials computes (here online, CHUNK keys at a time). out [T, Hq, D]
- * float32, row rows[i] written. D is a multiple of 16 (Python checks). */
 /* Eight float32 lanes (GCC/Clang vector extensions: AVX on x86, NEON pairs on Arm, plain code
  * elsewhere). Loads and stores go through memcpy: nothing needs to be aligned. */
 typedef float v8 __attribute__((vector_size(32)));
@@ -391,6 +374,14 @@ static inline __attribute__((always_inline)) void attend_item(
     }
 }
 
+/* Attention of single-query items over their views, one call for all of them.
+ *
+ * Item i's query is row rows[i] of q [T, Hq, D] (row stride qs, head stride qh). It reads the key
+ * runs run_start[i] .. run_start[i+1]-1; run r is the pool slots slots[key_start[r] .. key_start[r+1])
+ * and rotates the query with its own tables cos/sin [R, rot] (the query's position relative to the
+ * run's block; keys carry block-local RoPE). All runs of an item form one softmax, which is what the
+ * log-sum-exp merge of per-run partials computes (here online, CHUNK keys at a time). out [T, Hq, D]
+ * float32, row rows[i] written. D is a multiple of 16 (Python checks). */
 void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int64_t hkv, int64_t d,
                          int64_t rot, int64_t items, const int64_t *rows, const int64_t *run_start,
                          const int64_t *key_start, const int64_t *slots, const void *cos, const void *sin,
