@@ -292,26 +292,30 @@ def measure_limits(dtype: torch.dtype, threads: int, quick: bool) -> dict[str, f
 
 
 class LinearCalls:
-    """The linear layers a model's forward passes call, in call order with their input rows,
-    recorded by forward hooks while `with LinearCalls(model) as calls:` runs real steps.
+    """The linear layers a runner's forward passes call, in call order with their input rows,
+    recorded by forward hooks while `with LinearCalls(runner) as calls:` runs real steps (through
+    the per-module path: the fused decode step, which calls the same kernels from C, is off
+    meanwhile).
 
     Replaying one pass's calls alone (`seconds`) times that step's matmuls with nothing around them,
     through the same modules and kernels: a bound on the step for any engine built on those kernels,
     tighter than the GEMV limit when layer-sized matrices stream slower than one big one."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
+    def __init__(self, runner: Any):
+        self.runner, self.model = runner, runner.model
         self.passes: list[list[tuple[torch.nn.Module, int]]] = []
 
     def __enter__(self) -> LinearCalls:
         leaves = [m for m in self.model.modules() if hasattr(m, "in_features") and not list(m.children())]
         self._hooks = [self.model.register_forward_pre_hook(lambda *_: self.passes.append([]))]
         self._hooks += [m.register_forward_hook(self._record) for m in leaves]
+        self._fused, self.runner.fused_decode = self.runner.fused_decode, None
         return self
 
     def __exit__(self, *exc: object) -> None:
         for hook in self._hooks:
             hook.remove()
+        self.runner.fused_decode = self._fused
 
     def _record(self, module: torch.nn.Module, args: tuple[Any, ...], _out: Any) -> None:
         self.passes[-1].append((module, args[0].shape[0]))

@@ -91,9 +91,12 @@ class CompiledForward:
         self.eager = type(self.model).forward
         self.model.forward = self.forward  # instance attribute: only this model
 
-    def forward(self, input_ids: torch.Tensor, ctx: Any, logit_rows: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, ctx: Any, logit_rows: torch.Tensor, layers: Any = None
+    ) -> torch.Tensor:
+        # `layers` (the fused decode step) is None here: the probe runs with the C kernels off
         if not self.compiled or logit_rows.numel() == 0:
-            return self.eager(self.model, input_ids, ctx, logit_rows)
+            return self.eager(self.model, input_ids, ctx, logit_rows, layers)
         _STEP_CONTEXT[0] = ctx
         try:
             return self.graph(self.graph_model, input_ids, logit_rows)

@@ -238,7 +238,7 @@ async def measure(args: argparse.Namespace, folder: Path, console: Any) -> dict[
                 f"HF cache {hb['cache_bytes'] / 2**20:.1f} MiB; {agree}/{n} greedy sequences equal HF's"
             )
         # the N-row decode step's matmuls alone (bench/_common.py LinearCalls): a bound for this N
-        with C.LinearCalls(engine.runner.model) as calls:
+        with C.LinearCalls(engine.runner) as calls:
             await co_run(engine, ctx_ids, suffixes[:n_max], 2)
         step = calls.last_with_rows(n_max)
         step_s = C.on_compute(C.LinearCalls.seconds, step, dtype, 3 if args.quick else 6)

@@ -7,11 +7,12 @@
 N coroutines share a context of L tokens (one block, prefilled once); each decodes one token per step
 over [context, its own block], so a step reads about N x L keys per query head. Every step runs the
 same model twice, alternating: with the "native" backend's fused kernel at any size
-(`NATIVE_DECODE_MAX_KEYS` lifted) and with the torch kernels (the limit set to 0: CPU flash attention
-per shared run, a padded batch for the own runs, LSE merges). Each is the best of --repeats timed
-groups of --steps steps. Prints ms per step and the ratio torch / native; this is the measurement
-behind `NATIVE_DECODE_MAX_KEYS` (execution/attention_backends.py). Writes decode_attention.json and
-decode_attention.png to --out.
+(`NATIVE_DECODE_MAX_KEYS` lifted; steps of up to 32 rows then run as the fused decode step,
+execution/fused_decode.py, as they do in use) and with the torch kernels (the limit set to 0: CPU
+flash attention per shared run, a padded batch for the own runs, LSE merges). Each is the best of
+--repeats timed groups of --steps steps. Prints ms per step and the ratio torch / native; this is
+the measurement behind `NATIVE_DECODE_MAX_KEYS` (execution/attention_backends.py). Writes
+decode_attention.json and decode_attention.png to --out.
 """
 
 from __future__ import annotations

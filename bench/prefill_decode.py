@@ -197,7 +197,7 @@ async def measure_dtype(
         n = args.decode_tokens
         await co_decode(engine, prompt, min(n, 4))  # warm-up
         C.on_compute(hf_decode, hf, prompt, min(n, 4))
-        with C.LinearCalls(engine.runner.model) as calls:  # one decode step's matmuls, replayed alone
+        with C.LinearCalls(engine.runner) as calls:  # one decode step's matmuls, replayed alone
             await co_decode(engine, prompt, 2)
         step = calls.last_with_rows(1)
         step_s = C.on_compute(C.LinearCalls.seconds, step, dtype, 3 if args.quick else 8)

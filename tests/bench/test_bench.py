@@ -166,8 +166,11 @@ def test_linear_calls_record_what_a_forward_calls(tiny_folder):
     model = runner.model
     block = runner.new_block()
     runner.extend(block, [5, 6, 7], logits="last")
-    with C.LinearCalls(model) as calls:
+    fused = runner.fused_decode
+    with C.LinearCalls(runner) as calls:
+        assert runner.fused_decode is None  # the per-module path: its calls are what a hook sees
         runner.extend(block, [8], logits="last")
+    assert runner.fused_decode is fused
     runner.extend(block, [9], logits="last")  # after the block: hooks are gone
     assert len(calls.passes) == 1
     step = calls.last_with_rows(1)
@@ -200,8 +203,10 @@ def test_decode_attention_quick(tiny_folder, tmp_path, capsys, monkeypatch):
     backend's key limit is restored afterwards."""
     from cothink.execution import attention_backends
 
-    calls, kernel = [], native.decode_attention
-    monkeypatch.setattr(native, "decode_attention", lambda *a: calls.append(1) or kernel(*a))
+    calls = []
+    for name in ("decode_attention", "decode_layers"):  # alone, or inside the fused decode step
+        kernel = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *a, kernel=kernel: calls.append(1) or kernel(*a))
     limit = attention_backends.NATIVE_DECODE_MAX_KEYS
     bench = _load("decode_attention")
     argv = ["--quick", "--model", str(tiny_folder), "--out", str(tmp_path), "--contexts", "40",

@@ -156,12 +156,12 @@ def test_bf16_fast_linears_match_the_eager_bf16_path(tiny_model, record_error, n
     fast, eager = tm.runner(dtype=torch.bfloat16), tm.runner(dtype=torch.bfloat16, fast=False)
     packed = can_pack(torch.bfloat16, "cpu")
     assert isinstance(fast.model.lm_head, PackedLinear if packed else CpuLinear)
-    ids = random_ids(24, seed=11)
+    ids = random_ids(48, seed=11)
     got = {}
     for label, runner in (("fast", fast), ("eager", eager)):
         block = runner.new_block()
-        prefill = runner.extend(block, ids[:16])  # 16 rows: CpuLinear widens
-        got[label] = torch.cat([prefill, *(runner.extend(block, [t]) for t in ids[16:])])
+        prefill = runner.extend(block, ids[:40])  # 40 rows: CpuLinear widens
+        got[label] = torch.cat([prefill, *(runner.extend(block, [t]) for t in ids[40:])])
     err = max_err(got["fast"], got["eager"])
     record_error("bf16 packed vs eager" if packed else "bf16 CpuLinear vs eager", name, err)
     bound = 0.02 * got["eager"].abs().max().item()

@@ -167,3 +167,56 @@ def test_without_a_compiler_or_switched_off_the_torch_paths_run(tmp_path):
     assert _probe({"COTHINK_NATIVE": "0"}).startswith("False 16.0")
     assert _probe({"COTHINK_CACHE": str(tmp_path)}).startswith("True 16.0")
     assert len(list(tmp_path.glob("native/native-*.so"))) == 1  # built once, named for source, compiler, CPU
+
+
+@pytest.fixture
+def torch_threads():
+    """set(n): this thread's torch thread count, which the kernels split their work over; restored."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_results_do_not_depend_on_the_thread_count(dtype, torch_threads):
+    """Weight rows (products) and items (decode attention) split over helper threads: each task is
+    computed whole by one thread in a fixed order, so 1, 2 and 3 threads give the same bits; the
+    helpers do take part."""
+    g = torch.Generator().manual_seed(9)
+    w = torch.randn(4096, 64, generator=g).to(dtype)  # 128 grains of weight rows
+    x = torch.randn(3, 64, generator=g).to(dtype)
+    pool_k, pool_v = (torch.randn(64, 2, 32, generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(24, 4, 32, generator=g).to(dtype)
+    rotary = _rotary(32, 1.0)
+    runs = [[(torch.randperm(64, generator=g)[: 10 + i], *rotary.prepared(torch.tensor([i]), dtype))]
+            for i in range(24)]
+    plan = native.DecodePlan(list(range(24)), runs)
+    results = {}
+    helped = native.helper_grains()
+    for threads in (1, 2, 3):
+        torch_threads(threads)
+        for _ in range(20):  # helpers wake up, then join as the calls follow each other
+            y = native.linear(x, w, None)
+            out = torch.empty(24, 4, 32)
+            native.decode_attention(q, plan, pool_k, pool_v, 32**-0.5, out)
+        results[threads] = (y, out)
+    assert native.helper_grains() > helped
+    for threads in (2, 3):
+        assert torch.equal(results[threads][0], results[1][0])
+        assert torch.equal(results[threads][1], results[1][1])
+
+
+def test_a_forked_child_runs_the_kernels_without_the_parents_helpers(torch_threads):
+    """A fork copies the helper team's state but not its threads: the child must not wait for them."""
+    torch_threads(2)
+    w, x = torch.randn(4096, 64), torch.randn(1, 64)
+    want = native.linear(x, w, None)  # the parent's helpers exist now
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 if the product is right, killed by the alarm if it hangs
+        import signal
+
+        signal.alarm(60)
+        ok = all(torch.equal(native.linear(x, w, None), want) for _ in range(5))
+        os._exit(0 if ok else 1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -39,11 +39,13 @@ from cothink.ops.attention import (
 
 BACKEND_NAMES = ("auto", "torch", "native", "reference")
 
-# Keys (per query head, summed over a step's decode items) up to which the single-threaded fused
-# decode attention beats the two-thread torch kernels plus their dispatch (`bench/decode_attention.py`:
-# whole SmolLM2 decode steps of N items sharing a context, 2-core AMD EPYC Zen 3; torch / native step
-# time 1.3-2.8x up to 16,416 keys, 1.25-1.29x at 8,320, 1.0 at 32,832, 0.74-0.78 at 65,664: the torch
-# path reads a shared run once for all its readers, the kernel once per reader).
+# Keys (per query head, summed over a step's decode items) up to which the fused decode attention
+# beats the two-thread torch kernels plus their dispatch (`bench/decode_attention.py`: whole SmolLM2
+# decode steps of N items sharing a context, 2-core AMD EPYC Zen 3. Session 8, the kernel on one
+# thread, no fused step: torch / native step time 1.3-2.8x up to 16,416 keys, 1.25-1.29x at 8,320, 1.0
+# at 32,832, 0.74-0.78 at 65,664: the torch path reads a shared run once for all its readers, the
+# kernel once per reader. Session 9, with the fused step and its helper threads: 2.0-4.9x up to
+# 16,416 keys at N <= 8; larger sizes not measured again, so the limit stays).
 NATIVE_DECODE_MAX_KEYS = 16384
 
 

@@ -23,6 +23,7 @@ from cothink.errors import (
 )
 from cothink.execution.attention_backends import AttentionBackend, select_backend
 from cothink.execution.cache import ExecutionCache
+from cothink.execution.fused_decode import FusedDecode
 from cothink.execution.linear_state import seal_records
 from cothink.execution.step import StepItem, ViewBatch, undo
 from cothink.execution.threads import run_compute
@@ -72,6 +73,9 @@ class ModelRunner:
         self.dense_summary_min_tokens = dense_summary_min_tokens
         # chosen once: "torch" (CPU flash + padded decode), "reference" (plain math, for tests), "auto"
         self.attention = select_backend(attention_backend, self.device)
+        # small decode steps' decoder layers in one C call where the model and backend allow it
+        # (execution/fused_decode.py; results identical to the per-module path); None: never
+        self.fused_decode = FusedDecode.for_model(model, self.attention)
         # writer states and last logits of this runner's blocks (entries dropped on truncate and free)
         self.cache = ExecutionCache()
         self._identity: ModelIdentity | None = None
@@ -255,9 +259,10 @@ class ModelRunner:
         """The forward pass of a prepared step. It writes keys into the reserved pages and changes
         nothing else that anyone can see (GDN records and lengths are published by `commit`)."""
         ids = [t for item in batch.items for t in item.token_ids]
+        fused = self.fused_decode if self.fused_decode is not None and self.fused_decode.fits(batch) else None
         with torch.inference_mode():
             logits = self.model(
-                torch.tensor(ids, device=self.device), batch, batch.logit_rows().to(self.device)
+                torch.tensor(ids, device=self.device), batch, batch.logit_rows().to(self.device), fused
             )
         out, row = [], 0
         for item in batch.items:

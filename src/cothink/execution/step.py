@@ -17,6 +17,7 @@ from cothink.execution.cache import ExecutionCache, LastLogits, ViewKey, WriterS
 from cothink.execution.linear_state import LinearState, apply_block, empty_state, run_tokens
 from cothink.memory.block import Block, view_key
 from cothink.memory.store import BlockStore
+from cothink.models.packing import NATIVE_MAX_ROWS
 from cothink.models.transformer import GatedDeltaNet
 from cothink.ops import native
 from cothink.ops.rope import Rotary
@@ -319,7 +320,11 @@ class ViewBatch:
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if self.native_items:
             if q.dtype == pool_k.dtype and native.supports(q):
-                native.decode_attention(q, self.native_decode, pool_k, pool_v, self.scale, out)
+                # the kernel's helper threads only where the step's products run in C too: in wider
+                # steps torch's OpenMP threads hold the other cores, and a helper sharing one with
+                # them stalls the call (measured: 16 bf16 coroutines 0.67x)
+                threads = None if self.rows <= NATIVE_MAX_ROWS else 1
+                native.decode_attention(q, self.native_decode, pool_k, pool_v, self.scale, out, threads)
             else:  # not the kernel's input layout: the per-item torch path
                 for plan in self.native_items:
                     self._attend_item(plan, q, slot, out)

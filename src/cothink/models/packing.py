@@ -7,13 +7,16 @@
   bit-identical results, row by row independent of the batch (tests/models/test_fast_path.py).
 - Otherwise float32 and bfloat16: `CpuLinear`, which picks the call by the number of rows
   (measured on an AMD EPYC Zen 3 with AVX2, 2 threads, `bench/linears.py`):
-  * up to NATIVE_MAX_ROWS rows (decode steps of a few coroutines), either dtype: cothink's C kernel
-    (`ops/native.py` `linear`, one thread): each weight element read once per 8 rows, bfloat16
-    widened in registers, float32 sums in a fixed order per output, so a row's result is the same
-    to the bit in any batch of up to NATIVE_MAX_ROWS rows. As fast as torch's two-thread GEMV at one
-    bfloat16 row, 1.2x at one float32 row; at 2-8 bfloat16 rows 1.5-2.7x faster than `F.linear`,
-    whose bfloat16 kernel costs a GEMV per row there; float32 rows as fast as the operand order
-    below, or up to 1.2x. Without the C kernels the choices below apply from one row.
+  * up to NATIVE_MAX_ROWS rows (decode steps of up to 32 coroutines), either dtype: cothink's C
+    kernel (`ops/native.py` `linear`, weight rows split over the step's threads): each weight
+    element read once per 8 rows, bfloat16 widened in registers, float32 sums in a fixed order per
+    output, so a row's result is the same to the bit in any batch of up to NATIVE_MAX_ROWS rows.
+    bfloat16: 1.2x `F.linear` at one row, 1.9-4.2x at 2-8 rows (torch's bfloat16 kernel costs a GEMV
+    per row there), 1.5x at 16 rows and 1.1x at 32 against the widened slabs below; float32: 1.8x at
+    one row, 2.3-3.5x at 2-8 rows, 1.05x at 16 and 0.87x at 32 against the operand order below.
+    Decode steps of 13-32 rows still gain as a whole (the fused decode step around it, and the
+    attention on the same threads: 16 coroutines 1.3-1.7x, 32 1.0-1.5x). Without the C kernels the
+    choices below apply from one row.
   * float32, from 2 to SGEMM_TRANSPOSED_MAX_ROWS rows: y^T = W x^T (`torch.mm(W, x.t())`) instead
     of `F.linear`'s y = x W^T. Same products, other operand order: at 2-4 rows MKL's kernel for
     `F.linear` streams the weights at 6-7 GB/s, the other order at ~13 (as one row does); 1.3-1.4x
@@ -72,7 +75,8 @@ class PackedLinear(nn.Module):
 
 
 # rows up to which cothink's C kernel (ops/native.py `linear`) runs float32 and bfloat16 products
-NATIVE_MAX_ROWS = 12
+# (and decode steps take the fused path, execution/fused_decode.py); measured in the module doc
+NATIVE_MAX_ROWS = 32
 # rows up to which float32 runs as y^T = W x^T (at one row, and above this, F.linear is as fast)
 SGEMM_TRANSPOSED_MAX_ROWS = 64
 # rows from which a bfloat16 product is computed in float32 on CPUs without bfloat16 kernels
@@ -130,6 +134,11 @@ class CpuLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._w, self._b = self.weight.data, None if bias is None else self.bias.data
         self._native_rows = NATIVE_MAX_ROWS if native.linear_fits(self._w, self._b) else 0
+
+    @property
+    def native_rows(self) -> int:
+        """Rows up to which this linear runs in the C kernel (0: never; its weight does not fit it)."""
+        return self._native_rows
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self._w, self._b

@@ -7,6 +7,7 @@ layer implements over blocks and views. Tokens of all items in a step arrive fla
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -26,6 +27,10 @@ class ForwardContext(Protocol):
         self, layer: int, mixer: GatedDeltaNet, rows: torch.Tensor, g: torch.Tensor, beta: torch.Tensor
     ) -> torch.Tensor:
         """Pre-conv rows [T, conv_dim], g/beta [T, HV] fp32 -> delta-rule output [T, HV, V] fp32."""
+
+
+# hidden states [T, hidden] after the embedding -> after the last decoder layer
+DecoderLayers = Callable[[torch.Tensor, ForwardContext], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -264,11 +269,18 @@ class CausalLM(nn.Module):
             if isinstance(module, RMSNorm):
                 module.native = True
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor) -> torch.Tensor:
-        """input_ids [T] -> float32 logits for the rows `logit_rows` (indices into T)."""
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor,
+        layers: DecoderLayers | None = None,
+    ) -> torch.Tensor:
+        """input_ids [T] -> float32 logits for the rows `logit_rows` (indices into T). `layers`, if
+        given, runs the decoder layers in place of the modules (the runner's fused decode step)."""
         x = self.model.embed_tokens(input_ids)
-        for layer in self.model.layers:
-            x = layer(x, ctx)
+        if layers is not None:
+            x = layers(x, ctx)
+        else:
+            for layer in self.model.layers:
+                x = layer(x, ctx)
         if logit_rows.numel() == 0:
             return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         return self.lm_head(self.model.norm(x[logit_rows])).float()

@@ -5,6 +5,7 @@
  * Each function here does one of those units in a single call, single-threaded (no OpenMP: a second
  * OpenMP runtime next to torch's would fight it for the cores). ct_linear runs the products of steps
  * of a few rows: bound by reading the weight, which one thread does as fast as torch's two here.
+ * ct_decode_layers chains them over all decoder layers of a small Llama-family decode step.
  *
  * Tensors arrive as data pointers with their row strides (elements); the last dimension is always
  * contiguous. `bf` selects the storage type: 0 float32, 1 bfloat16. Arithmetic is float32, and every
@@ -13,9 +14,12 @@
  * Built with -ffp-contract=off so that a*b + c*d is never fused into one rounding.
  */
 #include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef uint16_t bf16;
 
@@ -204,6 +208,136 @@ void ct_store_kv(const void *k, int64_t ks, const void *v, int64_t vs, const int
     free(y);
 }
 
+/* ---- helper threads ------------------------------------------------------------------------
+ * The products and the decode attention split their work over the calling thread and up to
+ * `threads - 1` helper threads (the step's torch thread count, which the engine's ThreadChooser
+ * lowers to one when another process takes a core): one core does not draw the memory bandwidth two
+ * do (a float32 sum over 256 MiB here: ~15 GB/s on one thread, 18-29 on two). Tasks (weight rows,
+ * items) are claimed a grain at a time, so a helper that is late or descheduled does less rather
+ * than holding the call up, and the caller never waits for a helper that has not joined: only for
+ * one inside the loop, finishing its grain. Each task is computed whole by one thread, in the same
+ * order whatever the thread count, so results do not depend on it. Idle helpers spin for SPIN_NS
+ * (the gaps between a fused step's calls; short, so that a spinning helper does not take the core
+ * from torch's own threads for long), then sleep on a condition variable. No OpenMP: a second OpenMP
+ * runtime next to torch's would fight it for the cores. */
+typedef void (*task_fn)(void *ctx, int64_t begin, int64_t end);
+
+#define MAX_HELPERS 15
+#define SPIN_NS 100000
+
+static struct {
+    pthread_mutex_t lock;
+    pthread_cond_t wake;
+    atomic_flag busy;      /* a loop is running (a second calling thread runs its loop alone) */
+    _Atomic int64_t gen;   /* the number of the latest loop */
+    atomic_int open;       /* helpers may still join it */
+    atomic_int active;     /* helpers inside it */
+    atomic_int sleeping;   /* helpers waiting on `wake` */
+    _Atomic int64_t next;  /* its first unclaimed task */
+    _Atomic int64_t helped; /* grains run by helpers, ever (ct_helper_grains: tests, diagnostics) */
+    int helpers;           /* helpers started (changed by the thread holding `busy`) */
+    int wanted;            /* helpers that may join the current loop */
+    task_fn fn;
+    void *ctx;
+    int64_t tasks, grain;
+} team = {.lock = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER, .busy = ATOMIC_FLAG_INIT};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+static void claim_tasks(int helper) {
+    for (;;) {
+        int64_t b = atomic_fetch_add(&team.next, team.grain);
+        if (b >= team.tasks) return;
+        if (helper) atomic_fetch_add(&team.helped, 1);
+        team.fn(team.ctx, b, b + team.grain < team.tasks ? b + team.grain : team.tasks);
+    }
+}
+
+/* the number of the next loop after `seen`: spin for SPIN_NS, then sleep until it comes */
+static int64_t next_loop(int64_t seen) {
+    int64_t g, start = now_ns();
+    for (int i = 1;; i++) {
+        if ((g = atomic_load(&team.gen)) != seen) return g;
+        cpu_relax();
+        if (i % 256 == 0 && now_ns() - start > SPIN_NS) break;
+    }
+    pthread_mutex_lock(&team.lock);
+    atomic_fetch_add(&team.sleeping, 1);
+    while ((g = atomic_load(&team.gen)) == seen) pthread_cond_wait(&team.wake, &team.lock);
+    atomic_fetch_sub(&team.sleeping, 1);
+    pthread_mutex_unlock(&team.lock);
+    return g;
+}
+
+static void *helper_main(void *arg) {
+    int index = (int)(intptr_t)arg;
+    int64_t seen = 0;
+    for (;;) {
+        int64_t g = seen = next_loop(seen);
+        atomic_fetch_add(&team.active, 1);
+        /* inside `active` the caller cannot close this loop and start another: the fields are g's */
+        if (atomic_load(&team.open) && atomic_load(&team.gen) == g && index < team.wanted) claim_tasks(1);
+        atomic_fetch_sub(&team.active, 1);
+    }
+    return NULL;
+}
+
+/* a child process has none of the parent's helpers, and may have copied a held lock */
+static void team_after_fork(void) {
+    pthread_mutex_init(&team.lock, NULL);
+    pthread_cond_init(&team.wake, NULL);
+    atomic_flag_clear(&team.busy);
+    atomic_store(&team.open, 0);
+    atomic_store(&team.active, 0);
+    atomic_store(&team.sleeping, 0);
+    team.helpers = 0;
+}
+
+/* fn(ctx, begin, end) over tasks 0..tasks-1, `grain` at a time, on up to `threads` threads */
+static void parallel_for(task_fn fn, void *ctx, int64_t tasks, int64_t grain, int64_t threads) {
+    int want = threads - 1 < MAX_HELPERS ? (int)threads - 1 : MAX_HELPERS;
+    if (want <= 0 || tasks <= grain || atomic_flag_test_and_set(&team.busy)) {
+        fn(ctx, 0, tasks);
+        return;
+    }
+    if (team.helpers == 0 && team.helpers < want) pthread_atfork(NULL, NULL, team_after_fork);
+    while (team.helpers < want) {
+        pthread_t t;
+        if (pthread_create(&t, NULL, helper_main, (void *)(intptr_t)team.helpers)) break;
+        pthread_detach(t);
+        team.helpers++;
+    }
+    team.fn = fn;
+    team.ctx = ctx;
+    team.tasks = tasks;
+    team.grain = grain;
+    team.wanted = want;
+    atomic_store(&team.next, 0);
+    atomic_fetch_add(&team.gen, 1);
+    atomic_store(&team.open, 1);
+    if (atomic_load(&team.sleeping)) {
+        pthread_mutex_lock(&team.lock);
+        pthread_cond_broadcast(&team.wake);
+        pthread_mutex_unlock(&team.lock);
+    }
+    claim_tasks(0);
+    atomic_store(&team.open, 0);
+    while (atomic_load(&team.active)) cpu_relax();
+    atomic_flag_clear(&team.busy);
+}
+
+int64_t ct_helper_grains(void) { return atomic_load(&team.helped); }
+
 /* Eight float32 lanes (GCC/Clang vector extensions: AVX on x86, NEON pairs on Arm, plain code
  * elsewhere). Loads and stores go through memcpy: nothing needs to be aligned. */
 typedef float v8 __attribute__((vector_size(32)));
@@ -374,7 +508,50 @@ static inline __attribute__((always_inline)) void attend_item(
     }
 }
 
-/* Attention of single-query items over their views, one call for all of them.
+/* The arguments of ct_decode_attention, for its items split over threads. */
+typedef struct {
+    const void *q;
+    int64_t qs, qh, hq, hkv, d, rot;
+    const int64_t *rows, *run_start, *key_start, *slots;
+    const void *cos, *sin, *pool_k, *pool_v;
+    float scale;
+    float *out;
+    int bf;
+} AttentionJob;
+
+/* one item of an AttentionJob, with the scratch of the thread that runs it; bf a constant */
+static inline __attribute__((always_inline)) void attention_item(const AttentionJob *j, int64_t i, float *qf,
+                                                                  float *qr, float *scores, float *acc,
+                                                                  float *m, float *l, int bf) {
+    int64_t size = bf ? 2 : 4;
+    attend_item((const char *)j->q + j->rows[i] * j->qs * size, j->qh, j->hq, j->hkv, j->d, j->rot,
+                j->run_start[i], j->run_start[i + 1], j->key_start, j->slots, j->cos, j->sin, j->pool_k,
+                j->pool_v, j->scale, qf, qr, scores, acc, m, l, j->out + j->rows[i] * j->hq * j->d, bf);
+}
+
+/* items begin .. end-1 of an AttentionJob */
+static void attention_items(void *ctx, int64_t begin, int64_t end) {
+    const AttentionJob *j = ctx;
+    size_t heads = (size_t)j->hq, row = (size_t)(j->hq * j->d) * sizeof(float);
+    float *qf = malloc(row), *qr = malloc(row), *acc = malloc(row);
+    float *scores = malloc((size_t)(j->hq / j->hkv * CHUNK) * sizeof(float));
+    float *m = malloc(heads * sizeof(float)), *l = malloc(heads * sizeof(float));
+    for (int64_t i = begin; i < end; i++) {
+        if (j->bf)
+            attention_item(j, i, qf, qr, scores, acc, m, l, 1);
+        else
+            attention_item(j, i, qf, qr, scores, acc, m, l, 0);
+    }
+    free(m);
+    free(l);
+    free(qf);
+    free(qr);
+    free(acc);
+    free(scores);
+}
+
+/* Attention of single-query items over their views, one call for all of them (items split over
+ * up to `threads` threads).
  *
  * Item i's query is row rows[i] of q [T, Hq, D] (row stride qs, head stride qh). It reads the key
  * runs run_start[i] .. run_start[i+1]-1; run r is the pool slots slots[key_start[r] .. key_start[r+1])
@@ -385,27 +562,11 @@ static inline __attribute__((always_inline)) void attend_item(
 void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int64_t hkv, int64_t d,
                          int64_t rot, int64_t items, const int64_t *rows, const int64_t *run_start,
                          const int64_t *key_start, const int64_t *slots, const void *cos, const void *sin,
-                         const void *pool_k, const void *pool_v, float scale, float *out, int bf) {
-    int64_t g = hq / hkv, size = bf ? 2 : 4;
-    float *qf = malloc((size_t)(hq * d) * sizeof(float)), *qr = malloc((size_t)(hq * d) * sizeof(float));
-    float *acc = malloc((size_t)(hq * d) * sizeof(float)), *scores = malloc((size_t)(g * CHUNK) * sizeof(float));
-    float *m = malloc((size_t)hq * sizeof(float)), *l = malloc((size_t)hq * sizeof(float));
-    for (int64_t i = 0; i < items; i++) {
-        const char *qrow = (const char *)q + rows[i] * qs * size;
-        float *o = out + rows[i] * hq * d;
-        if (bf)
-            attend_item(qrow, qh, hq, hkv, d, rot, run_start[i], run_start[i + 1], key_start, slots, cos, sin,
-                        pool_k, pool_v, scale, qf, qr, scores, acc, m, l, o, 1);
-        else
-            attend_item(qrow, qh, hq, hkv, d, rot, run_start[i], run_start[i + 1], key_start, slots, cos, sin,
-                        pool_k, pool_v, scale, qf, qr, scores, acc, m, l, o, 0);
-    }
-    free(m);
-    free(l);
-    free(qf);
-    free(qr);
-    free(acc);
-    free(scores);
+                         const void *pool_k, const void *pool_v, float scale, float *out, int bf,
+                         int64_t threads) {
+    AttentionJob job = {q, qs, qh, hq, hkv, d, rot, rows, run_start, key_start, slots, cos, sin, pool_k,
+                        pool_v, scale, out, bf};
+    parallel_for(attention_items, &job, items, 1, threads);
 }
 
 /* Rows of a linear layer processed per pass over the weight: their accumulators stay in registers. */
@@ -429,20 +590,52 @@ static inline __attribute__((always_inline)) void linear_group(const float *xf, 
     }
 }
 
-#define LINEAR_CASE(M)                                          \
-    case M:                                                     \
-        if (bf)                                                 \
-            linear_group(xf, w, bias, yg, ys, M, n, k, 1);      \
-        else                                                    \
-            linear_group(xf, w, bias, yg, ys, M, n, k, 0);      \
+#define LINEAR_CASE(M)                                   \
+    case M:                                              \
+        if (j->bf)                                       \
+            linear_group(j->xf, w, bias, y, j->ys, M, n, k, 1); \
+        else                                             \
+            linear_group(j->xf, w, bias, y, j->ys, M, n, k, 0); \
         break;
+
+/* One group of <= LINEAR_GROUP rows of ct_linear, for its weight rows split over threads. */
+typedef struct {
+    const float *xf;
+    const void *w, *bias;
+    void *y;
+    int64_t ys, m, k;
+    int bf;
+} LinearJob;
+
+/* weight rows begin .. end-1 of a LinearJob */
+static void linear_rows(void *ctx, int64_t begin, int64_t end) {
+    const LinearJob *j = ctx;
+    int64_t size = j->bf ? 2 : 4, n = end - begin, k = j->k;
+    const void *w = (const char *)j->w + begin * k * size;
+    const void *bias = j->bias ? (const char *)j->bias + begin * size : NULL;
+    void *y = (char *)j->y + begin * size;
+    switch (j->m) {
+        LINEAR_CASE(1)
+        LINEAR_CASE(2)
+        LINEAR_CASE(3)
+        LINEAR_CASE(4)
+        LINEAR_CASE(5)
+        LINEAR_CASE(6)
+        LINEAR_CASE(7)
+        LINEAR_CASE(8)
+    }
+}
+
+/* Weight rows a thread claims at a time (~36-96 KiB of a SmolLM2-sized layer) */
+#define LINEAR_GRAIN 32
 
 /* y = x w^T (+ bias) for x [m, k] (row stride xs), w [n, k] and y [m, n] (row stride ys), all of the
  * model dtype; k a multiple of 16 (Python checks). Float32 sums in a fixed order per output, so a
- * row's result does not depend on the others; bfloat16 results rounded once, after the bias. A
- * decode-sized product is bound by reading the weight: one pass per LINEAR_GROUP rows. */
+ * row's result does not depend on the others nor on `threads`; bfloat16 results rounded once, after
+ * the bias. A decode-sized product is bound by reading the weight: one pass per LINEAR_GROUP rows,
+ * its weight rows split over up to `threads` threads. */
 void ct_linear(const void *x, int64_t xs, const void *w, const void *bias, void *y, int64_t ys, int64_t m,
-               int64_t n, int64_t k, int bf) {
+               int64_t n, int64_t k, int bf, int64_t threads) {
     int64_t size = bf ? 2 : 4;
     float *xf = malloc((size_t)(LINEAR_GROUP * k) * sizeof(float));
     for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
@@ -451,17 +644,66 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *bias, void 
             load_row((const char *)x + (i0 + i) * xs * size, k, bf, xf + i * k);
             deal(xf + i * k, k, bf, 0);
         }
-        void *yg = (char *)y + i0 * ys * size;
-        switch (rows) {
-            LINEAR_CASE(1)
-            LINEAR_CASE(2)
-            LINEAR_CASE(3)
-            LINEAR_CASE(4)
-            LINEAR_CASE(5)
-            LINEAR_CASE(6)
-            LINEAR_CASE(7)
-            LINEAR_CASE(8)
-        }
+        LinearJob job = {xf, w, bias, (char *)y + i0 * ys * size, ys, rows, k, bf};
+        parallel_for(linear_rows, &job, n, LINEAR_GRAIN, threads);
     }
     free(xf);
+}
+
+/* What ct_decode_layers reads of one decoder layer: data pointers in this order (a missing bias 0). */
+enum {
+    W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN, W_DOWN_BIAS,
+    W_FIELDS
+};
+
+/* The decoder layers of a Llama-family model (attention in every layer, no q/k norms) over a decode
+ * step of t_rows single-token items, in one call: the calls the per-module path makes for such a
+ * step, in its order, with its roundings, so the result is the same to the bit (the Python loop
+ * around them costs about as much as the kernels' non-matmul work).
+ *
+ * x [T, hidden] (contiguous) holds the embeddings and receives the last layer's output. Layer l reads
+ * weights[l * W_FIELDS ...] and its keys at pool_k/pool_v + l * pool_layer elements. This step's keys
+ * go to store_slots[T] rotated by key_cos/key_sin [T, rot]; the items attend as ct_decode_attention. */
+void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const int64_t *weights, void *pool_k,
+                      void *pool_v, int64_t pool_layer, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
+                      int64_t rot, int64_t inter, float eps, float scale, const int64_t *store_slots,
+                      const void *key_cos, const void *key_sin, int64_t items, const int64_t *rows,
+                      const int64_t *run_start, const int64_t *key_start, const int64_t *slots,
+                      const void *cos, const void *sin, int bf, int64_t threads) {
+    int64_t size = bf ? 2 : 4, qkv_n = (hq + 2 * hkv) * d, att_n = hq * d, t = t_rows;
+    char *normed = malloc((size_t)(t * hidden * size)), *qkv = malloc((size_t)(t * qkv_n * size));
+    char *att = malloc((size_t)(t * att_n * size)), *mixed = malloc((size_t)(t * hidden * size));
+    char *total = malloc((size_t)(t * hidden * size)), *gate_up = malloc((size_t)(t * 2 * inter * size));
+    char *act = malloc((size_t)(t * inter * size)), *down = malloc((size_t)(t * hidden * size));
+    float *att_f = malloc((size_t)(t * att_n) * sizeof(float));
+    for (int64_t l = 0; l < layers; l++) {
+        const int64_t *w = weights + l * W_FIELDS;
+#define WP(i) ((const void *)(intptr_t)w[i])
+        char *layer_k = (char *)pool_k + l * pool_layer * size;
+        char *layer_v = (char *)pool_v + l * pool_layer * size;
+        ct_rms_norm(x, hidden, NULL, 0, NULL, WP(W_IN_NORM), normed, t, hidden, eps, 0, bf);
+        ct_linear(normed, hidden, WP(W_QKV), WP(W_QKV_BIAS), qkv, qkv_n, t, qkv_n, hidden, bf, threads);
+        ct_store_kv(qkv + att_n * size, qkv_n, qkv + (att_n + hkv * d) * size, qkv_n, store_slots, t, hkv, d,
+                    rot, key_cos, key_sin, layer_k, layer_v, bf);
+        ct_decode_attention(qkv, qkv_n, d, hq, hkv, d, rot, items, rows, run_start, key_start, slots, cos,
+                            sin, layer_k, layer_v, scale, att_f, bf, threads);
+        for (int64_t r = 0; r < t; r++) store_row(att + r * att_n * size, att_f + r * att_n, att_n, bf);
+        ct_linear(att, att_n, WP(W_O), WP(W_O_BIAS), mixed, hidden, t, hidden, att_n, bf, threads);
+        ct_rms_norm(x, hidden, mixed, hidden, total, WP(W_POST_NORM), normed, t, hidden, eps, 0, bf);
+        ct_linear(normed, hidden, WP(W_GATE_UP), WP(W_GATE_UP_BIAS), gate_up, 2 * inter, t, 2 * inter, hidden,
+                  bf, threads);
+        ct_silu_mul(gate_up, 2 * inter, act, t, inter, bf);
+        ct_linear(act, inter, WP(W_DOWN), WP(W_DOWN_BIAS), down, hidden, t, hidden, inter, bf, threads);
+#undef WP
+        for (int64_t i = 0; i < t * hidden; i++) store(x, i, load(total, i, bf) + load(down, i, bf), bf);
+    }
+    free(normed);
+    free(qkv);
+    free(att);
+    free(mixed);
+    free(total);
+    free(gate_up);
+    free(act);
+    free(down);
+    free(att_f);
 }

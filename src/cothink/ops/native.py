@@ -3,9 +3,12 @@
 A decode step on CPU is bound by dispatch, not arithmetic: an RMSNorm of one row is eight torch ops
 (~18 us), a view attention of one query ~200 us around a ~40 us kernel. The kernels here do each unit
 in one call; `linear` runs the products of steps of a few rows, where torch's bfloat16 kernel on a
-CPU without bfloat16 arithmetic costs a GEMV per row. They are plain C (no torch headers, so they
-build in about a second with the system compiler, for this machine's CPU) and single-threaded (no
-second OpenMP runtime next to torch's).
+CPU without bfloat16 arithmetic costs a GEMV per row; `decode_layers` chains them over every decoder
+layer of a small Llama-family decode step (execution/fused_decode.py). They are plain C (no torch
+headers, so they build in about a second with the system compiler, for this machine's CPU); the
+linear and the decode attention split their work over the caller's torch thread count with helper
+threads of their own (native.c; no second OpenMP runtime next to torch's), the rest run on the
+calling thread.
 
 `available()` is False, and every caller keeps its torch path, when the kernels are switched off
 (`COTHINK_NATIVE=0` in the environment, or `native.ENABLED = False`), when no C compiler is found, or
@@ -24,6 +27,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from functools import cache
 from itertools import accumulate
 from pathlib import Path
@@ -35,7 +39,7 @@ log = logging.getLogger(__name__)
 ENABLED = os.environ.get("COTHINK_NATIVE", "1") != "0"
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
@@ -43,9 +47,15 @@ _SIGNATURES = {
     "ct_silu_mul": [_P, _I, _P, _I, _I, ctypes.c_int],
     "ct_store_kv": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int],
     "ct_decode_attention": [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _F, _P,
-                            ctypes.c_int],
-    "ct_linear": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int],
+                            ctypes.c_int, _I],
+    "ct_linear": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, _I],
+    "ct_decode_layers": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _P, _P,
+                         _P, _P, _P, _P, ctypes.c_int, _I],
+    "ct_helper_grains": [],
 }
+# the order of a decoder layer's data pointers in ct_decode_layers' table (native.c, W_FIELDS)
+LAYER_FIELDS = ("in_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
+                "down_bias")
 
 
 def _cache_dir() -> Path:
@@ -107,12 +117,19 @@ def _library() -> ctypes.CDLL | None:
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
+    lib.ct_helper_grains.restype = ctypes.c_int64
     return lib
 
 
 def available() -> bool:
     """Whether the fused kernels can be used (switched on, and built for this machine)."""
     return ENABLED and _library() is not None
+
+
+def helper_grains() -> int:
+    """Grains of work (weight rows, items) the kernels' helper threads ran in this process so far:
+    the products and the decode attention split over the step's torch thread count (native.c)."""
+    return _library().ct_helper_grains()
 
 
 def supports(x: torch.Tensor) -> bool:
@@ -166,16 +183,17 @@ def store_kv(
 
 def decode_attention(
     q: torch.Tensor, plan: DecodePlan, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float,
-    out: torch.Tensor,
+    out: torch.Tensor, threads: int | None = None,
 ) -> None:
     """Attention of each single-query item of `plan` over its key runs (one softmax across runs, the
-    query rotated per run) from q [T, Hq, D] into rows of out [T, Hq, D] float32."""
+    query rotated per run) from q [T, Hq, D] into rows of out [T, Hq, D] float32; the items split
+    over `threads` threads (default: torch's thread count)."""
     _, hq, d = q.shape
     _library().ct_decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1), hq, pool_k.shape[1], d, plan.cos.shape[-1], plan.items,
         plan.rows.data_ptr(), plan.run_start.data_ptr(), plan.key_start.data_ptr(), plan.slots.data_ptr(),
         plan.cos.data_ptr(), plan.sin.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), scale,
-        out.data_ptr(), DTYPES[q.dtype],
+        out.data_ptr(), DTYPES[q.dtype], torch.get_num_threads() if threads is None else threads,
     )
 
 
@@ -190,7 +208,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     y = torch.empty((m, n), dtype=x.dtype)
     _library().ct_linear(
         x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-        n, m, n, k, DTYPES[x.dtype],
+        n, m, n, k, DTYPES[x.dtype], torch.get_num_threads(),
     )
     return y
 
@@ -200,6 +218,37 @@ def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (
         supports(weight) and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] % 16 == 0
         and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
+    )
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """The sizes ct_decode_layers needs of a Llama-family decoder."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+
+
+def decode_layers(
+    x: torch.Tensor, table: torch.Tensor, shape: LayerShape, pool_k: torch.Tensor, pool_v: torch.Tensor,
+    store_slots: torch.Tensor, key_cos: torch.Tensor, key_sin: torch.Tensor, plan: DecodePlan, scale: float,
+) -> None:
+    """Every decoder layer of a decode step in one call, x [T, hidden] (contiguous) updated in place:
+    per layer the calls above (norm, qkv `linear`, `store_kv`, `decode_attention`, o `linear`, norm
+    with the residual, gate/up `linear`, `silu_mul`, down `linear`, residual), so results are those
+    of the per-module path to the bit. `table` [layers, len(LAYER_FIELDS)] int64 holds each layer's
+    data pointers (0 for a missing bias); layer l's keys are pool_k[l], pool_v[l] [S, Hkv, D]."""
+    s = shape
+    _library().ct_decode_layers(
+        x.data_ptr(), x.shape[0], table.shape[0], table.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(),
+        pool_k.stride(0), s.hidden, s.heads, s.kv_heads, s.head_dim, plan.cos.shape[-1], s.intermediate,
+        s.eps, scale, store_slots.data_ptr(), key_cos.data_ptr(), key_sin.data_ptr(), plan.items,
+        plan.rows.data_ptr(), plan.run_start.data_ptr(), plan.key_start.data_ptr(), plan.slots.data_ptr(),
+        plan.cos.data_ptr(), plan.sin.data_ptr(), DTYPES[x.dtype], torch.get_num_threads(),
     )
 
 

@@ -1,0 +1,97 @@
+"""The decoder layers of a small decode step in one C call (ops/native.py `decode_layers`).
+
+A single-stream decode step of SmolLM2 spends ~20 ms in its matmuls and another ~10 in Python: per
+layer a dozen module calls and eight kernel calls, each with its tensor allocations and ctypes
+argument conversions. For steps the per-module path would run entirely in cothink's C kernels
+(every item decoding one token under the native attention backend, at most NATIVE_MAX_ROWS rows,
+a float32 or bfloat16 Llama-family model whose linears all take the C kernel), the runner runs the
+layers in one call that makes the same kernel calls in the same order: the result is the same to
+the bit, and the step loses the Python around them. Other steps, models and backends take the
+per-module path unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cothink.execution.attention_backends import NativeAttention
+from cothink.execution.step import ViewBatch
+from cothink.models.packing import NATIVE_MAX_ROWS, CpuLinear
+from cothink.models.transformer import CausalLM, ForwardContext
+from cothink.ops import native
+
+
+class FusedDecode:
+    """Runs a model's decoder layers for eligible decode steps (`for_model`, then `fits` per step)."""
+
+    def __init__(self, model: CausalLM):
+        cfg = model.config
+        self.shape = native.LayerShape(
+            cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
+            cfg.rms_norm_eps,
+        )
+        self._tensors = [_layer_tensors(layer) for layer in model.model.layers]  # the table points into them
+        self.table = torch.tensor(
+            [[0 if t is None else t.data_ptr() for t in layer] for layer in self._tensors], dtype=torch.int64
+        )
+
+    @classmethod
+    def for_model(cls, model: CausalLM, backend: object) -> FusedDecode | None:
+        """The fused layers for `model`, or None where its steps keep the per-module path: another
+        backend than "native", another architecture (q/k norms, output gates, Gated DeltaNet) or
+        linears that do not run in the C kernel (int8, oneDNN-packed bfloat16, the eager modules)."""
+        cfg = model.config
+        if not isinstance(backend, NativeAttention) or cfg.head_dim % 16:
+            return None
+        if cfg.qk_norm or cfg.attn_output_gate or cfg.zero_centred_norm or cfg.linear_layers:
+            return None
+        layers = model.model.layers
+        if any(not _native_linear(m) for layer in layers for m in _linears(layer)):
+            return None
+        dtype = layers[0].self_attn.qkv_proj.weight.dtype
+        norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in layers]
+        if any(n.weight.dtype != dtype or not n.weight.is_contiguous() for pair in norms for n in pair):
+            return None
+        return cls(model)
+
+    def fits(self, batch: ViewBatch) -> bool:
+        """Whether the per-module path would run this step wholly in the C kernels."""
+        return (
+            len(batch.native_items) == len(batch.plans)
+            and batch.store_slots is not None
+            and batch.rows <= NATIVE_MAX_ROWS
+            and native.available()
+        )
+
+    def __call__(self, x: torch.Tensor, batch: ForwardContext) -> torch.Tensor:
+        assert isinstance(batch, ViewBatch)
+        pool = batch.store.pool
+        x = x.contiguous()
+        native.decode_layers(
+            x, self.table, self.shape, pool.k, pool.v, batch.store_slots, *batch.key_rotation,
+            batch.native_decode, batch.scale,
+        )
+        return x
+
+
+def _linears(layer: torch.nn.Module) -> list[object]:
+    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+
+
+def _native_linear(module: object) -> bool:
+    return isinstance(module, CpuLinear) and module.native_rows >= NATIVE_MAX_ROWS
+
+
+def _layer_tensors(layer: torch.nn.Module) -> list[torch.Tensor | None]:
+    """One layer's tensors in native.LAYER_FIELDS order."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return [
+        layer.input_layernorm.weight.data, attn.qkv_proj.weight.data, _bias(attn.qkv_proj),
+        attn.o_proj.weight.data, _bias(attn.o_proj), layer.post_attention_layernorm.weight.data,
+        mlp.gate_up_proj.weight.data, _bias(mlp.gate_up_proj),
+        mlp.down_proj.weight.data, _bias(mlp.down_proj),
+    ]
+
+
+def _bias(linear: CpuLinear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.data

@@ -1,0 +1,131 @@
+"""The fused decode step (execution/fused_decode.py): all decoder layers of a small decode step in
+one C call must give the per-module path's results to the bit, and run only where that path would
+run wholly in the C kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support import ids
+
+from cothink.execution.step import StepItem
+from cothink.ops import native
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="cothink's C kernels did not build here")
+
+
+@pytest.fixture
+def fused_calls(monkeypatch) -> list[int]:
+    """Rows of every fused decode call (the real kernel runs)."""
+    calls: list[int] = []
+    real = native.decode_layers
+
+    def counting(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(native, "decode_layers", counting)
+    return calls
+
+
+def _conversation(runner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Logits of a shared context, three coroutines prefilling and then decoding over it (one of
+    them also over a second shared block), and one coroutine alone; and the keys written."""
+    ctx, notes = runner.new_block("ctx"), runner.new_block("notes")
+    out = [runner.extend(ctx, ids(20, seed=1)), runner.extend(notes, ids(5, seed=2))]
+    writers = [runner.new_block(f"w{i}") for i in range(3)]
+    views = [[ctx, writers[0]], [ctx, writers[1]], [ctx, notes, writers[2]]]
+    pairs = list(enumerate(zip(writers, views)))
+    out += runner.step([StepItem(w, ids(2, seed=3 + i), v) for i, (w, v) in pairs])
+    for s in range(5):
+        out += runner.step([StepItem(w, [7 * s + i], v, "last") for i, (w, v) in pairs])
+    out.append(runner.extend(writers[0], [9], [ctx, writers[0]]))  # one coroutine alone
+    # the written slots only (the rest of a page is uninitialised memory)
+    slots = torch.cat([runner.store.slots_and_span(b, 0, b.length)[0] for b in (ctx, notes, *writers)])
+    return out, [runner.store.pool.k[:, slots], runner.store.pool.v[:, slots]]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["llama", "llama3"])
+def test_fused_decode_is_the_per_module_path_to_the_bit(tiny_model, fused_calls, name, dtype, threads):
+    """llama3 adds biases on every projection and tied embeddings. On 2 threads the C kernels split
+    their products and attention over them (and torch's prefill matmuls run on both)."""
+    fused, modules = tiny_model(name).runner(dtype=dtype), tiny_model(name).runner(dtype=dtype)
+    assert fused.fused_decode is not None
+    modules.fused_decode = None
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got, got_kv = _conversation(fused)
+        assert fused_calls == [3] * 5 + [1]  # the decode steps; prefills take the module path
+        want, want_kv = _conversation(modules)
+    finally:
+        torch.set_num_threads(before)
+    assert len(fused_calls) == 6
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
+
+
+def test_fused_decode_runs_only_steps_the_c_kernels_would_run_whole(tiny_model, fused_calls):
+    """More rows than the C linear takes, or a prefill item in the step: the module path."""
+    from cothink.models.packing import NATIVE_MAX_ROWS
+
+    runner = tiny_model("llama").runner()
+    blocks = [runner.new_block() for _ in range(NATIVE_MAX_ROWS + 1)]
+    runner.step([StepItem(b, ids(3, seed=i)) for i, b in enumerate(blocks)])
+    runner.step([StepItem(b, [5], logits="last") for b in blocks])  # one decode row too many
+    runner.step([StepItem(blocks[0], [5]), StepItem(blocks[1], [6, 7])])  # decode + prefill
+    assert fused_calls == []
+    runner.step([StepItem(b, [5], logits="last") for b in blocks[:NATIVE_MAX_ROWS]])
+    assert fused_calls == [NATIVE_MAX_ROWS]
+
+
+@pytest.mark.parametrize(
+    ("name", "limits"),
+    [
+        ("qwen3", {}),  # q/k norms
+        ("qwen35", {}),  # Gated DeltaNet, output gates
+        ("llama", {"attention_backend": "torch"}),
+        ("llama", {"fast": False}),  # the eager modules
+        ("llama", {"quantize": "int8"}),  # int8 linears are torch's kernel
+    ],
+)
+def test_models_and_backends_outside_the_fused_step_keep_the_module_path(tiny_model, name, limits):
+    assert tiny_model(name).runner(**limits).fused_decode is None
+
+
+def test_switching_the_kernels_off_takes_the_module_path(tiny_model, fused_calls, monkeypatch):
+    runner = tiny_model("llama").runner()
+    block = runner.new_block()
+    runner.extend(block, ids(4, seed=0))
+    monkeypatch.setattr(native, "ENABLED", False)
+    off = runner.extend(block, [3])
+    assert fused_calls == []
+    monkeypatch.setattr(native, "ENABLED", True)
+    runner.truncate(block, 4)
+    assert (runner.extend(block, [3]) - off).abs().max() < 1e-4  # fp32: torch's kernels, other sum order
+    assert fused_calls == [1]
+
+
+def test_helper_threads_attend_only_in_steps_whose_products_run_in_c(tiny_model, monkeypatch):
+    """Above NATIVE_MAX_ROWS rows torch's OpenMP threads run the products and hold the other cores:
+    the decode attention then stays on the calling thread."""
+    from cothink.models.packing import NATIVE_MAX_ROWS
+
+    seen: list[int | None] = []
+    real = native.decode_attention
+
+    def recording(q, plan, pool_k, pool_v, scale, out, threads=None):
+        seen.append(threads)
+        real(q, plan, pool_k, pool_v, scale, out, threads)
+
+    monkeypatch.setattr(native, "decode_attention", recording)
+    runner = tiny_model("llama").runner()
+    runner.fused_decode = None  # the module path calls the attention kernel itself
+    blocks = [runner.new_block() for _ in range(NATIVE_MAX_ROWS + 1)]
+    runner.step([StepItem(b, ids(3, seed=i)) for i, b in enumerate(blocks)])
+    runner.step([StepItem(b, [5], logits="last") for b in blocks])
+    runner.step([StepItem(b, [6], logits="last") for b in blocks[:NATIVE_MAX_ROWS]])
+    layers = runner.config.num_layers
+    assert seen == [1] * layers + [None] * layers  # None: torch's thread count
