@@ -11,12 +11,11 @@
     kernel (`ops/native.py` `linear`, weight rows split over the step's threads): each weight
     element read once per 8 rows, bfloat16 widened in registers, float32 sums in a fixed order per
     output, so a row's result is the same to the bit in any batch of up to NATIVE_MAX_ROWS rows.
-    bfloat16: 1.2x `F.linear` at one row, 1.9-4.2x at 2-8 rows (torch's bfloat16 kernel costs a GEMV
-    per row there), 1.5x at 16 rows and 1.1x at 32 against the widened slabs below; float32: 1.8x at
-    one row, 2.3-3.5x at 2-8 rows, 1.05x at 16 and 0.87x at 32 against the operand order below.
-    Decode steps of 13-32 rows still gain as a whole (the fused decode step around it, and the
-    attention on the same threads: 16 coroutines 1.3-1.7x, 32 1.0-1.5x). Without the C kernels the
-    choices below apply from one row.
+    bfloat16: 1.1x `F.linear` at one row, 2.0-3.7x at 2-8 rows (torch's bfloat16 kernel costs a GEMV
+    per row there); float32: 1.7x at one row, 2.1-3.0x at 2-8 rows. At 16-32 rows the linears alone
+    are about as fast as the choices below (within the run-to-run swing); decode steps of that many
+    rows gain as a whole, from the fused decode step around them (docs/benchmarks.md item 11).
+    Without the C kernels the choices below apply from one row.
   * float32, from 2 to SGEMM_TRANSPOSED_MAX_ROWS rows: y^T = W x^T (`torch.mm(W, x.t())`) instead
     of `F.linear`'s y = x W^T. Same products, other operand order: at 2-4 rows MKL's kernel for
     `F.linear` streams the weights at 6-7 GB/s, the other order at ~13 (as one row does); 1.3-1.4x
