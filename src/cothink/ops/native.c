@@ -236,6 +236,7 @@ static struct {
     _Atomic int64_t next;  /* its first unclaimed task */
     _Atomic int64_t helped; /* grains run by helpers, ever (ct_helper_grains: tests, diagnostics) */
     int helpers;           /* helpers started (changed by the thread holding `busy`) */
+    int fork_handler;      /* team_after_fork is registered (a child inherits the registration) */
     int wanted;            /* helpers that may join the current loop */
     task_fn fn;
     void *ctx;
@@ -310,7 +311,7 @@ static void parallel_for(task_fn fn, void *ctx, int64_t tasks, int64_t grain, in
         fn(ctx, 0, tasks);
         return;
     }
-    if (team.helpers == 0 && team.helpers < want) pthread_atfork(NULL, NULL, team_after_fork);
+    if (!team.fork_handler) team.fork_handler = !pthread_atfork(NULL, NULL, team_after_fork);
     while (team.helpers < want) {
         pthread_t t;
         if (pthread_create(&t, NULL, helper_main, (void *)(intptr_t)team.helpers)) break;
