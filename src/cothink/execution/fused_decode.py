@@ -32,7 +32,9 @@ class FusedDecode:
         )
         self._tensors = [_layer_tensors(layer) for layer in model.model.layers]  # the table points into them
         self.table = torch.tensor(
-            [[0 if t is None else t.data_ptr() for t in layer] for layer in self._tensors], dtype=torch.int64
+            [[0 if layer[f] is None else layer[f].data_ptr() for f in native.LAYER_FIELDS]
+             for layer in self._tensors],
+            dtype=torch.int64,
         )
 
     @classmethod
@@ -56,12 +58,9 @@ class FusedDecode:
 
     def fits(self, batch: ViewBatch) -> bool:
         """Whether the per-module path would run this step wholly in the C kernels."""
-        return (
-            len(batch.native_items) == len(batch.plans)
-            and batch.store_slots is not None
-            and batch.rows <= NATIVE_MAX_ROWS
-            and native.available()
-        )
+        # native items (and with them the key store's slots) exist only under the native backend
+        every_item_native = len(batch.native_items) == len(batch.plans)
+        return every_item_native and batch.rows <= NATIVE_MAX_ROWS and native.available()
 
     def __call__(self, x: torch.Tensor, batch: ForwardContext) -> torch.Tensor:
         assert isinstance(batch, ViewBatch)
@@ -82,15 +81,16 @@ def _native_linear(module: object) -> bool:
     return isinstance(module, CpuLinear) and module.native_rows >= NATIVE_MAX_ROWS
 
 
-def _layer_tensors(layer: torch.nn.Module) -> list[torch.Tensor | None]:
-    """One layer's tensors in native.LAYER_FIELDS order."""
+def _layer_tensors(layer: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    """One layer's tensors by native.LAYER_FIELDS name."""
     attn, mlp = layer.self_attn, layer.mlp
-    return [
-        layer.input_layernorm.weight.data, attn.qkv_proj.weight.data, _bias(attn.qkv_proj),
-        attn.o_proj.weight.data, _bias(attn.o_proj), layer.post_attention_layernorm.weight.data,
-        mlp.gate_up_proj.weight.data, _bias(mlp.gate_up_proj),
-        mlp.down_proj.weight.data, _bias(mlp.down_proj),
-    ]
+    return {
+        "in_norm": layer.input_layernorm.weight.data, "post_norm": layer.post_attention_layernorm.weight.data,
+        "qkv": attn.qkv_proj.weight.data, "qkv_bias": _bias(attn.qkv_proj),
+        "o": attn.o_proj.weight.data, "o_bias": _bias(attn.o_proj),
+        "gate_up": mlp.gate_up_proj.weight.data, "gate_up_bias": _bias(mlp.gate_up_proj),
+        "down": mlp.down_proj.weight.data, "down_bias": _bias(mlp.down_proj),
+    }
 
 
 def _bias(linear: CpuLinear) -> torch.Tensor | None:

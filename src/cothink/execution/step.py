@@ -217,6 +217,10 @@ class ViewBatch:
         decode = [p for p in self.plans if p.size == 1] if store.attn_slot else []
         self.native_decode = self._native_plan(decode) if native_backend else None
         self.native_items = decode if self.native_decode is not None else []
+        # the attention kernel's helper threads only where the step's products run in C too (None:
+        # torch's thread count): in wider steps torch's OpenMP threads hold the other cores, and a
+        # helper sharing one with them stalls the call (measured: 16 bf16 coroutines 0.67x)
+        self.native_threads = None if self.rows <= NATIVE_MAX_ROWS else 1
         self.decode = (
             _DecodeRuns.build(decode, store.device) if len(decode) > 1 and not self.native_items else None
         )
@@ -320,11 +324,9 @@ class ViewBatch:
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if self.native_items:
             if q.dtype == pool_k.dtype and native.supports(q):
-                # the kernel's helper threads only where the step's products run in C too: in wider
-                # steps torch's OpenMP threads hold the other cores, and a helper sharing one with
-                # them stalls the call (measured: 16 bf16 coroutines 0.67x)
-                threads = None if self.rows <= NATIVE_MAX_ROWS else 1
-                native.decode_attention(q, self.native_decode, pool_k, pool_v, self.scale, out, threads)
+                native.decode_attention(
+                    q, self.native_decode, pool_k, pool_v, self.scale, out, self.native_threads
+                )
             else:  # not the kernel's input layout: the per-item torch path
                 for plan in self.native_items:
                     self._attend_item(plan, q, slot, out)

@@ -2,9 +2,9 @@
  *
  * A decode step spends more time dispatching small torch ops than computing them: an RMSNorm is
  * eight ops (~18 us for one row), a view attention of one query ~200 us of which the kernel is ~40.
- * Each function here does one of those units in a single call, single-threaded (no OpenMP: a second
- * OpenMP runtime next to torch's would fight it for the cores). ct_linear runs the products of steps
- * of a few rows: bound by reading the weight, which one thread does as fast as torch's two here.
+ * Each function here does one of those units in a single call. ct_linear runs the products of steps
+ * of a few rows, bound by reading the weight; it and the decode attention split their work over
+ * helper threads of their own (below, `parallel_for`), the rest run on the calling thread.
  * ct_decode_layers chains them over all decoder layers of a small Llama-family decode step.
  *
  * Tensors arrive as data pointers with their row strides (elements); the last dimension is always
@@ -688,7 +688,7 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const int64_t *we
                     rot, key_cos, key_sin, layer_k, layer_v, bf);
         ct_decode_attention(qkv, qkv_n, d, hq, hkv, d, rot, items, rows, run_start, key_start, slots, cos,
                             sin, layer_k, layer_v, scale, att_f, bf, threads);
-        for (int64_t r = 0; r < t; r++) store_row(att + r * att_n * size, att_f + r * att_n, att_n, bf);
+        store_row(att, att_f, t * att_n, bf); /* the per-module path's .to(dtype) of the float32 output */
         ct_linear(att, att_n, WP(W_O), WP(W_O_BIAS), mixed, hidden, t, hidden, att_n, bf, threads);
         ct_rms_norm(x, hidden, mixed, hidden, total, WP(W_POST_NORM), normed, t, hidden, eps, 0, bf);
         ct_linear(normed, hidden, WP(W_GATE_UP), WP(W_GATE_UP_BIAS), gate_up, 2 * inter, t, 2 * inter, hidden,
