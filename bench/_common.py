@@ -295,7 +295,7 @@ class LinearCalls:
     """The linear layers a runner's forward passes call, in call order with their input rows,
     recorded by forward hooks while `with LinearCalls(runner) as calls:` runs real steps (through
     the per-module path: the fused decode step, which calls the same kernels from C, is off
-    meanwhile).
+    meanwhile, and the head's `float_forward` goes through its module call, where hooks see it).
 
     Replaying one pass's calls alone (`seconds`) times that step's matmuls with nothing around them,
     through the same modules and kernels: a bound on the step for any engine built on those kernels,
@@ -310,11 +310,16 @@ class LinearCalls:
         self._hooks = [self.model.register_forward_pre_hook(lambda *_: self.passes.append([]))]
         self._hooks += [m.register_forward_hook(self._record) for m in leaves]
         self._fused, self.runner.fused_decode = self.runner.fused_decode, None
+        self._float_heads = [m for m in leaves if hasattr(m, "float_forward")]
+        for m in self._float_heads:  # an instance attribute over the method, removed on exit
+            m.float_forward = lambda x, m=m: m(x).float()
         return self
 
     def __exit__(self, *exc: object) -> None:
         for hook in self._hooks:
             hook.remove()
+        for m in self._float_heads:
+            del m.float_forward
         self.runner.fused_decode = self._fused
 
     def _record(self, module: torch.nn.Module, args: tuple[Any, ...], _out: Any) -> None:

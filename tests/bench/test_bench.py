@@ -170,7 +170,7 @@ def test_linear_calls_record_what_a_forward_calls(tiny_folder):
     with C.LinearCalls(runner) as calls:
         assert runner.fused_decode is None  # the per-module path: its calls are what a hook sees
         runner.extend(block, [8], logits="last")
-    assert runner.fused_decode is fused
+    assert runner.fused_decode is fused and "float_forward" not in vars(model.lm_head)  # restored
     runner.extend(block, [9], logits="last")  # after the block: hooks are gone
     assert len(calls.passes) == 1
     step = calls.last_with_rows(1)

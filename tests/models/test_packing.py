@@ -57,6 +57,21 @@ def test_few_rows_run_in_the_c_kernel_independent_of_the_batch(dtype, monkeypatc
     assert len(called) == 4
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_forward_is_forward_widened_to_float32_to_the_bit(dtype, monkeypatch):
+    """The head's float32 logits: in one C call up to NATIVE_MAX_ROWS rows (where it runs), through
+    `forward` above; the same values as forward(x).float() either way."""
+    x, w, b = _data(NATIVE_MAX_ROWS + 1, 200, 64, dtype, seed=2)
+    calls, kernel = [], native.linear
+    monkeypatch.setattr(native, "linear", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
+    lin = CpuLinear(w, b)
+    for rows in (1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1):
+        got = lin.float_forward(x[:rows])
+        assert got.dtype == torch.float32 and torch.equal(got, lin(x[:rows]).float())
+    if native.available():
+        assert calls == [{"float_out": True}, {}, {"float_out": True}, {}]  # the last pair: torch's kernels
+
+
 def test_bfloat16_below_the_widening_threshold_without_c_kernels_is_f_linear_to_the_bit(monkeypatch):
     monkeypatch.setattr(native, "ENABLED", False)
     x, w, b = _data(WIDEN_MIN_ROWS - 1, 200, 64, torch.bfloat16)

@@ -127,7 +127,8 @@ def test_decode_attention_is_the_merge_of_per_run_attentions(dtype, partial):
 def test_linear_is_the_float32_product_rounded_once(dtype):
     """Row counts below, at and across the kernel's groups of 8 (1, 8, 9, 17), with and without a
     bias, an input with a row stride: float32 within float tolerance of float64, bfloat16 within one
-    rounding of it; every row the same to the bit alone as in the batch."""
+    rounding of it; every row the same to the bit alone as in the batch; `float_out` the same values
+    in float32."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(70, 48, generator=g).to(dtype)
     b = torch.randn(70, generator=g).to(dtype)
@@ -144,6 +145,8 @@ def test_linear_is_the_float32_product_rounded_once(dtype):
             else:
                 assert (got.double() - ref).abs().max() < 1e-5 * ref.abs().max()
             assert torch.equal(native.linear(x[-1:], w, bias), got[-1:])
+            wide = native.linear(x, w, bias, float_out=True)  # the logits' form: float32, same values
+            assert wide.dtype == torch.float32 and torch.equal(wide, got.float())
     with pytest.raises(ValueError, match="does not fit"):  # the C kernel would read past the rows
         native.linear(x_all[:, :32], w, None)
 

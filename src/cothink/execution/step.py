@@ -79,6 +79,8 @@ class ItemPlan:
     runs: list[KeyRun] = field(default_factory=list)
     new_slots: torch.Tensor | None = None  # [n] pool slots this step's keys are written to
     new_span: tuple[int, int] | None = None  # new_slots are exactly the range [a, b)
+    # the new tokens' rotation tables, at their positions in the writer block (their keys')
+    rotation: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def size(self) -> int:
@@ -203,9 +205,7 @@ class ViewBatch:
         self.scale = store.cfg.head_dim**-0.5
         self._read_slots: dict[tuple[int, int], tuple[torch.Tensor, tuple[int, int] | None]] = {}
         self.plans = [self._plan(item, row) for item, row in zip(items, self._starts(items))]
-        self.key_rotation = self._rotation(
-            torch.cat([torch.arange(p.start, p.start + p.size) for p in self.plans]).to(store.device)
-        )
+        self.key_rotation = self._key_rotation() if store.attn_slot else None
         # this step's keys go to the slots after each writer's old tokens
         self.write_slots = self._write_index() if store.attn_slot else None
         native_backend = isinstance(self.backend, NativeAttention) and bool(store.attn_slot)
@@ -253,17 +253,17 @@ class ViewBatch:
         plan = ItemPlan(slice(row, row + n), start, [*before, start + n], key)
         if not store.attn_slot:
             return plan
-        # text tokens: a block's position span is its length, so block j starts at sum(before[:j])
-        writer_pos = sum(before) + torch.arange(start, start + n, device=store.device)
-        offset = 0
+        # text tokens: a block's position span is its length, so the writer starts sum(before[j:])
+        # positions after block j does
+        distance = sum(before)
         for block, length in zip(item.view[:-1], before):
             if length:
-                cos, sin = self._rotation(writer_pos - offset)  # positions relative to this block
+                cos, sin = self._rotation(distance + start, n)  # positions relative to this block
                 slots, span = self._block_slots(block, length)
                 run = KeyRun(slots, cos, sin, False, RunKey(block.id, length), span)
                 plan.runs.append(run)
-            offset += length
-        cos, sin = self._rotation(writer_pos - offset)  # positions relative to the writer block
+            distance -= length
+        cos, sin = plan.rotation = self._rotation(start, n)  # positions relative to the writer block
         block = item.block
         slots, span = store.slots_and_span(block, 0, start + n)
         plan.new_slots, plan.new_span = slots[start:], store.span(block, start, start + n)
@@ -290,9 +290,16 @@ class ViewBatch:
             return slice(spans[0][0], spans[-1][1])
         return torch.cat([p.new_slots for p in self.plans])
 
-    def _rotation(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prepared rotation tables (Rotary.prepare) for `positions`, in the pool's dtype."""
-        return self.rotary.prepared(positions, self.store.dtype)
+    def _rotation(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepared rotation tables (Rotary.prepare) for positions first..first+n-1, in the pool's dtype."""
+        return self.rotary.prepared(range(first, first + n), self.store.dtype)
+
+    def _key_rotation(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotation of this step's keys, row by row: each item's at its writer positions."""
+        tables = [p.rotation for p in self.plans]
+        if len(tables) == 1:
+            return tables[0]
+        return torch.cat([cos for cos, _ in tables]), torch.cat([sin for _, sin in tables])
 
     def _block_slots(self, block: Block, length: int) -> tuple[torch.Tensor, tuple[int, int] | None]:
         """Slots (and span) of a block read before the writer, built once per step however many

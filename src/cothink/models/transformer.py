@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cothink.models.config import FULL_ATTENTION, ModelConfig
+from cothink.models.packing import CpuLinear
 from cothink.ops import native
 from cothink.ops.gdn import l2norm
 
@@ -273,8 +274,9 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor,
         layers: DecoderLayers | None = None,
     ) -> torch.Tensor:
-        """input_ids [T] -> float32 logits for the rows `logit_rows` (indices into T). `layers`, if
-        given, runs the decoder layers in place of the modules (the runner's fused decode step)."""
+        """input_ids [T] -> float32 logits for the rows `logit_rows` (distinct ascending indices into
+        T). `layers`, if given, runs the decoder layers in place of the modules (the runner's fused
+        decode step)."""
         x = self.model.embed_tokens(input_ids)
         if layers is not None:
             x = layers(x, ctx)
@@ -283,4 +285,8 @@ class CausalLM(nn.Module):
                 x = layer(x, ctx)
         if logit_rows.numel() == 0:
             return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
-        return self.lm_head(self.model.norm(x[logit_rows])).float()
+        # every row (decode steps): no gather
+        h = self.model.norm(x if logit_rows.numel() == x.shape[0] else x[logit_rows])
+        if isinstance(self.lm_head, CpuLinear):
+            return self.lm_head.float_forward(h)
+        return self.lm_head(h).float()

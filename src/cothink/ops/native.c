@@ -574,10 +574,11 @@ void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int6
 #define LINEAR_GROUP 8
 
 /* y[i, r] = x[i] . w[r] for m <= LINEAR_GROUP rows of xf (float32, ld16x's order for w's dtype) and
- * every weight row r: each weight element is read once per pass. Inlined per (m, bf) constant pair. */
+ * every weight row r: each weight element is read once per pass. Inlined per (m, bf) constant pair.
+ * y is of w's dtype, or float32 holding the values rounded to it (y_f32). */
 static inline __attribute__((always_inline)) void linear_group(const float *xf, const void *w, const void *bias,
                                                                 void *y, int64_t ys, int64_t m, int64_t n,
-                                                                int64_t k, int bf) {
+                                                                int64_t k, int bf, int y_f32) {
     int64_t size = bf ? 2 : 4;
     for (int64_t r = 0; r < n; r++) {
         const char *wr = (const char *)w + r * k * size;
@@ -587,16 +588,22 @@ static inline __attribute__((always_inline)) void linear_group(const float *xf, 
             for (int64_t i = 0; i < m; i++) acc[i] += ld8(xf + i * k + e) * w0 + ld8(xf + i * k + e + 8) * w1;
         }
         float b = bias ? load(bias, r, bf) : 0.0f;
-        for (int64_t i = 0; i < m; i++) store(y, i * ys + r, hsum8(acc[i]) + b, bf);
+        for (int64_t i = 0; i < m; i++) {
+            float v = hsum8(acc[i]) + b;
+            if (y_f32)
+                ((float *)y)[i * ys + r] = rnd(v, bf);
+            else
+                store(y, i * ys + r, v, bf);
+        }
     }
 }
 
 #define LINEAR_CASE(M)                                   \
     case M:                                              \
         if (j->bf)                                       \
-            linear_group(j->xf, w, bias, y, j->ys, M, n, k, 1); \
+            linear_group(j->xf, w, bias, y, j->ys, M, n, k, 1, j->y_f32); \
         else                                             \
-            linear_group(j->xf, w, bias, y, j->ys, M, n, k, 0); \
+            linear_group(j->xf, w, bias, y, j->ys, M, n, k, 0, j->y_f32); \
         break;
 
 /* One group of <= LINEAR_GROUP rows of ct_linear, for its weight rows split over threads. */
@@ -605,7 +612,7 @@ typedef struct {
     const void *w, *bias;
     void *y;
     int64_t ys, m, k;
-    int bf;
+    int bf, y_f32;
 } LinearJob;
 
 /* weight rows begin .. end-1 of a LinearJob */
@@ -614,7 +621,7 @@ static void linear_rows(void *ctx, int64_t begin, int64_t end) {
     int64_t size = j->bf ? 2 : 4, n = end - begin, k = j->k;
     const void *w = (const char *)j->w + begin * k * size;
     const void *bias = j->bias ? (const char *)j->bias + begin * size : NULL;
-    void *y = (char *)j->y + begin * size;
+    void *y = (char *)j->y + begin * (j->y_f32 ? 4 : size);
     switch (j->m) {
         LINEAR_CASE(1)
         LINEAR_CASE(2)
@@ -631,13 +638,14 @@ static void linear_rows(void *ctx, int64_t begin, int64_t end) {
 #define LINEAR_GRAIN 32
 
 /* y = x w^T (+ bias) for x [m, k] (row stride xs), w [n, k] and y [m, n] (row stride ys), all of the
- * model dtype; k a multiple of 16 (Python checks). Float32 sums in a fixed order per output, so a
- * row's result does not depend on the others nor on `threads`; bfloat16 results rounded once, after
- * the bias. A decode-sized product is bound by reading the weight: one pass per LINEAR_GROUP rows,
- * its weight rows split over up to `threads` threads. */
+ * model dtype (or y float32 holding the rounded values, y_f32: the logits without a widening pass);
+ * k a multiple of 16 (Python checks). Float32 sums in a fixed order per output, so a row's result
+ * does not depend on the others nor on `threads`; bfloat16 results rounded once, after the bias. A
+ * decode-sized product is bound by reading the weight: one pass per LINEAR_GROUP rows, its weight
+ * rows split over up to `threads` threads. */
 void ct_linear(const void *x, int64_t xs, const void *w, const void *bias, void *y, int64_t ys, int64_t m,
-               int64_t n, int64_t k, int bf, int64_t threads) {
-    int64_t size = bf ? 2 : 4;
+               int64_t n, int64_t k, int bf, int y_f32, int64_t threads) {
+    int64_t size = bf ? 2 : 4, y_size = y_f32 ? 4 : size;
     float *xf = malloc((size_t)(LINEAR_GROUP * k) * sizeof(float));
     for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
         int64_t rows = m - i0 < LINEAR_GROUP ? m - i0 : LINEAR_GROUP;
@@ -645,7 +653,7 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *bias, void 
             load_row((const char *)x + (i0 + i) * xs * size, k, bf, xf + i * k);
             deal(xf + i * k, k, bf, 0);
         }
-        LinearJob job = {xf, w, bias, (char *)y + i0 * ys * size, ys, rows, k, bf};
+        LinearJob job = {xf, w, bias, (char *)y + i0 * ys * y_size, ys, rows, k, bf, y_f32};
         parallel_for(linear_rows, &job, n, LINEAR_GRAIN, threads);
     }
     free(xf);
@@ -683,18 +691,18 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const int64_t *we
         char *layer_k = (char *)pool_k + l * pool_layer * size;
         char *layer_v = (char *)pool_v + l * pool_layer * size;
         ct_rms_norm(x, hidden, NULL, 0, NULL, WP(W_IN_NORM), normed, t, hidden, eps, 0, bf);
-        ct_linear(normed, hidden, WP(W_QKV), WP(W_QKV_BIAS), qkv, qkv_n, t, qkv_n, hidden, bf, threads);
+        ct_linear(normed, hidden, WP(W_QKV), WP(W_QKV_BIAS), qkv, qkv_n, t, qkv_n, hidden, bf, 0, threads);
         ct_store_kv(qkv + att_n * size, qkv_n, qkv + (att_n + hkv * d) * size, qkv_n, store_slots, t, hkv, d,
                     rot, key_cos, key_sin, layer_k, layer_v, bf);
         ct_decode_attention(qkv, qkv_n, d, hq, hkv, d, rot, items, rows, run_start, key_start, slots, cos,
                             sin, layer_k, layer_v, scale, att_f, bf, threads);
         store_row(att, att_f, t * att_n, bf); /* the per-module path's .to(dtype) of the float32 output */
-        ct_linear(att, att_n, WP(W_O), WP(W_O_BIAS), mixed, hidden, t, hidden, att_n, bf, threads);
+        ct_linear(att, att_n, WP(W_O), WP(W_O_BIAS), mixed, hidden, t, hidden, att_n, bf, 0, threads);
         ct_rms_norm(x, hidden, mixed, hidden, total, WP(W_POST_NORM), normed, t, hidden, eps, 0, bf);
         ct_linear(normed, hidden, WP(W_GATE_UP), WP(W_GATE_UP_BIAS), gate_up, 2 * inter, t, 2 * inter, hidden,
-                  bf, threads);
+                  bf, 0, threads);
         ct_silu_mul(gate_up, 2 * inter, act, t, inter, bf);
-        ct_linear(act, inter, WP(W_DOWN), WP(W_DOWN_BIAS), down, hidden, t, hidden, inter, bf, threads);
+        ct_linear(act, inter, WP(W_DOWN), WP(W_DOWN_BIAS), down, hidden, t, hidden, inter, bf, 0, threads);
 #undef WP
         for (int64_t i = 0; i < t * hidden; i++) store(x, i, load(total, i, bf) + load(down, i, bf), bf);
     }

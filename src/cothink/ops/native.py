@@ -48,7 +48,7 @@ _SIGNATURES = {
     "ct_store_kv": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int],
     "ct_decode_attention": [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _F, _P,
                             ctypes.c_int, _I],
-    "ct_linear": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, _I],
+    "ct_linear": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, _I],
     "ct_decode_layers": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _P, _P,
                          _P, _P, _P, _P, ctypes.c_int, _I],
     "ct_helper_grains": [],
@@ -197,18 +197,21 @@ def decode_attention(
     )
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, float_out: bool = False
+) -> torch.Tensor:
     """x W^T (+ b) for 2-D x [M, K] and a contiguous weight [N, K] of x's dtype, K a multiple of 16
-    (`linear_fits`): a few rows at a time over the weight, bound by reading it once per 8 rows."""
+    (`linear_fits`): a few rows at a time over the weight, bound by reading it once per 8 rows.
+    `float_out`: the result as float32, equal to `linear(...).float()` without the widening pass."""
     m, k = x.shape
     n = weight.shape[0]
     if k != weight.shape[1] or x.dtype != weight.dtype or x.stride(1) != 1:  # C reads k columns blindly
         raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
                          f"{weight.dtype} (or its rows are not contiguous)")
-    y = torch.empty((m, n), dtype=x.dtype)
+    y = torch.empty((m, n), dtype=torch.float32 if float_out else x.dtype)
     _library().ct_linear(
         x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-        n, m, n, k, DTYPES[x.dtype], torch.get_num_threads(),
+        n, m, n, k, DTYPES[x.dtype], int(float_out), torch.get_num_threads(),
     )
     return y
 
@@ -261,10 +264,16 @@ class DecodePlan:
         flat = [run for item in runs for run in item]
         lengths = [slots.numel() for slots, _, _ in flat]
         self.items = len(rows)
-        self.rows = torch.tensor(rows, dtype=torch.long)
-        self.run_start = torch.tensor([0, *accumulate(len(item) for item in runs)], dtype=torch.long)
-        self.key_start = torch.tensor([0, *accumulate(lengths)], dtype=torch.long)
-        self.slots = torch.cat([slots for slots, _, _ in flat]).to(torch.long).contiguous()
-        self.cos = torch.cat([cos.reshape(1, -1) for _, cos, _ in flat]).contiguous()
-        self.sin = torch.cat([sin.reshape(1, -1) for _, _, sin in flat]).contiguous()
+        # the three index arrays in one tensor (a step's planning pays per tensor built)
+        run_start = [0, *accumulate(len(item) for item in runs)]
+        index = torch.tensor([*rows, *run_start, 0, *accumulate(lengths)], dtype=torch.long)
+        self.rows, self.run_start, self.key_start = index.split([len(rows), len(run_start), len(flat) + 1])
+        self.slots = _joined([slots.to(torch.long) for slots, _, _ in flat])
+        self.cos = _joined([cos.reshape(1, -1) for _, cos, _ in flat])
+        self.sin = _joined([sin.reshape(1, -1) for _, _, sin in flat])
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts concatenated along dim 0, contiguous (one part: itself where it already is)."""
+    return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
 

@@ -51,18 +51,30 @@ class Rotary:
         self._table_size = size
         self._prepared: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def prepared(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def prepared(
+        self, positions: torch.Tensor | range, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """`prepare(*cos_sin(positions), dtype)`, looked up in a prepared table when the positions
-        allow (CPU, non-negative): two index ops per key run instead of building the tables."""
+        allow (CPU, non-negative): two index ops per key run instead of building the tables. A
+        `range` of non-negative positions (a step's runs: positions relative to a block) takes two
+        slices of the table, no index op, on any device."""
+        if isinstance(positions, range):
+            assert positions.step == 1 and positions.start >= 0
+            cos, sin = self._prepared_table(positions.stop, dtype)
+            return cos[positions.start : positions.stop], sin[positions.start : positions.stop]
         if positions.device.type != "cpu" or not positions.numel() or int(positions.min()) < 0:
             return self.prepare(*self.cos_sin(positions), dtype)
-        hi = int(positions.max())
-        if hi >= self._table_size:
-            self._grow(hi + 1)
+        table = self._prepared_table(int(positions.max()) + 1, dtype)
+        return table[0][positions], table[1][positions]
+
+    def _prepared_table(self, size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prepared tables in `dtype` for at least positions 0..size-1."""
+        if size > self._table_size or not self._table_size:
+            self._grow(size)
         table = self._prepared.get(dtype)
         if table is None:
             table = self._prepared[dtype] = self.prepare(self._cos, self._sin, dtype)
-        return table[0][positions], table[1][positions]
+        return table
 
     def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
