@@ -46,13 +46,27 @@ def _conversation(runner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name", ["llama", "llama3"])
-def test_fused_decode_is_the_per_module_path_to_the_bit(tiny_model, fused_calls, name, dtype, threads):
-    """llama3 adds biases on every projection and tied embeddings. On 2 threads the C kernels split
-    their products and attention over them (and torch's prefill matmuls run on both)."""
-    fused, modules = tiny_model(name).runner(dtype=dtype), tiny_model(name).runner(dtype=dtype)
+@pytest.mark.parametrize(
+    ("name", "dtype", "quantize"),
+    [
+        ("llama", torch.float32, None),
+        ("llama", torch.bfloat16, None),
+        ("llama3", torch.float32, None),
+        ("llama3", torch.bfloat16, None),
+        ("llama", torch.bfloat16, "int8"),
+        ("llama3", torch.float32, "int8"),  # int8 weights under float32 activations, with biases
+    ],
+)
+def test_fused_decode_is_the_per_module_path_to_the_bit(
+    tiny_model, fused_calls, name, dtype, quantize, threads
+):
+    """llama3 adds biases on every projection and tied embeddings; int8 weights (with row scales)
+    take the same C kernel as in the module path. On 2 threads the C kernels split their products
+    and attention over them (and torch's prefill matmuls run on both)."""
+    fused = tiny_model(name).runner(dtype=dtype, quantize=quantize)
+    modules = tiny_model(name).runner(dtype=dtype, quantize=quantize)
     assert fused.fused_decode is not None
+    assert fused.fused_decode.weights == (torch.int8 if quantize else dtype)
     modules.fused_decode = None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -88,7 +102,6 @@ def test_fused_decode_runs_only_steps_the_c_kernels_would_run_whole(tiny_model, 
         ("qwen35", {}),  # Gated DeltaNet, output gates
         ("llama", {"attention_backend": "torch"}),
         ("llama", {"fast": False}),  # the eager modules
-        ("llama", {"quantize": "int8"}),  # int8 linears are torch's kernel
     ],
 )
 def test_models_and_backends_outside_the_fused_step_keep_the_module_path(tiny_model, name, limits):

@@ -42,7 +42,7 @@ def test_few_rows_run_in_the_c_kernel_independent_of_the_batch(dtype, monkeypatc
     is the float32 product rounded once (within a bfloat16 rounding of float64)."""
     x, w, b = _data(NATIVE_MAX_ROWS, 200, 64, dtype, seed=1)
     called, kernel = [], native.linear
-    monkeypatch.setattr(native, "linear", lambda *a: called.append(1) or kernel(*a))
+    monkeypatch.setattr(native, "linear", lambda *a, **kw: called.append(1) or kernel(*a, **kw))
     lin = CpuLinear(torch.nn.Parameter(w), b)  # a loaded model's weight requires grad: not a reason to skip
     whole = lin(x)
     assert len(called) == 1
@@ -69,7 +69,8 @@ def test_float_forward_is_forward_widened_to_float32_to_the_bit(dtype, monkeypat
         got = lin.float_forward(x[:rows])
         assert got.dtype == torch.float32 and torch.equal(got, lin(x[:rows]).float())
     if native.available():
-        assert calls == [{"float_out": True}, {}, {"float_out": True}, {}]  # the last pair: torch's kernels
+        # float_forward, then forward, per row count; the last row count is torch's kernels'
+        assert [kw["float_out"] for kw in calls] == [True, False, True, False]
 
 
 def test_bfloat16_below_the_widening_threshold_without_c_kernels_is_f_linear_to_the_bit(monkeypatch):
@@ -130,7 +131,7 @@ def test_int8_wide_inputs_dequantize_to_float32_slabs(monkeypatch):
     from cothink.models.quantize import INT8_KERNEL_MAX_ROWS, Int8Linear
 
     monkeypatch.setattr(packing, "_scratch", lambda: torch.empty(7 * 64))  # 7-row slabs: 18 of them
-    x, w, b = _data(INT8_KERNEL_MAX_ROWS + 9, 120, 64, torch.bfloat16, seed=4)
+    x, w, b = _data(max(INT8_KERNEL_MAX_ROWS, NATIVE_MAX_ROWS) + 9, 120, 64, torch.bfloat16, seed=4)
     lin = Int8Linear(w, b)
     got = lin(x)
     ref = _reference(x, lin.dequantized(torch.float32), b)
@@ -138,3 +139,30 @@ def test_int8_wide_inputs_dequantize_to_float32_slabs(monkeypatch):
     # dequantized in float32 (no bfloat16 arithmetic) or rounded to bfloat16 first (oneDNN): within
     # a few bfloat16 roundings of the float64 product
     assert (got.double() - ref).abs().max() <= 2**-6 * ref.abs().max()
+
+
+@pytest.mark.skipif(not native.available(), reason="cothink's C kernels did not build here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_few_rows_run_in_the_c_kernel_as_torchs_int8_kernel_computes(dtype, monkeypatch):
+    """Up to NATIVE_MAX_ROWS rows an int8 layer runs in the C kernel (input rounded to bfloat16, sum
+    times the row scale rounded to bfloat16, then the bias, as `_weight_int8pack_mm` + the bias add):
+    within one bfloat16 rounding of torch's int8 kernel (other sum order), each row the same to the
+    bit alone or in a batch, the float32 logits form equal to the result widened."""
+    from cothink.models.quantize import _INT8_MM, Int8Linear
+
+    x, w, b = _data(NATIVE_MAX_ROWS, 200, 96, dtype, seed=6)
+    called, kernel = [], native.linear
+    monkeypatch.setattr(native, "linear", lambda *a, **kw: called.append(1) or kernel(*a, **kw))
+    for bias in (None, b):
+        lin = Int8Linear(w, bias)
+        assert lin.native_rows == NATIVE_MAX_ROWS
+        got = lin(x)
+        assert got.dtype == dtype and len(called) == 1
+        for a, c in ((0, 1), (3, 8), (5, NATIVE_MAX_ROWS)):
+            assert torch.equal(lin(x[a:c]), got[a:c])
+        assert torch.equal(lin.float_forward(x), got.float())
+        if _INT8_MM is not None:
+            want = _INT8_MM(x.to(torch.bfloat16), lin.weight_int8, lin.scale).to(dtype)
+            want = want if bias is None else want + bias
+            assert ((got.double() - want.double()).abs() <= want.double().abs() * 2**-7 + 1e-5).all()
+        called.clear()

@@ -151,6 +151,30 @@ def test_linear_is_the_float32_product_rounded_once(dtype):
         native.linear(x_all[:, :32], w, None)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_linear_is_the_scaled_product_of_the_rounded_input(dtype):
+    """int8 weights with a bfloat16 scale per row: x rounded to bfloat16, the float32 sum times the
+    scale rounded to bfloat16, then the bias in x's dtype; each row alone as in the batch. Scales,
+    biases or dtypes that do not fit the kernel are refused."""
+    g = torch.Generator().manual_seed(8)
+    q = torch.randint(-127, 128, (70, 48), generator=g, dtype=torch.int8)
+    scale = (torch.rand(70, generator=g) / 50).to(torch.bfloat16)
+    b = torch.randn(70, generator=g).to(dtype)
+    x = torch.randn(17, 48, generator=g).to(dtype)
+    assert native.linear_fits(q, b, scale) and not native.linear_fits(q, b, scale.float())
+    for bias in (None, b):
+        got = native.linear(x, q, bias, scale=scale)
+        prod = F.linear(x.to(torch.bfloat16).double(), q.double()) * scale.double()
+        ref = prod.to(torch.bfloat16).to(dtype).double() + (0 if bias is None else bias.double())
+        assert got.dtype == dtype
+        assert ((got.double() - ref).abs() <= prod.abs() * 2**-7 + ref.abs() * 2**-8 + 1e-5).all()
+        assert torch.equal(native.linear(x[-1:], q, bias, scale=scale), got[-1:])
+    with pytest.raises(ValueError, match="does not fit"):
+        native.linear(x, q, None)  # int8 without its scales
+    with pytest.raises(ValueError, match="does not fit"):
+        native.linear(x, q, b.to(torch.float32 if dtype == torch.bfloat16 else torch.bfloat16), scale=scale)
+
+
 def _probe(env: dict[str, str]) -> str:
     code = (
         "import torch; from cothink.ops import native; from cothink.models.transformer import RMSNorm\n"

@@ -4,7 +4,8 @@ A single-stream decode step of SmolLM2 spends ~20 ms in its matmuls and another 
 layer a dozen module calls and eight kernel calls, each with its tensor allocations and ctypes
 argument conversions. For steps the per-module path would run entirely in cothink's C kernels
 (every item decoding one token under the native attention backend, at most NATIVE_MAX_ROWS rows,
-a float32 or bfloat16 Llama-family model whose linears all take the C kernel), the runner runs the
+a float32 or bfloat16 Llama-family model whose linears all take the C kernel, with weights of the
+model dtype or int8), the runner runs the
 layers in one call that makes the same kernel calls in the same order: the result is the same to
 the bit, and the step loses the Python around them. Other steps, models and backends take the
 per-module path unchanged.
@@ -16,7 +17,7 @@ import torch
 
 from cothink.execution.attention_backends import NativeAttention
 from cothink.execution.step import ViewBatch
-from cothink.models.packing import NATIVE_MAX_ROWS, CpuLinear
+from cothink.models.packing import NATIVE_MAX_ROWS, NativeLinear
 from cothink.models.transformer import CausalLM, ForwardContext
 from cothink.ops import native
 
@@ -24,8 +25,9 @@ from cothink.ops import native
 class FusedDecode:
     """Runs a model's decoder layers for eligible decode steps (`for_model`, then `fits` per step)."""
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: CausalLM, weights: torch.dtype):
         cfg = model.config
+        self.weights = weights  # the linears' storage: the model dtype or int8
         self.shape = native.LayerShape(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
             cfg.rms_norm_eps,
@@ -41,20 +43,25 @@ class FusedDecode:
     def for_model(cls, model: CausalLM, backend: object) -> FusedDecode | None:
         """The fused layers for `model`, or None where its steps keep the per-module path: another
         backend than "native", another architecture (q/k norms, output gates, Gated DeltaNet) or
-        linears that do not run in the C kernel (int8, oneDNN-packed bfloat16, the eager modules)."""
+        linears that do not run in the C kernel (oneDNN-packed bfloat16, the eager modules) or of
+        mixed storage."""
         cfg = model.config
         if not isinstance(backend, NativeAttention) or cfg.head_dim % 16:
             return None
         if cfg.qk_norm or cfg.attn_output_gate or cfg.zero_centred_norm or cfg.linear_layers:
             return None
         layers = model.model.layers
-        if any(not _native_linear(m) for layer in layers for m in _linears(layer)):
+        linears = [m for layer in layers for m in _linears(layer)]
+        if any(not isinstance(m, NativeLinear) or m.native_rows < NATIVE_MAX_ROWS for m in linears):
             return None
-        dtype = layers[0].self_attn.qkv_proj.weight.dtype
+        dtype = layers[0].input_layernorm.weight.dtype  # the activations'
+        storage = {m.operands()[0].dtype for m in linears}
+        if storage not in ({dtype}, {torch.int8}) or not all(m.takes_dtype(dtype) for m in linears):
+            return None
         norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in layers]
         if any(n.weight.dtype != dtype or not n.weight.is_contiguous() for pair in norms for n in pair):
             return None
-        return cls(model)
+        return cls(model, storage.pop())
 
     def fits(self, batch: ViewBatch) -> bool:
         """Whether the per-module path would run this step wholly in the C kernels."""
@@ -68,7 +75,7 @@ class FusedDecode:
         x = x.contiguous()
         native.decode_layers(
             x, self.table, self.shape, pool.k, pool.v, batch.store_slots, *batch.key_rotation,
-            batch.native_decode, batch.scale,
+            batch.native_decode, batch.scale, self.weights,
         )
         return x
 
@@ -77,21 +84,14 @@ def _linears(layer: torch.nn.Module) -> list[object]:
     return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
 
 
-def _native_linear(module: object) -> bool:
-    return isinstance(module, CpuLinear) and module.native_rows >= NATIVE_MAX_ROWS
-
-
 def _layer_tensors(layer: torch.nn.Module) -> dict[str, torch.Tensor | None]:
     """One layer's tensors by native.LAYER_FIELDS name."""
     attn, mlp = layer.self_attn, layer.mlp
-    return {
-        "in_norm": layer.input_layernorm.weight.data, "post_norm": layer.post_attention_layernorm.weight.data,
-        "qkv": attn.qkv_proj.weight.data, "qkv_bias": _bias(attn.qkv_proj),
-        "o": attn.o_proj.weight.data, "o_bias": _bias(attn.o_proj),
-        "gate_up": mlp.gate_up_proj.weight.data, "gate_up_bias": _bias(mlp.gate_up_proj),
-        "down": mlp.down_proj.weight.data, "down_bias": _bias(mlp.down_proj),
+    tensors = {
+        "in_norm": layer.input_layernorm.weight.data, "post_norm": layer.post_attention_layernorm.weight.data
     }
-
-
-def _bias(linear: CpuLinear) -> torch.Tensor | None:
-    return None if linear.bias is None else linear.bias.data
+    for name, linear in (
+        ("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)
+    ):
+        tensors[name], tensors[f"{name}_scale"], tensors[f"{name}_bias"] = linear.operands()
+    return tensors

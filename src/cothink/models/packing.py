@@ -121,7 +121,54 @@ def widened_matmul(x: torch.Tensor, fill: SlabFill, n: int, bias: torch.Tensor |
     return torch.empty(y.shape, dtype=x.dtype).copy_(y)
 
 
-class CpuLinear(nn.Module):
+class NativeLinear(nn.Module):
+    """A CPU linear whose products of up to NATIVE_MAX_ROWS rows run in cothink's C kernel
+    (`native.linear`; its operands from `operands`), and whose logits come out of that call in
+    float32 (`float_forward`). CpuLinear and the int8 layers (models/quantize.py) are ones; the fused
+    decode step (execution/fused_decode.py) reads their operands."""
+
+    _native_rows = 0  # set by `_fit_native` once the operands exist
+    _native_dtype: torch.dtype | None = None  # the activations' dtype the kernel takes (None: any of its)
+
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(weight, int8 row scales or None, bias or None) as the C kernel reads them."""
+        raise NotImplementedError
+
+    @property
+    def native_rows(self) -> int:
+        """Rows up to which this linear runs in the C kernel (0: never; its weight does not fit it)."""
+        return self._native_rows
+
+    def float_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward(x).float()` (the logits), in one pass where the C kernel takes x: a separate
+        widening pass over a bfloat16 step's [rows, vocab] output wakes torch's idle OpenMP thread
+        (measured ~0.6 ms of a ~20 ms single-stream decode step)."""
+        if x.dim() == 2 and self._takes_native(x):
+            return self._native(x, float_out=True)
+        return self(x).float()
+
+    def _fit_native(self, activations: torch.dtype | None) -> None:
+        w, scale, b = self.operands()
+        self._native_dtype = activations
+        self._native_rows = NATIVE_MAX_ROWS if native.linear_fits(w, b, scale) else 0
+
+    def takes_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether the C kernel takes this weight with activations of `dtype`."""
+        return dtype == self._native_dtype if self._native_dtype is not None else dtype in native.DTYPES
+
+    def _takes_native(self, rows: torch.Tensor) -> bool:
+        """Whether the C kernel runs this product (2-D CPU rows of a dtype it takes for this weight)."""
+        return (
+            rows.shape[0] <= self._native_rows and rows.is_cpu and rows.stride(-1) == 1
+            and self.takes_dtype(rows.dtype) and native.available()
+        )
+
+    def _native(self, rows: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        w, scale, b = self.operands()
+        return native.linear(rows, w, b, scale=scale, float_out=float_out)
+
+
+class CpuLinear(NativeLinear):
     """y = x W^T (+ b) for float32 and bfloat16 weights on a CPU, by the row count (module doc)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -132,12 +179,10 @@ class CpuLinear(nn.Module):
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._w, self._b = self.weight.data, None if bias is None else self.bias.data
-        self._native_rows = NATIVE_MAX_ROWS if native.linear_fits(self._w, self._b) else 0
+        self._fit_native(self._w.dtype)
 
-    @property
-    def native_rows(self) -> int:
-        """Rows up to which this linear runs in the C kernel (0: never; its weight does not fit it)."""
-        return self._native_rows
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        return self._w, None, self._b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self._w, self._b
@@ -145,7 +190,7 @@ class CpuLinear(nn.Module):
             return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if self._takes_native(rows):
-            y = native.linear(rows, w, b)
+            y = self._native(rows)
         elif w.dtype == torch.float32:
             y = _sgemm(rows, w, b)
         elif rows.shape[0] >= WIDEN_MIN_ROWS:
@@ -153,18 +198,6 @@ class CpuLinear(nn.Module):
         else:
             y = F.linear(rows, w, b)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-
-    def float_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward(x).float()` (the logits), in one pass where the C kernel takes x: a separate
-        widening pass over a bfloat16 step's [rows, vocab] output wakes torch's idle OpenMP thread
-        (measured ~0.6 ms of a ~20 ms single-stream decode step)."""
-        if x.dtype == self._w.dtype and x.is_cpu and x.dim() == 2 and self._takes_native(x):
-            return native.linear(x, self._w, self._b, float_out=True)
-        return self(x).float()
-
-    def _takes_native(self, rows: torch.Tensor) -> bool:
-        """Whether the C kernel runs this product (2-D rows of the weight's dtype, on the CPU)."""
-        return rows.shape[0] <= self._native_rows and rows.stride(-1) == 1 and native.available()
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.weight.dtype}"

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cothink.models.config import FULL_ATTENTION, ModelConfig
-from cothink.models.packing import CpuLinear
+from cothink.models.packing import NativeLinear
 from cothink.ops import native
 from cothink.ops.gdn import l2norm
 
@@ -287,6 +287,6 @@ class CausalLM(nn.Module):
             return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         # every row (decode steps): no gather
         h = self.model.norm(x if logit_rows.numel() == x.shape[0] else x[logit_rows])
-        if isinstance(self.lm_head, CpuLinear):
+        if isinstance(self.lm_head, NativeLinear):
             return self.lm_head.float_forward(h)
         return self.lm_head(h).float()

@@ -573,23 +573,63 @@ void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int6
 /* Rows of a linear layer processed per pass over the weight: their accumulators stay in registers. */
 #define LINEAR_GROUP 8
 
-/* y[i, r] = x[i] . w[r] for m <= LINEAR_GROUP rows of xf (float32, ld16x's order for w's dtype) and
- * every weight row r: each weight element is read once per pass. Inlined per (m, bf) constant pair.
- * y is of w's dtype, or float32 holding the values rounded to it (y_f32). */
-static inline __attribute__((always_inline)) void linear_group(const float *xf, const void *w, const void *bias,
-                                                                void *y, int64_t ys, int64_t m, int64_t n,
-                                                                int64_t k, int bf, int y_f32) {
-    int64_t size = bf ? 2 : 4;
+/* Weight storage of ct_linear: the model dtype (x's: float32 or bfloat16), or int8 with a bfloat16
+ * scale per output row (weight-only quantization, models/quantize.py). */
+enum { WT_F32 = 0, WT_BF16 = 1, WT_INT8 = 2 };
+
+static inline int64_t weight_size(int wt) { return wt == WT_F32 ? 4 : (wt == WT_BF16 ? 2 : 1); }
+
+/* Eight int8 as float32 (exact). GCC lowers a vector conversion from int8 to scalar code, so x86 with
+ * AVX2 takes the two instructions it has for it (sign-extend, convert). */
+#if defined(__AVX2__)
+#include <immintrin.h>
+static inline v8 widen_i8(const int8_t *p) {
+    __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    v8 v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+#else
+typedef int8_t c8 __attribute__((vector_size(8)));
+static inline v8 widen_i8(const int8_t *p) {
+    c8 a;
+    memcpy(&a, p, sizeof a);
+    return __builtin_convertvector(a, v8);
+}
+#endif
+
+/* Elements i .. i+15 of a weight row of type wt as two float32 vectors, in ld16x's order for
+ * float32 and bfloat16 and in natural order for int8 (widened exactly: an int8 is a float32). */
+static inline void ld16w(const void *p, int64_t i, int wt, v8 *lo, v8 *hi) {
+    if (wt != WT_INT8) {
+        ld16x(p, i, wt == WT_BF16, lo, hi);
+        return;
+    }
+    *lo = widen_i8((const int8_t *)p + i);
+    *hi = widen_i8((const int8_t *)p + i + 8);
+}
+
+/* y[i, r] = x[i] . w[r] for m <= LINEAR_GROUP rows of xf (float32, ld16w's order for wt) and every
+ * weight row r: each weight element is read once per pass. Inlined per (m, wt) constant pair. y is
+ * of the model dtype bf, or float32 holding the values rounded to it (y_f32). int8: the sum times
+ * the row's scale rounded to bfloat16 (what torch's int8 weight-only kernel returns), then the bias. */
+static inline __attribute__((always_inline)) void linear_group(const float *xf, const void *w,
+                                                                const bf16 *scale, const void *bias, void *y,
+                                                                int64_t ys, int64_t m, int64_t n, int64_t k,
+                                                                int bf, int wt, int y_f32) {
+    int64_t size = weight_size(wt);
     for (int64_t r = 0; r < n; r++) {
         const char *wr = (const char *)w + r * k * size;
         v8 acc[LINEAR_GROUP] = {0}, w0, w1;
         for (int64_t e = 0; e < k; e += 16) {
-            ld16x(wr, e, bf, &w0, &w1);
+            ld16w(wr, e, wt, &w0, &w1);
             for (int64_t i = 0; i < m; i++) acc[i] += ld8(xf + i * k + e) * w0 + ld8(xf + i * k + e + 8) * w1;
         }
         float b = bias ? load(bias, r, bf) : 0.0f;
         for (int64_t i = 0; i < m; i++) {
-            float v = hsum8(acc[i]) + b;
+            float v = hsum8(acc[i]);
+            if (wt == WT_INT8) v = rnd(v * from_bf16(scale[r]), 1);
+            v += b;
             if (y_f32)
                 ((float *)y)[i * ys + r] = rnd(v, bf);
             else
@@ -598,28 +638,32 @@ static inline __attribute__((always_inline)) void linear_group(const float *xf, 
     }
 }
 
-#define LINEAR_CASE(M)                                   \
-    case M:                                              \
-        if (j->bf)                                       \
-            linear_group(j->xf, w, bias, y, j->ys, M, n, k, 1, j->y_f32); \
-        else                                             \
-            linear_group(j->xf, w, bias, y, j->ys, M, n, k, 0, j->y_f32); \
+#define LINEAR_CASE(M)                                                                                \
+    case M:                                                                                           \
+        if (j->wt == WT_BF16)                                                                         \
+            linear_group(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_BF16, j->y_f32);        \
+        else if (j->wt == WT_INT8)                                                                    \
+            linear_group(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_INT8, j->y_f32);        \
+        else                                                                                          \
+            linear_group(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_F32, j->y_f32);         \
         break;
 
 /* One group of <= LINEAR_GROUP rows of ct_linear, for its weight rows split over threads. */
 typedef struct {
     const float *xf;
     const void *w, *bias;
+    const bf16 *scale;
     void *y;
     int64_t ys, m, k;
-    int bf, y_f32;
+    int bf, wt, y_f32;
 } LinearJob;
 
 /* weight rows begin .. end-1 of a LinearJob */
 static void linear_rows(void *ctx, int64_t begin, int64_t end) {
     const LinearJob *j = ctx;
     int64_t size = j->bf ? 2 : 4, n = end - begin, k = j->k;
-    const void *w = (const char *)j->w + begin * k * size;
+    const void *w = (const char *)j->w + begin * k * weight_size(j->wt);
+    const bf16 *scale = j->scale ? j->scale + begin : NULL;
     const void *bias = j->bias ? (const char *)j->bias + begin * size : NULL;
     void *y = (char *)j->y + begin * (j->y_f32 ? 4 : size);
     switch (j->m) {
@@ -637,23 +681,25 @@ static void linear_rows(void *ctx, int64_t begin, int64_t end) {
 /* Weight rows a thread claims at a time (~36-96 KiB of a SmolLM2-sized layer) */
 #define LINEAR_GRAIN 32
 
-/* y = x w^T (+ bias) for x [m, k] (row stride xs), w [n, k] and y [m, n] (row stride ys), all of the
- * model dtype (or y float32 holding the rounded values, y_f32: the logits without a widening pass);
- * k a multiple of 16 (Python checks). Float32 sums in a fixed order per output, so a row's result
- * does not depend on the others nor on `threads`; bfloat16 results rounded once, after the bias. A
- * decode-sized product is bound by reading the weight: one pass per LINEAR_GROUP rows, its weight
- * rows split over up to `threads` threads. */
-void ct_linear(const void *x, int64_t xs, const void *w, const void *bias, void *y, int64_t ys, int64_t m,
-               int64_t n, int64_t k, int bf, int y_f32, int64_t threads) {
+/* y = x w^T (+ bias) for x [m, k] (row stride xs), w [n, k] and y [m, n] (row stride ys); x, y and
+ * the bias of the model dtype bf (or y float32 holding the rounded values, y_f32: the logits without
+ * a widening pass), w of storage wt (int8: with `scale` [n], and x rounded to bfloat16 first, as
+ * torch's int8 kernel takes it); k a multiple of 16 (Python checks). Float32 sums in a fixed order per
+ * output, so a row's result does not depend on the others nor on `threads`; bfloat16 results
+ * rounded once, after the bias. A decode-sized product is bound by reading the weight: one pass per
+ * LINEAR_GROUP rows, its weight rows split over up to `threads` threads. */
+void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, const void *bias, void *y,
+               int64_t ys, int64_t m, int64_t n, int64_t k, int bf, int wt, int y_f32, int64_t threads) {
     int64_t size = bf ? 2 : 4, y_size = y_f32 ? 4 : size;
     float *xf = malloc((size_t)(LINEAR_GROUP * k) * sizeof(float));
     for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
         int64_t rows = m - i0 < LINEAR_GROUP ? m - i0 : LINEAR_GROUP;
         for (int64_t i = 0; i < rows; i++) {
             load_row((const char *)x + (i0 + i) * xs * size, k, bf, xf + i * k);
-            deal(xf + i * k, k, bf, 0);
+            if (wt == WT_INT8) round_row(xf + i * k, k, 1);
+            deal(xf + i * k, k, wt == WT_BF16, 0);
         }
-        LinearJob job = {xf, w, bias, (char *)y + i0 * ys * y_size, ys, rows, k, bf, y_f32};
+        LinearJob job = {xf, w, bias, scale, (char *)y + i0 * ys * y_size, ys, rows, k, bf, wt, y_f32};
         parallel_for(linear_rows, &job, n, LINEAR_GRAIN, threads);
     }
     free(xf);
@@ -662,6 +708,7 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *bias, void 
 /* What ct_decode_layers reads of one decoder layer: data pointers in this order (a missing bias 0). */
 enum {
     W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN, W_DOWN_BIAS,
+    W_QKV_SCALE, W_O_SCALE, W_GATE_UP_SCALE, W_DOWN_SCALE, /* int8 weights' row scales (else 0) */
     W_FIELDS
 };
 
@@ -671,14 +718,15 @@ enum {
  * around them costs about as much as the kernels' non-matmul work).
  *
  * x [T, hidden] (contiguous) holds the embeddings and receives the last layer's output. Layer l reads
- * weights[l * W_FIELDS ...] and its keys at pool_k/pool_v + l * pool_layer elements. This step's keys
+ * weights[l * W_FIELDS ...] (linears of storage wt, as ct_linear) and its keys at pool_k/pool_v +
+ * l * pool_layer elements. This step's keys
  * go to store_slots[T] rotated by key_cos/key_sin [T, rot]; the items attend as ct_decode_attention. */
 void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const int64_t *weights, void *pool_k,
                       void *pool_v, int64_t pool_layer, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
                       int64_t rot, int64_t inter, float eps, float scale, const int64_t *store_slots,
                       const void *key_cos, const void *key_sin, int64_t items, const int64_t *rows,
                       const int64_t *run_start, const int64_t *key_start, const int64_t *slots,
-                      const void *cos, const void *sin, int bf, int64_t threads) {
+                      const void *cos, const void *sin, int bf, int wt, int64_t threads) {
     int64_t size = bf ? 2 : 4, qkv_n = (hq + 2 * hkv) * d, att_n = hq * d, t = t_rows;
     char *normed = malloc((size_t)(t * hidden * size)), *qkv = malloc((size_t)(t * qkv_n * size));
     char *att = malloc((size_t)(t * att_n * size)), *mixed = malloc((size_t)(t * hidden * size));
@@ -691,18 +739,21 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const int64_t *we
         char *layer_k = (char *)pool_k + l * pool_layer * size;
         char *layer_v = (char *)pool_v + l * pool_layer * size;
         ct_rms_norm(x, hidden, NULL, 0, NULL, WP(W_IN_NORM), normed, t, hidden, eps, 0, bf);
-        ct_linear(normed, hidden, WP(W_QKV), WP(W_QKV_BIAS), qkv, qkv_n, t, qkv_n, hidden, bf, 0, threads);
+        ct_linear(normed, hidden, WP(W_QKV), WP(W_QKV_SCALE), WP(W_QKV_BIAS), qkv, qkv_n, t, qkv_n, hidden, bf,
+                  wt, 0, threads);
         ct_store_kv(qkv + att_n * size, qkv_n, qkv + (att_n + hkv * d) * size, qkv_n, store_slots, t, hkv, d,
                     rot, key_cos, key_sin, layer_k, layer_v, bf);
         ct_decode_attention(qkv, qkv_n, d, hq, hkv, d, rot, items, rows, run_start, key_start, slots, cos,
                             sin, layer_k, layer_v, scale, att_f, bf, threads);
         store_row(att, att_f, t * att_n, bf); /* the per-module path's .to(dtype) of the float32 output */
-        ct_linear(att, att_n, WP(W_O), WP(W_O_BIAS), mixed, hidden, t, hidden, att_n, bf, 0, threads);
+        ct_linear(att, att_n, WP(W_O), WP(W_O_SCALE), WP(W_O_BIAS), mixed, hidden, t, hidden, att_n, bf, wt, 0,
+                  threads);
         ct_rms_norm(x, hidden, mixed, hidden, total, WP(W_POST_NORM), normed, t, hidden, eps, 0, bf);
-        ct_linear(normed, hidden, WP(W_GATE_UP), WP(W_GATE_UP_BIAS), gate_up, 2 * inter, t, 2 * inter, hidden,
-                  bf, 0, threads);
+        ct_linear(normed, hidden, WP(W_GATE_UP), WP(W_GATE_UP_SCALE), WP(W_GATE_UP_BIAS), gate_up, 2 * inter, t,
+                  2 * inter, hidden, bf, wt, 0, threads);
         ct_silu_mul(gate_up, 2 * inter, act, t, inter, bf);
-        ct_linear(act, inter, WP(W_DOWN), WP(W_DOWN_BIAS), down, hidden, t, hidden, inter, bf, 0, threads);
+        ct_linear(act, inter, WP(W_DOWN), WP(W_DOWN_SCALE), WP(W_DOWN_BIAS), down, hidden, t, hidden, inter, bf,
+                  wt, 0, threads);
 #undef WP
         for (int64_t i = 0; i < t * hidden; i++) store(x, i, load(total, i, bf) + load(down, i, bf), bf);
     }

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 ENABLED = os.environ.get("COTHINK_NATIVE", "1") != "0"
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# weight storage the C linear reads (WT_* in native.c): the model dtypes, and int8 with row scales
+WEIGHT_TYPES = {**DTYPES, torch.int8: 2}
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -48,14 +50,14 @@ _SIGNATURES = {
     "ct_store_kv": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int],
     "ct_decode_attention": [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _F, _P,
                             ctypes.c_int, _I],
-    "ct_linear": [_P, _I, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, _I],
+    "ct_linear": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I],
     "ct_decode_layers": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _P, _P,
-                         _P, _P, _P, _P, ctypes.c_int, _I],
+                         _P, _P, _P, _P, ctypes.c_int, ctypes.c_int, _I],
     "ct_helper_grains": [],
 }
 # the order of a decoder layer's data pointers in ct_decode_layers' table (native.c, W_FIELDS)
 LAYER_FIELDS = ("in_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
-                "down_bias")
+                "down_bias", "qkv_scale", "o_scale", "gate_up_scale", "down_scale")
 
 
 def _cache_dir() -> Path:
@@ -198,29 +200,47 @@ def decode_attention(
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, float_out: bool = False
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, scale: torch.Tensor | None = None,
+    float_out: bool = False,
 ) -> torch.Tensor:
-    """x W^T (+ b) for 2-D x [M, K] and a contiguous weight [N, K] of x's dtype, K a multiple of 16
-    (`linear_fits`): a few rows at a time over the weight, bound by reading it once per 8 rows.
-    `float_out`: the result as float32, equal to `linear(...).float()` without the widening pass."""
+    """x W^T (+ b) for 2-D x [M, K] and a contiguous weight [N, K], K a multiple of 16 (`linear_fits`):
+    a few rows at a time over the weight, bound by reading it once per 8 rows. The weight is of x's
+    dtype, or int8 with a bfloat16 `scale` [N] per row (models/quantize.py): then x is rounded to
+    bfloat16 and each output is its sum times the scale rounded to bfloat16, as torch's int8 kernel
+    (`_weight_int8pack_mm`) computes it, before the bias (of x's dtype). `float_out`: the result as
+    float32, equal to `linear(...).float()` without the widening pass."""
     m, k = x.shape
     n = weight.shape[0]
-    if k != weight.shape[1] or x.dtype != weight.dtype or x.stride(1) != 1:  # C reads k columns blindly
+    int8 = weight.dtype == torch.int8
+    if (  # C reads k columns and the bias in x's dtype blindly
+        k != weight.shape[1] or x.stride(1) != 1 or weight.dtype != (torch.int8 if int8 else x.dtype)
+        or int8 != (scale is not None) or (bias is not None and bias.dtype != x.dtype)
+    ):
         raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
-                         f"{weight.dtype} (or its rows are not contiguous)")
+                         f"{weight.dtype} (or its rows are not contiguous, or its scale or bias)")
     y = torch.empty((m, n), dtype=torch.float32 if float_out else x.dtype)
     _library().ct_linear(
-        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-        n, m, n, k, DTYPES[x.dtype], int(float_out), torch.get_num_threads(),
+        x.data_ptr(), x.stride(0), weight.data_ptr(), None if scale is None else scale.data_ptr(),
+        None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, DTYPES[x.dtype],
+        WEIGHT_TYPES[weight.dtype], int(float_out), torch.get_num_threads(),
     )
     return y
 
 
-def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `linear` takes this weight (and bias): contiguous, of a kernel dtype, K % 16 == 0."""
+def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None = None) -> bool:
+    """Whether `linear` takes this weight and bias: contiguous, K % 16 == 0, of a kernel dtype (the
+    bias too), or int8 with a contiguous bfloat16 `scale` per row (the bias then of a kernel dtype)."""
+    if scale is None:
+        kind_fits = supports(weight) and (bias is None or bias.dtype == weight.dtype)
+    else:
+        kind_fits = (
+            weight.dtype == torch.int8 and weight.device.type == "cpu" and available()
+            and scale.dtype == torch.bfloat16 and scale.is_contiguous() and scale.shape == weight.shape[:1]
+            and (bias is None or bias.dtype in DTYPES)
+        )
     return (
-        supports(weight) and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] % 16 == 0
-        and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
+        kind_fits and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] % 16 == 0
+        and (bias is None or bias.is_contiguous())
     )
 
 
@@ -239,19 +259,22 @@ class LayerShape:
 def decode_layers(
     x: torch.Tensor, table: torch.Tensor, shape: LayerShape, pool_k: torch.Tensor, pool_v: torch.Tensor,
     store_slots: torch.Tensor, key_cos: torch.Tensor, key_sin: torch.Tensor, plan: DecodePlan, scale: float,
+    weights: torch.dtype,
 ) -> None:
     """Every decoder layer of a decode step in one call, x [T, hidden] (contiguous) updated in place:
     per layer the calls above (norm, qkv `linear`, `store_kv`, `decode_attention`, o `linear`, norm
     with the residual, gate/up `linear`, `silu_mul`, down `linear`, residual), so results are those
     of the per-module path to the bit. `table` [layers, len(LAYER_FIELDS)] int64 holds each layer's
-    data pointers (0 for a missing bias); layer l's keys are pool_k[l], pool_v[l] [S, Hkv, D]."""
+    data pointers (0 for a missing bias or scale), its linears' weights of storage `weights` (x's
+    dtype or int8); layer l's keys are pool_k[l], pool_v[l] [S, Hkv, D]."""
     s = shape
     _library().ct_decode_layers(
         x.data_ptr(), x.shape[0], table.shape[0], table.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(),
         pool_k.stride(0), s.hidden, s.heads, s.kv_heads, s.head_dim, plan.cos.shape[-1], s.intermediate,
         s.eps, scale, store_slots.data_ptr(), key_cos.data_ptr(), key_sin.data_ptr(), plan.items,
         plan.rows.data_ptr(), plan.run_start.data_ptr(), plan.key_start.data_ptr(), plan.slots.data_ptr(),
-        plan.cos.data_ptr(), plan.sin.data_ptr(), DTYPES[x.dtype], torch.get_num_threads(),
+        plan.cos.data_ptr(), plan.sin.data_ptr(), DTYPES[x.dtype], WEIGHT_TYPES[weights],
+        torch.get_num_threads(),
     )
 
 
