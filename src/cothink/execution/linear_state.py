@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from cothink.memory.block import LinearRecords, SealedRecords
-from cothink.ops.gdn import affine_summary, apply_summary, causal_conv, compose, delta_rule
 from cothink.models.transformer import GatedDeltaNet
+from cothink.ops import native
+from cothink.ops.gdn import L2NORM_EPS, affine_summary, apply_summary, causal_conv, compose, delta_rule
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,9 +43,29 @@ def run_tokens(
     beta: torch.Tensor,
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Conv (after `history`, the W-1 preceding pre-conv rows) and delta rule over rows; (out, state)."""
+    """Conv (after `history`, the W-1 preceding pre-conv rows) and delta rule over rows; (out, state).
+    A single row (a decoding coroutine's token) on the fast path takes one C call (`native.gdn_token`:
+    the same math to float rounding) instead of ~30 small torch ops."""
+    if rows.shape[0] == 1 and _token_kernel_fits(mixer, history, rows, g, beta, state):
+        c = mixer.cfg
+        shape = native.GdnShape(c.num_k_heads, c.num_v_heads, c.k_dim, c.v_dim, L2NORM_EPS)
+        return native.gdn_token(history, rows, mixer.conv_weight, g, beta, state, shape)
     q, k, v = mixer.split(causal_conv(history, rows, mixer.conv_weight))
     return delta_rule(q, k, v, g, beta, state)
+
+
+def _token_kernel_fits(
+    mixer: GatedDeltaNet, history: torch.Tensor, row: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor,
+) -> bool:
+    """Whether ct_gdn_token reads these: the fast path's mixer, rows of a kernel dtype (the conv
+    weight's), float32 gates and state, all laid out as it reads them."""
+    return (
+        mixer.native and native.supports(row) and native.supports(history) and row.is_contiguous()
+        and mixer.conv_weight.dtype == row.dtype == history.dtype and mixer.conv_weight.is_contiguous()
+        and history.shape[0] == mixer.cfg.conv_kernel - 1
+        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (g, beta, state))
+    )
 
 
 def _body_summary(mixer: GatedDeltaNet, rec: LinearRecords, length: int) -> torch.Tensor:

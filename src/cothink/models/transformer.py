@@ -169,6 +169,10 @@ class Attention(nn.Module):
 
 
 class GatedDeltaNet(nn.Module):
+    # set by CausalLM.fuse_projections (the fast path): a decoding token's conv and delta rule take
+    # the C kernel (execution/linear_state.py run_tokens); the eager path stays plain torch
+    native = False
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         g = cfg.gdn
@@ -267,7 +271,7 @@ class CausalLM(nn.Module):
             mixer.fuse()
             layer.mlp.fuse()
         for module in self.modules():
-            if isinstance(module, RMSNorm):
+            if isinstance(module, (RMSNorm, GatedDeltaNet)):
                 module.native = True
 
     def forward(

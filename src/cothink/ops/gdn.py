@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 CHUNK = 64
+L2NORM_EPS = 1e-6  # of the l2 normalisation of q and k (as transformers' Qwen3.5)
 
 
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 

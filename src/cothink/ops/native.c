@@ -185,6 +185,59 @@ void ct_silu_mul(const void *gate_up, int64_t gs, void *out, int64_t rows, int64
     free(u);
 }
 
+/* One token of a Gated DeltaNet layer from its state (ops/gdn.py, the torch path's order of work):
+ * the depthwise causal conv over the W-1 pre-conv rows before it (history [w1, C], row stride hs) and
+ * its own row [C], times conv_w [C, W], then SiLU (the products, their sum and the SiLU each rounded to
+ * the model dtype, as `causal_conv`); q and k (the first two key_dim channels, hk heads of kd)
+ * l2-normalised per head with `eps`, q scaled by kd^-1/2, value head h reading key head
+ * h / (hv / hk); then the gated delta rule per value head in float32:
+ *     S <- exp(g) S;  S <- S + k (beta (v - k^T S))^T;  out = q^T S
+ * from state_in [hv, kd, vd] into state_out (a new buffer: the old state may be cached), out [hv, vd]. */
+void ct_gdn_token(const void *history, int64_t hs, int64_t w1, const void *row, const void *conv_w,
+                  int64_t conv_dim, int64_t hk, int64_t hv, int64_t kd, int64_t vd, const float *g,
+                  const float *beta, const float *state_in, float *state_out, float *out, float eps, int bf) {
+    int64_t w = w1 + 1, key_dim = hk * kd;
+    float *post = malloc((size_t)conv_dim * sizeof(float)), *mem = malloc((size_t)vd * sizeof(float));
+    for (int64_t c = 0; c < conv_dim; c++) {
+        float acc = 0.0f;
+        for (int64_t j = 0; j < w; j++) {
+            float x = j < w1 ? load(history, j * hs + c, bf) : load(row, c, bf);
+            acc += rnd(x * load(conv_w, c * w + j, bf), bf);
+        }
+        float y = rnd(acc, bf);
+        post[c] = rnd(y / (1.0f + expf(-y)), bf);
+    }
+    float *q = post, *k = post + key_dim, *v = post + 2 * key_dim, q_scale = 1.0f / sqrtf((float)kd);
+    for (int64_t h = 0; h < 2 * hk; h++) { /* the q heads, then the k heads: contiguous */
+        float *x = post + h * kd;
+        double ss = 0.0;
+        for (int64_t i = 0; i < kd; i++) ss += (double)x[i] * x[i];
+        float r = 1.0f / sqrtf((float)ss + eps);
+        for (int64_t i = 0; i < kd; i++) x[i] *= r;
+    }
+    for (int64_t i = 0; i < key_dim; i++) q[i] *= q_scale;
+    for (int64_t h = 0; h < hv; h++) {
+        const float *qh = q + (h / (hv / hk)) * kd, *kh = k + (h / (hv / hk)) * kd, *vh = v + h * vd;
+        const float *src = state_in + h * kd * vd;
+        float *st = state_out + h * kd * vd, *o = out + h * vd, decay = expf(g[h]);
+        for (int64_t e = 0; e < vd; e++) mem[e] = 0.0f;
+        for (int64_t i = 0; i < kd; i++)
+            for (int64_t e = 0; e < vd; e++) {
+                st[i * vd + e] = src[i * vd + e] * decay;
+                mem[e] += kh[i] * st[i * vd + e];
+            }
+        for (int64_t e = 0; e < vd; e++) mem[e] = (vh[e] - mem[e]) * beta[h]; /* the delta */
+        for (int64_t e = 0; e < vd; e++) o[e] = 0.0f;
+        for (int64_t i = 0; i < kd; i++)
+            for (int64_t e = 0; e < vd; e++) {
+                st[i * vd + e] += kh[i] * mem[e];
+                o[e] += qh[i] * st[i * vd + e];
+            }
+    }
+    free(post);
+    free(mem);
+}
+
 /* Rotate this step's keys k [T, H, D] (row stride ks) with per-row tables cos/sin [T, rot] and write
  * them, with the values v [T, H, D] (row stride vs), to pool slots slots[t] of one layer's
  * pool_k/pool_v [S, H, D]. */

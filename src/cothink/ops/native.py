@@ -47,6 +47,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "ct_rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, ctypes.c_int, ctypes.c_int],
     "ct_silu_mul": [_P, _I, _P, _I, _I, ctypes.c_int],
+    "ct_gdn_token": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _F, ctypes.c_int],
     "ct_store_kv": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int],
     "ct_decode_attention": [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _F, _P,
                             ctypes.c_int, _I],
@@ -168,6 +169,37 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, DTYPES[gate_up.dtype]
     )
     return out
+
+
+@dataclass(frozen=True)
+class GdnShape:
+    """The sizes ct_gdn_token needs of a Gated DeltaNet layer."""
+
+    key_heads: int
+    value_heads: int
+    key_dim: int
+    value_dim: int
+    eps: float  # of the l2 normalisation of q and k
+
+
+def gdn_token(
+    history: torch.Tensor, row: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    state: torch.Tensor, shape: GdnShape,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of a Gated DeltaNet layer (execution/linear_state.py `run_tokens` for one row): the
+    causal conv over `history` [W-1, C] and `row` [1, C] (model dtype) with `conv_weight` [C, W], the
+    l2-normalised q/k split and the gated delta rule from `state` [HV, K, V] (float32, left as it
+    is) with g, beta [1, HV] (float32). Returns (out [1, HV, V], new state), as ops/gdn.py to float
+    rounding."""
+    s = shape
+    out = torch.empty(1, s.value_heads, s.value_dim)
+    new = torch.empty_like(state)
+    _library().ct_gdn_token(
+        history.data_ptr(), history.stride(0), history.shape[0], row.data_ptr(), conv_weight.data_ptr(),
+        row.shape[-1], s.key_heads, s.value_heads, s.key_dim, s.value_dim, g.data_ptr(), beta.data_ptr(),
+        state.data_ptr(), new.data_ptr(), out.data_ptr(), s.eps, DTYPES[row.dtype],
+    )
+    return out, new
 
 
 def store_kv(
