@@ -247,3 +247,25 @@ def test_a_forked_child_runs_the_kernels_without_the_parents_helpers(torch_threa
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rms_norm_is_the_gated_delta_nets_output_norm(dtype):
+    """As models.GatedRMSNorm (its torch path) on value heads, with the gate a slice of wider rows
+    (the fused input projection's): float32 to float rounding, bfloat16 to one rounding."""
+    from cothink.models.transformer import GatedRMSNorm
+
+    g = torch.Generator().manual_seed(9)
+    norm = GatedRMSNorm(16, 1e-6)
+    norm.weight.data = torch.randn(16, generator=g)
+    norm = norm.to(dtype)
+    x = torch.randn(3, 4, 16, generator=g).to(dtype)
+    wide = torch.randn(3, 100, generator=g).to(dtype)
+    z = wide[:, 20:84].reshape(3, 4, 16)  # token stride 100, heads contiguous
+    want = norm(x, z)
+    got = native.gated_rms_norm(x, z, norm.weight, norm.eps)
+    assert got.dtype == dtype and got.shape == x.shape
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    assert ((got.float() - want.float()).abs() <= tol * (want.float().abs() + 1e-3)).all()
+    norm.native = True  # the fast path's module takes the kernel for such inputs
+    assert torch.equal(norm(x, z), got)

@@ -68,15 +68,28 @@ class RMSNorm(nn.Module):
 class GatedRMSNorm(nn.Module):
     """RMSNorm over each value head, then multiplied by silu(z) (inside Gated DeltaNet)."""
 
+    native = False  # as RMSNorm's: one C call per step on the fast path
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        if self._native(x, z):
+            return native.gated_rms_norm(x, z, self.weight, self.eps)
         xf = x.float()
         normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (self.weight * normed * F.silu(z.float())).to(x.dtype)
+
+    def _native(self, x: torch.Tensor, z: torch.Tensor) -> bool:
+        # x [T, heads, dim] contiguous; z of the same shape, each token's heads contiguous (a slice
+        # of the fused input projection's rows)
+        return (
+            self.native and x.dim() == 3 and x.is_contiguous() and z.shape == x.shape
+            and z.stride(2) == 1 and z.stride(1) == x.shape[2]
+            and x.dtype == z.dtype == self.weight.dtype and native.supports(x) and native.supports(z)
+        )
 
 
 def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
@@ -271,7 +284,7 @@ class CausalLM(nn.Module):
             mixer.fuse()
             layer.mlp.fuse()
         for module in self.modules():
-            if isinstance(module, (RMSNorm, GatedDeltaNet)):
+            if isinstance(module, (RMSNorm, GatedRMSNorm, GatedDeltaNet)):
                 module.native = True
 
     def forward(

@@ -185,6 +185,29 @@ void ct_silu_mul(const void *gate_up, int64_t gs, void *out, int64_t rows, int64
     free(u);
 }
 
+/* Gated DeltaNet's output norm (models/transformer.py GatedRMSNorm) over x [T * heads, dim]
+ * (contiguous) with the gate z [T, heads, dim] (token stride zs, heads contiguous): per row the
+ * RMSNorm rounded to the dtype, times w rounded, times silu(z) in float32, rounded once, into out
+ * [T * heads, dim], as the torch module computes it. */
+void ct_gated_rms_norm(const void *x, const void *z, int64_t zs, const void *w, void *out, int64_t tokens,
+                       int64_t heads, int64_t dim, float eps, int bf) {
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++) {
+            int64_t r = t * heads + h, zr = t * zs + h * dim;
+            double ss = 0.0;
+            for (int64_t i = 0; i < dim; i++) {
+                float v = load(x, r * dim + i, bf);
+                ss += (double)v * v;
+            }
+            float inv = 1.0f / sqrtf((float)(ss / (double)dim) + eps);
+            for (int64_t i = 0; i < dim; i++) {
+                float normed = rnd(load(x, r * dim + i, bf) * inv, bf);
+                float scaled = rnd(load(w, i, bf) * normed, bf), gate = load(z, zr + i, bf);
+                store(out, r * dim + i, scaled * (gate / (1.0f + expf(-gate))), bf);
+            }
+        }
+}
+
 /* One token of a Gated DeltaNet layer from its state (ops/gdn.py, the torch path's order of work):
  * the depthwise causal conv over the W-1 pre-conv rows before it (history [w1, C], row stride hs) and
  * its own row [C], times conv_w [C, W], then SiLU (the products, their sum and the SiLU each rounded to

@@ -47,6 +47,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "ct_rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, ctypes.c_int, ctypes.c_int],
     "ct_silu_mul": [_P, _I, _P, _I, _I, ctypes.c_int],
+    "ct_gated_rms_norm": [_P, _P, _I, _P, _P, _I, _I, _I, _F, ctypes.c_int],
     "ct_gdn_token": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _F, ctypes.c_int],
     "ct_store_kv": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int],
     "ct_decode_attention": [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _F, _P,
@@ -167,6 +168,19 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
     _library().ct_silu_mul(
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, DTYPES[gate_up.dtype]
+    )
+    return out
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gated DeltaNet's output norm: RMSNorm of x [T, heads, dim] (contiguous) per head, scaled by
+    `weight` [dim], times silu(z) (z [T, heads, dim], heads contiguous within a token), with the
+    roundings of models.GatedRMSNorm; all of one kernel dtype."""
+    tokens, heads, dim = x.shape
+    out = torch.empty_like(x)
+    _library().ct_gated_rms_norm(
+        x.data_ptr(), z.data_ptr(), z.stride(0), weight.data_ptr(), out.data_ptr(), tokens, heads, dim, eps,
+        DTYPES[x.dtype],
     )
     return out
 
