@@ -197,6 +197,26 @@ def test_linears_quick(tiny_folder, tmp_path, capsys):
     assert (tmp_path / "linears.png").stat().st_size > 0
 
 
+def test_step_phases_quick(tiny_folder, tmp_path, capsys):
+    """The engine's decode step split into phases that add up to the step, and timers removed after."""
+    from cothink.execution.runner import ModelRunner
+
+    bench = _load("step_phases")
+    forward = ModelRunner.forward
+    argv = ["--quick", "--model", str(tiny_folder), "--out", str(tmp_path), "--dtypes", "bfloat16"]
+    assert bench.main(argv) == 0
+    assert "engine decode step" in capsys.readouterr().out
+    assert ModelRunner.forward is forward
+    (res,) = json.loads((tmp_path / "step_phases.json").read_text())["results"]
+    ms = res["ms_per_token"]
+    assert all(ms[p] > 0 for p in ("schedule", "prepare", "forward", "commit", "postprocess"))
+    if native.available():  # the tiny Llama takes the fused step: its layers are one C call
+        assert ms["layers"] > 0 and ms["linears"] > 0
+    loop_side = ms["schedule"] + ms["prepare"] + ms["commit"] + ms["postprocess"]
+    assert abs(loop_side + ms["forward"] + ms["unaccounted"] - ms["total"]) < 1e-6
+    assert ms["forward"] >= ms["layers"] + ms["linears"] and ms["unaccounted"] > 0
+
+
 @pytest.mark.skipif(not native.available(), reason="cothink's C kernels did not build here")
 def test_decode_attention_quick(tiny_folder, tmp_path, capsys, monkeypatch):
     """Whole decode steps through the fused kernel and through the torch kernels, alternating; the

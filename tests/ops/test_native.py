@@ -269,3 +269,18 @@ def test_gated_rms_norm_is_the_gated_delta_nets_output_norm(dtype):
     assert ((got.float() - want.float()).abs() <= tol * (want.float().abs() + 1e-3)).all()
     norm.native = True  # the fast path's module takes the kernel for such inputs
     assert torch.equal(norm(x, z), got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gdn_gates_are_the_gated_delta_nets_to_float_rounding(dtype):
+    """g = -exp(A_log) softplus(a + dt_bias) and beta = sigmoid(b) (rounded to the dtype) for b and a
+    that are columns of wider rows (the fused input projection's), both sides of softplus's threshold."""
+    g = torch.Generator().manual_seed(10)
+    wide = (torch.randn(5, 40, generator=g) * 20).to(dtype)
+    b, a = wide[:, 10:18], wide[:, 18:26]
+    a_log, dt_bias = torch.randn(8, generator=g).to(dtype), torch.randn(8, generator=g).to(dtype)
+    decay, beta = native.gdn_gates(b, a, a_log, dt_bias)
+    want_decay = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+    assert (a.float() + dt_bias.float() > 20).any() and decay.dtype == beta.dtype == torch.float32
+    assert ((decay - want_decay).abs() <= 1e-6 * want_decay.abs() + 1e-7).all()
+    assert ((beta - b.sigmoid().float()).abs() <= 2**-8 * beta).all()  # one dtype rounding at most

@@ -224,9 +224,20 @@ class GatedDeltaNet(nn.Module):
         return self._gates(self.in_proj_b(x), self.in_proj_a(x))
 
     def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.native and self._native_gates(b, a):
+            return native.gdn_gates(b, a, self.A_log, self.dt_bias)
         beta = b.sigmoid().float()
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         return g, beta
+
+    def _native_gates(self, b: torch.Tensor, a: torch.Tensor) -> bool:
+        # columns of the fused input projection's rows: one row stride, the last dim contiguous
+        params = (self.A_log, self.dt_bias)
+        return (
+            b.dim() == a.dim() == 2 and b.stride(0) == a.stride(0) and native.supports(b)
+            and native.supports(a)
+            and all(p.dtype == b.dtype == a.dtype and p.is_contiguous() for p in params)
+        )
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, g = x.shape[0], self.cfg

@@ -208,6 +208,20 @@ void ct_gated_rms_norm(const void *x, const void *z, int64_t zs, const void *w, 
         }
 }
 
+/* Gated DeltaNet's per-token gates for `rows` rows of b and a [rows, heads] (row stride rs, model
+ * dtype): beta = sigmoid(b) rounded to the dtype, g = -exp(a_log) * softplus(a + dt_bias) (a_log and
+ * dt_bias [heads] of the dtype), both float32 [rows, heads], as models/transformer.py `_gates`. */
+void ct_gdn_gates(const void *b, const void *a, int64_t rs, const void *a_log, const void *dt_bias, float *g,
+                  float *beta, int64_t rows, int64_t heads, int bf) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < heads; h++) {
+            float bv = load(b, r * rs + h, bf), x = load(a, r * rs + h, bf) + load(dt_bias, h, bf);
+            float softplus = x > 20.0f ? x : log1pf(expf(x)); /* torch's threshold */
+            beta[r * heads + h] = rnd(1.0f / (1.0f + expf(-bv)), bf);
+            g[r * heads + h] = -expf(load(a_log, h, bf)) * softplus;
+        }
+}
+
 /* One token of a Gated DeltaNet layer from its state (ops/gdn.py, the torch path's order of work):
  * the depthwise causal conv over the W-1 pre-conv rows before it (history [w1, C], row stride hs) and
  * its own row [C], times conv_w [C, W], then SiLU (the products, their sum and the SiLU each rounded to

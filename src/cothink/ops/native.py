@@ -47,6 +47,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "ct_rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, ctypes.c_int, ctypes.c_int],
     "ct_silu_mul": [_P, _I, _P, _I, _I, ctypes.c_int],
+    "ct_gdn_gates": [_P, _P, _I, _P, _P, _P, _P, _I, _I, ctypes.c_int],
     "ct_gated_rms_norm": [_P, _P, _I, _P, _P, _I, _I, _I, _F, ctypes.c_int],
     "ct_gdn_token": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _F, ctypes.c_int],
     "ct_store_kv": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int],
@@ -170,6 +171,21 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, DTYPES[gate_up.dtype]
     )
     return out
+
+
+def gdn_gates(
+    b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gated DeltaNet's gates of b, a [T, heads] (one kernel dtype, the same row stride, a_log and
+    dt_bias [heads] of it too): (g, beta) float32 [T, heads], g = -exp(a_log) softplus(a + dt_bias),
+    beta = sigmoid(b) rounded to the dtype, as models.GatedDeltaNet computes them."""
+    rows, heads = b.shape
+    g, beta = torch.empty(rows, heads), torch.empty(rows, heads)
+    _library().ct_gdn_gates(
+        b.data_ptr(), a.data_ptr(), b.stride(0), a_log.data_ptr(), dt_bias.data_ptr(), g.data_ptr(),
+        beta.data_ptr(), rows, heads, DTYPES[b.dtype],
+    )
+    return g, beta
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
