@@ -46,23 +46,24 @@ def run_tokens(
     """Conv (after `history`, the W-1 preceding pre-conv rows) and delta rule over rows; (out, state).
     A single row (a decoding coroutine's token) on the fast path takes one C call (`native.gdn_token`:
     the same math to float rounding) instead of ~30 small torch ops."""
-    if rows.shape[0] == 1 and _token_kernel_fits(mixer, history, rows, g, beta, state):
+    conv = mixer.conv_weight
+    if rows.shape[0] == 1 and _token_kernel_fits(mixer, conv, history, rows, g, beta, state):
         c = mixer.cfg
         shape = native.GdnShape(c.num_k_heads, c.num_v_heads, c.k_dim, c.v_dim, L2NORM_EPS)
-        return native.gdn_token(history, rows, mixer.conv_weight, g, beta, state, shape)
-    q, k, v = mixer.split(causal_conv(history, rows, mixer.conv_weight))
+        return native.gdn_token(history, rows, conv, g, beta, state, shape)
+    q, k, v = mixer.split(causal_conv(history, rows, conv))
     return delta_rule(q, k, v, g, beta, state)
 
 
 def _token_kernel_fits(
-    mixer: GatedDeltaNet, history: torch.Tensor, row: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    state: torch.Tensor,
+    mixer: GatedDeltaNet, conv: torch.Tensor, history: torch.Tensor, row: torch.Tensor, g: torch.Tensor,
+    beta: torch.Tensor, state: torch.Tensor,
 ) -> bool:
     """Whether ct_gdn_token reads these: the fast path's mixer, rows of a kernel dtype (the conv
     weight's), float32 gates and state, all laid out as it reads them."""
     return (
         mixer.native and native.supports(row) and native.supports(history) and row.is_contiguous()
-        and mixer.conv_weight.dtype == row.dtype == history.dtype and mixer.conv_weight.is_contiguous()
+        and conv.dtype == row.dtype == history.dtype and conv.is_contiguous()
         and history.shape[0] == mixer.cfg.conv_kernel - 1
         and all(t.dtype == torch.float32 and t.is_contiguous() for t in (g, beta, state))
     )

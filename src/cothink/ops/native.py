@@ -139,10 +139,7 @@ def helper_grains() -> int:
 
 def supports(x: torch.Tensor) -> bool:
     """Whether `x` is a tensor the kernels read: on the CPU, float32 or bfloat16, last dim contiguous."""
-    return (
-        x.device.type == "cpu" and x.dtype in DTYPES and x.stride(-1) == 1 and not x.requires_grad
-        and available()
-    )
+    return x.is_cpu and x.dtype in DTYPES and x.stride(-1) == 1 and not x.requires_grad and available()
 
 
 def rms_norm(
