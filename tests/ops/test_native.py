@@ -172,6 +172,8 @@ def test_int8_linear_is_the_scaled_product_of_the_rounded_input(dtype):
     with pytest.raises(ValueError, match="does not fit"):
         native.linear(x, q, None)  # int8 without its scales
     with pytest.raises(ValueError, match="does not fit"):
+        native.linear(x, q, None, scale=scale[:-1])  # the C kernel would read past the scales
+    with pytest.raises(ValueError, match="does not fit"):
         native.linear(x, q, b.to(torch.float32 if dtype == torch.bfloat16 else torch.bfloat16), scale=scale)
 
 

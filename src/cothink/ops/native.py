@@ -274,6 +274,7 @@ def linear(
     if (  # C reads k columns and the bias in x's dtype blindly
         k != weight.shape[1] or x.stride(1) != 1 or weight.dtype != (torch.int8 if int8 else x.dtype)
         or int8 != (scale is not None) or (bias is not None and bias.dtype != x.dtype)
+        or (scale is not None and (scale.dtype != torch.bfloat16 or scale.shape != (n,)))
     ):
         raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
                          f"{weight.dtype} (or its rows are not contiguous, or its scale or bias)")
