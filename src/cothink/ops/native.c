@@ -137,6 +137,16 @@ static inline float sum(const float *x, int64_t n) {
     return fold16(acc);
 }
 
+/* x[0]^2 + ... + x[n-1]^2 in double (the norms' sums: no float rounding before the mean) */
+static double sum_squares(const float *x, int64_t n) {
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    return ss;
+}
+
+/* x sigmoid(x) with libm's exp (the Gated DeltaNet kernels' SiLU) */
+static inline float silu(float x) { return x / (1.0f + expf(-x)); }
+
 /* RMSNorm of `rows` rows of x (row stride xs), optionally after adding a residual: s = x + res
  * (rounded to the dtype, written to sum_out), out = norm(s). Llama/Qwen3 scale after the cast
  * (w * dtype(normed)); zero-centred (Qwen3.5) scales in float by (1 + w), then casts. */
@@ -155,9 +165,7 @@ void ct_rms_norm(const void *x, int64_t xs, const void *res, int64_t rs, void *s
                 store(sum_out, r * dim + i, s[i], bf);
             }
         }
-        double ss = 0.0;
-        for (int64_t i = 0; i < dim; i++) ss += (double)s[i] * s[i];
-        float inv = 1.0f / sqrtf((float)(ss / (double)dim) + eps);
+        float inv = 1.0f / sqrtf((float)(sum_squares(s, dim) / (double)dim) + eps);
         for (int64_t i = 0; i < dim; i++) {
             float normed = s[i] * inv;
             float y = zero_centred ? normed * (1.0f + wf[i]) : wf[i] * rnd(normed, bf);
@@ -191,21 +199,19 @@ void ct_silu_mul(const void *gate_up, int64_t gs, void *out, int64_t rows, int64
  * [T * heads, dim], as the torch module computes it. */
 void ct_gated_rms_norm(const void *x, const void *z, int64_t zs, const void *w, void *out, int64_t tokens,
                        int64_t heads, int64_t dim, float eps, int bf) {
+    float *xf = malloc((size_t)dim * sizeof(float));
     for (int64_t t = 0; t < tokens; t++)
         for (int64_t h = 0; h < heads; h++) {
             int64_t r = t * heads + h, zr = t * zs + h * dim;
-            double ss = 0.0;
+            load_row((const char *)x + r * dim * (bf ? 2 : 4), dim, bf, xf);
+            float inv = 1.0f / sqrtf((float)(sum_squares(xf, dim) / (double)dim) + eps);
             for (int64_t i = 0; i < dim; i++) {
-                float v = load(x, r * dim + i, bf);
-                ss += (double)v * v;
-            }
-            float inv = 1.0f / sqrtf((float)(ss / (double)dim) + eps);
-            for (int64_t i = 0; i < dim; i++) {
-                float normed = rnd(load(x, r * dim + i, bf) * inv, bf);
-                float scaled = rnd(load(w, i, bf) * normed, bf), gate = load(z, zr + i, bf);
-                store(out, r * dim + i, scaled * (gate / (1.0f + expf(-gate))), bf);
+                float normed = rnd(xf[i] * inv, bf);
+                float scaled = rnd(load(w, i, bf) * normed, bf);
+                store(out, r * dim + i, scaled * silu(load(z, zr + i, bf)), bf);
             }
         }
+    free(xf);
 }
 
 /* Gated DeltaNet's per-token gates for `rows` rows of b and a [rows, heads] (row stride rs, model
@@ -242,14 +248,12 @@ void ct_gdn_token(const void *history, int64_t hs, int64_t w1, const void *row, 
             acc += rnd(x * load(conv_w, c * w + j, bf), bf);
         }
         float y = rnd(acc, bf);
-        post[c] = rnd(y / (1.0f + expf(-y)), bf);
+        post[c] = rnd(silu(y), bf);
     }
     float *q = post, *k = post + key_dim, *v = post + 2 * key_dim, q_scale = 1.0f / sqrtf((float)kd);
     for (int64_t h = 0; h < 2 * hk; h++) { /* the q heads, then the k heads: contiguous */
         float *x = post + h * kd;
-        double ss = 0.0;
-        for (int64_t i = 0; i < kd; i++) ss += (double)x[i] * x[i];
-        float r = 1.0f / sqrtf((float)ss + eps);
+        float r = 1.0f / sqrtf((float)sum_squares(x, kd) + eps);
         for (int64_t i = 0; i < kd; i++) x[i] *= r;
     }
     for (int64_t i = 0; i < key_dim; i++) q[i] *= q_scale;

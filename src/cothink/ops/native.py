@@ -270,12 +270,13 @@ def linear(
     float32, equal to `linear(...).float()` without the widening pass."""
     m, k = x.shape
     n = weight.shape[0]
-    int8 = weight.dtype == torch.int8
-    if (  # C reads k columns and the bias in x's dtype blindly
-        k != weight.shape[1] or x.stride(1) != 1 or weight.dtype != (torch.int8 if int8 else x.dtype)
-        or int8 != (scale is not None) or (bias is not None and bias.dtype != x.dtype)
-        or (scale is not None and (scale.dtype != torch.bfloat16 or scale.shape != (n,)))
-    ):
+    if weight.dtype == torch.int8:
+        kind_fits = scale is not None and scale.dtype == torch.bfloat16 and scale.shape == (n,)
+    else:
+        kind_fits = scale is None and weight.dtype == x.dtype
+    # C reads k columns, the scales and the bias in x's dtype blindly
+    bias_fits = bias is None or bias.dtype == x.dtype
+    if not (kind_fits and bias_fits) or k != weight.shape[1] or x.stride(1) != 1:
         raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
                          f"{weight.dtype} (or its rows are not contiguous, or its scale or bias)")
     y = torch.empty((m, n), dtype=torch.float32 if float_out else x.dtype)
