@@ -40,9 +40,14 @@ def _conversation(runner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     for s in range(5):
         out += runner.step([StepItem(w, [7 * s + i], v, "last") for i, (w, v) in pairs])
     out.append(runner.extend(writers[0], [9], [ctx, writers[0]]))  # one coroutine alone
+    # a new view over a decoded block: its Gated DeltaNet state is composed from the records
+    out.append(runner.extend(notes, [4], [writers[1], notes]))
+    blocks = (ctx, notes, *writers)
     # the written slots only (the rest of a page is uninitialised memory)
-    slots = torch.cat([runner.store.slots_and_span(b, 0, b.length)[0] for b in (ctx, notes, *writers)])
-    return out, [runner.store.pool.k[:, slots], runner.store.pool.v[:, slots]]
+    slots = torch.cat([runner.store.slots_and_span(b, 0, b.length)[0] for b in blocks])
+    records = [data[: b.length] for b in blocks for rec in b.linear for data in (rec.rows.data, rec.g.data,
+                                                                                rec.beta.data)]
+    return out, [runner.store.pool.k[:, slots], runner.store.pool.v[:, slots], *records]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -55,6 +60,12 @@ def _conversation(runner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         ("llama3", torch.bfloat16, None),
         ("llama", torch.bfloat16, "int8"),
         ("llama3", torch.float32, "int8"),  # int8 weights under float32 activations, with biases
+        ("qwen3", torch.float32, None),  # q/k norms
+        ("qwen3", torch.bfloat16, None),
+        ("qwen35", torch.float32, None),  # Gated DeltaNet layers, output gates, partial rotary
+        ("qwen35", torch.bfloat16, None),
+        ("qwen3", torch.bfloat16, "int8"),
+        ("qwen35_mm", torch.float32, None),  # the multimodal checkpoint's text model
     ],
 )
 def test_fused_decode_is_the_per_module_path_to_the_bit(
@@ -72,11 +83,11 @@ def test_fused_decode_is_the_per_module_path_to_the_bit(
     torch.set_num_threads(threads)
     try:
         got, got_kv = _conversation(fused)
-        assert fused_calls == [3] * 5 + [1]  # the decode steps; prefills take the module path
+        assert fused_calls == [3] * 5 + [1, 1]  # the decode steps; prefills take the module path
         want, want_kv = _conversation(modules)
     finally:
         torch.set_num_threads(before)
-    assert len(fused_calls) == 6
+    assert len(fused_calls) == 7
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
 
@@ -98,8 +109,7 @@ def test_fused_decode_runs_only_steps_the_c_kernels_would_run_whole(tiny_model, 
 @pytest.mark.parametrize(
     ("name", "limits"),
     [
-        ("qwen3", {}),  # q/k norms
-        ("qwen35", {}),  # Gated DeltaNet, output gates
+        ("qwen35_linear", {}),  # Gated DeltaNet only: no attention layer, no native decode items
         ("llama", {"attention_backend": "torch"}),
         ("llama", {"fast": False}),  # the eager modules
     ],

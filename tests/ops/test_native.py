@@ -286,3 +286,44 @@ def test_gdn_gates_are_the_gated_delta_nets_to_float_rounding(dtype):
     assert (a.float() + dt_bias.float() > 20).any() and decay.dtype == beta.dtype == torch.float32
     assert ((decay - want_decay).abs() <= 1e-6 * want_decay.abs() + 1e-7).all()
     assert ((beta - b.sigmoid().float()).abs() <= 2**-8 * beta).all()  # one dtype rounding at most
+
+
+@pytest.mark.parametrize("zero_centred", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_head_rms_norm_normalises_each_head_of_a_strided_view(dtype, zero_centred):
+    """The q/k norms of Qwen3 / Qwen3.5 on a view of the q/k/v projection (token stride 100, head
+    stride 32: the query halves of gated heads): each head as a row of models.RMSNorm's torch path,
+    to float rounding (float32) or one rounding (bfloat16); the fast path's module takes the kernel."""
+    from cothink.models.transformer import RMSNorm
+
+    g = torch.Generator().manual_seed(11)
+    norm = RMSNorm(16, 1e-6, zero_centred)
+    norm.weight.data = torch.randn(16, generator=g)
+    norm = norm.to(dtype)
+    wide = torch.randn(3, 100, generator=g).to(dtype)
+    x = wide[:, 4:100].reshape(3, 3, 32)[:, :, :16]  # [3 tokens, 3 heads, 16]
+    want = norm(x)
+    got = native.head_rms_norm(x, norm.weight, norm.eps, zero_centred)
+    assert got.dtype == dtype and got.shape == x.shape and got.is_contiguous()
+    tol = 1e-6 if dtype == torch.float32 else 2**-7
+    assert ((got.float() - want.float()).abs() <= tol * (want.float().abs() + 1e-3)).all()
+    # each head is the row kernel's result for that head alone
+    rows = native.rms_norm(x.contiguous().reshape(9, 16), norm.weight, norm.eps, zero_centred)[0]
+    assert torch.equal(got.reshape(9, 16), rows)
+    norm.native = True
+    assert torch.equal(norm(x), got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sigmoid_gate_is_the_attention_output_gate(dtype):
+    """Qwen3.5's out * sigmoid(gate), the gate the second half of each head of the q projection
+    (token stride 70, head stride 16): to float rounding (float32), one rounding (bfloat16)."""
+    g = torch.Generator().manual_seed(12)
+    wide = (torch.randn(2, 70, generator=g) * 4).to(dtype)
+    gate = wide[:, 6:70].reshape(2, 4, 16)[:, :, 8:]  # [2 tokens, 4 heads, 8]
+    out = torch.randn(2, 32, generator=g).to(dtype)
+    got = native.sigmoid_gate(out, gate)
+    want = out * torch.sigmoid(gate.reshape(2, 32))
+    assert got.dtype == dtype and got.shape == out.shape
+    tol = 2e-7 if dtype == torch.float32 else 2**-7
+    assert ((got.float() - want.float()).abs() <= tol * (want.float().abs() + 1e-6)).all()

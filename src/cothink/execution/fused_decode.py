@@ -4,11 +4,12 @@ A single-stream decode step of SmolLM2 spends ~20 ms in its matmuls and another 
 layer a dozen module calls and eight kernel calls, each with its tensor allocations and ctypes
 argument conversions. For steps the per-module path would run entirely in cothink's C kernels
 (every item decoding one token under the native attention backend, at most NATIVE_MAX_ROWS rows,
-a float32 or bfloat16 Llama-family model whose linears all take the C kernel, with weights of the
-model dtype or int8), the runner runs the
-layers in one call that makes the same kernel calls in the same order: the result is the same to
-the bit, and the step loses the Python around them. Other steps, models and backends take the
-per-module path unchanged.
+a float32 or bfloat16 Llama, Qwen3 or Qwen3.5 model whose linears all take the C kernel, with
+weights of the model dtype or int8), the runner runs the layers in one call that makes the same
+kernel calls in the same order: the result is the same to the bit, and the step loses the Python
+around them. For the Qwen3.5 hybrid the step's Gated DeltaNet bookkeeping (each item's state before
+its token, buffers for the new state, conv tail and records) is done by the ViewBatch first
+(`linear_decode`). Other steps, models and backends take the per-module path unchanged.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from __future__ import annotations
 import torch
 
 from cothink.execution.attention_backends import NativeAttention
-from cothink.execution.step import ViewBatch
+from cothink.execution.step import LinearDecode, ViewBatch
 from cothink.models.packing import NATIVE_MAX_ROWS, NativeLinear
-from cothink.models.transformer import CausalLM, ForwardContext
+from cothink.models.transformer import CausalLM, ForwardContext, GatedDeltaNet
 from cothink.ops import native
+from cothink.ops.gdn import L2NORM_EPS
 
 
 class FusedDecode:
@@ -28,29 +30,40 @@ class FusedDecode:
     def __init__(self, model: CausalLM, weights: torch.dtype):
         cfg = model.config
         self.weights = weights  # the linears' storage: the model dtype or int8
+        g = cfg.gdn
         self.shape = native.LayerShape(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
-            cfg.rms_norm_eps,
+            cfg.rms_norm_eps, cfg.attn_output_gate, cfg.zero_centred_norm,
+            native.GdnShape(g.num_k_heads, g.num_v_heads, g.k_dim, g.v_dim, L2NORM_EPS) if g else None,
+            g.conv_kernel if g else 0,
         )
-        self._tensors = [_layer_tensors(layer) for layer in model.model.layers]  # the table points into them
+        layers = model.model.layers
+        kv_slot = {layer: i for i, layer in enumerate(cfg.attention_layers)}  # the key pool's order
+        self._tensors = [_layer_tensors(layer) for layer in layers]  # the table points into them
         self.table = torch.tensor(
-            [[0 if layer[f] is None else layer[f].data_ptr() for f in native.LAYER_FIELDS]
-             for layer in self._tensors],
+            [[kv_slot.get(i, -1) if f == "kv_slot" else _pointer(tensors[f]) for f in native.LAYER_FIELDS]
+             for i, tensors in enumerate(self._tensors)],
             dtype=torch.int64,
         )
+        self.linear_mixers = {
+            i: layer.linear_attn for i, layer in enumerate(layers) if hasattr(layer, "linear_attn")
+        }
 
     @classmethod
     def for_model(cls, model: CausalLM, backend: object) -> FusedDecode | None:
         """The fused layers for `model`, or None where its steps keep the per-module path: another
-        backend than "native", another architecture (q/k norms, output gates, Gated DeltaNet) or
-        linears that do not run in the C kernel (oneDNN-packed bfloat16, the eager modules) or of
-        mixed storage."""
+        backend than "native", layers the kernels do not chain (a Gated DeltaNet model without
+        attention layers, a conv kernel of width 1), or parts that do not run in the C kernels
+        (oneDNN-packed bfloat16 or mixed-storage linears, the eager modules, parameters of another
+        dtype than the activations)."""
         cfg = model.config
-        if not isinstance(backend, NativeAttention) or cfg.head_dim % 16:
+        if not isinstance(backend, NativeAttention) or cfg.head_dim % 16 or not cfg.attention_layers:
             return None
-        if cfg.qk_norm or cfg.attn_output_gate or cfg.zero_centred_norm or cfg.linear_layers:
+        if cfg.gdn is not None and cfg.gdn.conv_kernel < 2:
             return None
         layers = model.model.layers
+        if any(_mixer(layer) is None for layer in layers):  # unfused projections: the eager modules
+            return None
         linears = [m for layer in layers for m in _linears(layer)]
         if any(not isinstance(m, NativeLinear) or m.native_rows < NATIVE_MAX_ROWS for m in linears):
             return None
@@ -58,8 +71,9 @@ class FusedDecode:
         storage = {m.operands()[0].dtype for m in linears}
         if storage not in ({dtype}, {torch.int8}) or not all(m.takes_dtype(dtype) for m in linears):
             return None
-        norms = [(layer.input_layernorm, layer.post_attention_layernorm) for layer in layers]
-        if any(n.weight.dtype != dtype or not n.weight.is_contiguous() for pair in norms for n in pair):
+        params = [t for layer in layers for name, t in _layer_tensors(layer).items()
+                  if t is not None and name not in _LINEAR_FIELDS]
+        if any(t.dtype != dtype or not t.is_contiguous() for t in params):
             return None
         return cls(model, storage.pop())
 
@@ -73,25 +87,69 @@ class FusedDecode:
         assert isinstance(batch, ViewBatch)
         pool = batch.store.pool
         x = x.contiguous()
+        steps = {i: batch.linear_decode(i, mixer, x.dtype) for i, mixer in self.linear_mixers.items()}
         native.decode_layers(
             x, self.table, self.shape, pool.k, pool.v, batch.store_slots, *batch.key_rotation,
-            batch.native_decode, batch.scale, self.weights,
+            batch.native_decode, batch.scale, self.weights, self._linear_io(steps, len(batch.plans)),
         )
         return x
 
+    def _linear_io(self, steps: dict[int, LinearDecode], items: int) -> torch.Tensor | None:
+        """The Gated DeltaNet layers' rows of ct_decode_layers' linear_io table (others: zeros)."""
+        if not steps:
+            return None
+        width = native.LINEAR_STEP_FIELDS + items * native.LINEAR_ITEM_FIELDS
+        rows = []
+        for i in range(self.table.shape[0]):
+            step = steps.get(i)
+            if step is None:
+                rows.append([0] * width)
+                continue
+            row = [step.rows.data_ptr(), step.g.data_ptr(), step.beta.data_ptr()]
+            for before, after in zip(step.before, step.after):
+                row += [before.tail.data_ptr(), before.tail.stride(0), before.state.data_ptr(),
+                        after.state.data_ptr(), after.tail.data_ptr()]
+            rows.append(row)
+        return torch.tensor(rows, dtype=torch.int64)
+
+
+# the fields of the linears (and their biases, scales): checked as NativeLinear operands
+_LINEAR_FIELDS = {f"{name}{suffix}" for name in ("mix_in", "mix_out", "gate_up", "down")
+                  for suffix in ("", "_bias", "_scale")}
+
+
+def _pointer(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _mixer(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """The layer's attention or Gated DeltaNet, with its input projections fused (else None)."""
+    mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
+    fused = mixer.qkv_proj if hasattr(layer, "self_attn") else mixer.in_proj
+    return mixer if fused is not None else None
+
 
 def _linears(layer: torch.nn.Module) -> list[object]:
-    return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    mixer = _mixer(layer)
+    if isinstance(mixer, GatedDeltaNet):
+        return [mixer.in_proj, mixer.out_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    return [mixer.qkv_proj, mixer.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
 
 
 def _layer_tensors(layer: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-    """One layer's tensors by native.LAYER_FIELDS name."""
-    attn, mlp = layer.self_attn, layer.mlp
-    tensors = {
-        "in_norm": layer.input_layernorm.weight.data, "post_norm": layer.post_attention_layernorm.weight.data
+    """One layer's tensors by native.LAYER_FIELDS name (kv_slot aside)."""
+    mixer, mlp = _mixer(layer), layer.mlp
+    tensors: dict[str, torch.Tensor | None] = {
+        "in_norm": layer.input_layernorm.weight.data, "post_norm": layer.post_attention_layernorm.weight.data,
+        "q_norm": None, "k_norm": None, "conv": None, "a_log": None, "dt_bias": None, "gated_norm": None,
     }
-    for name, linear in (
-        ("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", mlp.gate_up_proj), ("down", mlp.down_proj)
-    ):
+    if isinstance(mixer, GatedDeltaNet):
+        tensors.update(conv=mixer.conv_weight.data, a_log=mixer.A_log.data, dt_bias=mixer.dt_bias.data,
+                       gated_norm=mixer.norm.weight.data)
+    elif mixer.q_norm is not None:
+        tensors.update(q_norm=mixer.q_norm.weight.data, k_norm=mixer.k_norm.weight.data)
+    mix_in, mix_out = _linears(layer)[:2]
+    for name, linear in (("mix_in", mix_in), ("mix_out", mix_out), ("gate_up", mlp.gate_up_proj),
+                         ("down", mlp.down_proj)):
         tensors[name], tensors[f"{name}_scale"], tensors[f"{name}_bias"] = linear.operands()
     return tensors

@@ -87,6 +87,19 @@ class ItemPlan:
         return self.rows.stop - self.rows.start
 
 
+@dataclass
+class LinearDecode:
+    """A Gated DeltaNet layer's buffers in a fused decode step (ViewBatch.linear_decode): the step's
+    pre-conv rows [T, conv_dim], g and beta [T, HV] (float32), and per item its (state, conv tail)
+    before and after its token."""
+
+    rows: torch.Tensor
+    g: torch.Tensor
+    beta: torch.Tensor
+    before: list[LinearState] = field(default_factory=list)
+    after: list[LinearState] = field(default_factory=list)
+
+
 Rows = torch.Tensor | slice  # row indices; a slice when they are consecutive (a view, no gather)
 
 
@@ -392,6 +405,25 @@ class ViewBatch:
             self.new_states[i][slot] = LinearState(state, tail)
             self.new_records[i][slot] = (rows[r], g[r], beta[r])
         return out
+
+    def linear_decode(self, layer: int, mixer: GatedDeltaNet, dtype: torch.dtype) -> LinearDecode:
+        """A Gated DeltaNet layer of a fused decode step (execution/fused_decode.py; every item one
+        token): each item's state before its token, and empty buffers for what the step makes of it,
+        recorded as `linear_attention` records its results. The fused kernel fills them before
+        `commit` reads them."""
+        slot, g = self.store.linear_slot[layer], mixer.cfg
+        rows = torch.empty(len(self.items), g.conv_dim, dtype=dtype)
+        decay, beta = torch.empty(2, len(self.items), g.num_v_heads)
+        step = LinearDecode(rows, decay, beta)
+        for i, (item, plan) in enumerate(zip(self.items, self.plans)):
+            before = self._state_before(item, plan, slot, mixer, dtype, rows.device)
+            # the kernel reads both whole, as laid out row by row
+            step.before.append(LinearState(before.state.contiguous(), before.tail.contiguous()))
+            after = LinearState(torch.empty(before.state.shape), torch.empty(before.tail.shape, dtype=dtype))
+            step.after.append(after)
+            self.new_states[i][slot] = after
+            self.new_records[i][slot] = (rows[i : i + 1], decay[i : i + 1], beta[i : i + 1])
+        return step
 
     def _state_before(
         self, item: StepItem, plan: ItemPlan, slot: int, mixer: GatedDeltaNet, dtype, device

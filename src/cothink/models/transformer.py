@@ -46,6 +46,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._native(x):
+            if x.dim() == 3:  # the q/k norms: each head of views of the q/k/v projection
+                return native.head_rms_norm(x, self.weight, self.eps, self.zero_centred)
             return native.rms_norm(x, self.weight, self.eps, self.zero_centred)[0]
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -55,14 +57,14 @@ class RMSNorm(nn.Module):
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual add and the next norm in one kernel."""
-        if self._native(x) and native.supports(residual):
+        if self._native(x) and x.dim() == 2 and native.supports(residual):
             return native.rms_norm(x, self.weight, self.eps, self.zero_centred, residual)
         total = x + residual
         return self(total), total
 
     def _native(self, x: torch.Tensor) -> bool:
-        # rows of a 2-D activation (the q/k norms' [T, heads, D] views take the torch path)
-        return self.native and x.dim() == 2 and x.dtype == self.weight.dtype and native.supports(x)
+        # rows of a 2-D activation, or the heads of [T, heads, D] (the q/k norms)
+        return self.native and x.dim() in (2, 3) and x.dtype == self.weight.dtype and native.supports(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -137,6 +139,9 @@ class MLP(nn.Module):
 
 
 class Attention(nn.Module):
+    # set by CausalLM.fuse_projections (the fast path): the output gate takes the C kernel
+    native = False
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.head_dim = layer, cfg.head_dim
@@ -170,15 +175,20 @@ class Attention(nn.Module):
         gate = None
         if self.gated:  # per head: first head_dim channels are the query, the next head_dim the gate
             q, gate = q.chunk(2, dim=-1)
-            gate = gate.reshape(t, -1)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         out = ctx.attention(self.layer, q, k, v).reshape(t, -1).to(x.dtype)
         if gate is not None:  # applied after the merge of per-block partials: it depends on the query only
-            out = out * torch.sigmoid(gate)
+            out = self._gate(out, gate)
         return self.o_proj(out)
+
+    def _gate(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """out [T, heads * D] times sigmoid(gate [T, heads, D])."""
+        if self.native and gate.dtype == out.dtype and native.supports(gate) and out.is_contiguous():
+            return native.sigmoid_gate(out, gate)
+        return out * torch.sigmoid(gate.reshape(out.shape))
 
 
 class GatedDeltaNet(nn.Module):
@@ -287,15 +297,16 @@ class CausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """Concatenate the projections that read the same input (q/k/v, gate/up, the GDN inputs):
-        fewer, larger matmuls per layer; and let the norms (with their residual adds) and SiLU x up
-        run in cothink's fused C kernels where available (ops/native.py). fp32 results match the
-        unfused modules to rounding."""
+        fewer, larger matmuls per layer; and let the norms (with their residual adds, the q/k norms
+        per head), SiLU x up, the attention output gate and a decoding token's Gated DeltaNet run in
+        cothink's fused C kernels where available (ops/native.py). fp32 results match the unfused
+        modules to rounding."""
         for layer in self.model.layers:
             mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
             mixer.fuse()
             layer.mlp.fuse()
         for module in self.modules():
-            if isinstance(module, (RMSNorm, GatedRMSNorm, GatedDeltaNet)):
+            if isinstance(module, (RMSNorm, GatedRMSNorm, GatedDeltaNet, Attention)):
                 module.native = True
 
     def forward(

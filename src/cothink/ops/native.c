@@ -5,7 +5,8 @@
  * Each function here does one of those units in a single call. ct_linear runs the products of steps
  * of a few rows, bound by reading the weight; it and the decode attention split their work over
  * helper threads of their own (below, `parallel_for`), the rest run on the calling thread.
- * ct_decode_layers chains them over all decoder layers of a small Llama-family decode step.
+ * ct_decode_layers chains them over all decoder layers of a small decode step (Llama, Qwen3, the
+ * Qwen3.5 hybrid).
  *
  * Tensors arrive as data pointers with their row strides (elements); the last dimension is always
  * contiguous. `bf` selects the storage type: 0 float32, 1 bfloat16. Arithmetic is float32, and every
@@ -799,65 +800,194 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
     free(xf);
 }
 
-/* What ct_decode_layers reads of one decoder layer: data pointers in this order (a missing bias 0). */
+/* RMSNorm of each head of x [T, heads, dim] (token stride ts, head stride hs; the q/k norms of
+ * Qwen3 and Qwen3.5 on views of the q/k/v projection) into out [T, heads, dim], contiguous: per
+ * token the rows of ct_rms_norm. */
+void ct_head_rms_norm(const void *x, int64_t ts, int64_t hs, const void *w, void *out, int64_t tokens,
+                      int64_t heads, int64_t dim, float eps, int zero_centred, int bf) {
+    int64_t size = bf ? 2 : 4;
+    for (int64_t t = 0; t < tokens; t++)
+        ct_rms_norm((const char *)x + t * ts * size, hs, NULL, 0, NULL, w, (char *)out + t * heads * dim * size,
+                    heads, dim, eps, zero_centred, bf);
+}
+
+/* Qwen3.5's attention output gate: out = x * sigmoid(gate) over x [T, heads * dim] (contiguous,
+ * the attention output in the model dtype) and gate [T, heads, dim] (token stride gs, head stride
+ * gh), sigmoid rounded to the dtype, then the product, as torch computes x * torch.sigmoid(gate).
+ * out may be x. */
+void ct_sigmoid_gate(const void *x, const void *gate, int64_t gs, int64_t gh, void *out, int64_t tokens,
+                     int64_t heads, int64_t dim, int bf) {
+    for (int64_t t = 0; t < tokens; t++)
+        for (int64_t h = 0; h < heads; h++)
+            for (int64_t i = 0; i < dim; i++) {
+                int64_t at = (t * heads + h) * dim + i;
+                float s = rnd(1.0f / (1.0f + expf(-load(gate, t * gs + h * gh + i, bf))), bf);
+                store(out, at, load(x, at, bf) * s, bf);
+            }
+}
+
+/* What ct_decode_layers reads of one decoder layer: data pointers in this order (a missing bias,
+ * scale or norm 0). The mixer's projections are the attention's q/k/v and o, or Gated DeltaNet's
+ * fused qkv/z/b/a input and its output projection. KV_SLOT is not a pointer: the layer's index in
+ * the key pool, -1 for a Gated DeltaNet layer (whose fields CONV .. GATED_NORM are then set). */
 enum {
-    W_IN_NORM, W_QKV, W_QKV_BIAS, W_O, W_O_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS, W_DOWN, W_DOWN_BIAS,
-    W_QKV_SCALE, W_O_SCALE, W_GATE_UP_SCALE, W_DOWN_SCALE, /* int8 weights' row scales (else 0) */
+    W_IN_NORM, W_MIX_IN, W_MIX_IN_BIAS, W_MIX_OUT, W_MIX_OUT_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS,
+    W_DOWN, W_DOWN_BIAS,
+    W_MIX_IN_SCALE, W_MIX_OUT_SCALE, W_GATE_UP_SCALE, W_DOWN_SCALE, /* int8 weights' row scales (else 0) */
+    W_Q_NORM, W_K_NORM, W_KV_SLOT, W_CONV, W_A_LOG, W_DT_BIAS, W_GATED_NORM,
     W_FIELDS
 };
 
-/* The decoder layers of a Llama-family model (attention in every layer, no q/k norms) over a decode
- * step of t_rows single-token items, in one call: the calls the per-module path makes for such a
- * step, in its order, with its roundings, so the result is the same to the bit (the Python loop
- * around them costs about as much as the kernels' non-matmul work).
+/* The model's sizes (ct_decode_layers' `dims`, in this order) */
+enum {
+    D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_GATED, D_ZERO_CENTRED,
+    D_KEY_HEADS, D_VALUE_HEADS, D_KEY_DIM, D_VALUE_DIM, D_CONV, /* Gated DeltaNet's (0 without) */
+    D_FIELDS
+};
+
+/* A Gated DeltaNet layer's inputs and outputs in a step (ct_decode_layers' `linear_io`, one row of
+ * L_FIELDS + items * I_FIELDS per layer): the step's pre-conv rows [T, conv_dim] (model dtype), g and
+ * beta [T, value_heads] (float32); per item its conv tail [W-1, conv_dim] (row stride I_TAIL_STRIDE)
+ * and state [value_heads, key_dim, value_dim] before the token, and the buffers for them after it. */
+enum { L_ROWS, L_G, L_BETA, L_FIELDS };
+enum { I_TAIL, I_TAIL_STRIDE, I_STATE, I_STATE_OUT, I_TAIL_OUT, I_FIELDS };
+
+typedef struct {
+    int64_t hidden, hq, hkv, d, inter, gated, zero_centred, hk, hv, kd, vd, conv, rot, t, items, threads;
+    float eps, l2_eps, scale;
+    int bf, wt;
+} Step;
+
+/* A step's keys: where they go, and the runs each item reads (ct_decode_attention's plan) */
+typedef struct {
+    char *pool_k, *pool_v;
+    int64_t pool_layer;
+    const int64_t *store_slots, *rows, *run_start, *key_start, *slots;
+    const void *key_cos, *key_sin, *cos, *sin;
+} StepKeys;
+
+/* One call's scratch rows (each [T, width] of the widest use) */
+typedef struct {
+    char *normed, *proj, *att, *gated, *mixed, *total, *gate_up, *act, *down, *qn, *kn;
+    float *att_f;
+} Scratch;
+
+#define WP(i) ((const void *)(intptr_t)w[i])
+
+/* y = x W^T (+ b) with the layer's weight at field `f` (its bias at f + 1, its scale at the scale
+ * field) */
+static void layer_linear(const Step *s, const int64_t *w, int f, int scale_f, const void *x, int64_t k, void *y,
+                         int64_t n) {
+    ct_linear(x, k, WP(f), WP(scale_f), WP(f + 1), y, n, s->t, n, k, s->bf, s->wt, 0, s->threads);
+}
+
+/* Full attention from the normed rows into sc->mixed: q/k/v, the q/k norms (Qwen3, Qwen3.5), keys to
+ * the pool, the decode attention, the output gate (Qwen3.5), o. */
+static void attention_mixer(const Step *s, const int64_t *w, const StepKeys *keys, Scratch *sc) {
+    int64_t size = s->bf ? 2 : 4, t = s->t, att_n = s->hq * s->d, kv_n = s->hkv * s->d;
+    int64_t q_out = att_n * (s->gated ? 2 : 1), qkv_n = q_out + 2 * kv_n;
+    char *layer_k = keys->pool_k + w[W_KV_SLOT] * keys->pool_layer * size;
+    char *layer_v = keys->pool_v + w[W_KV_SLOT] * keys->pool_layer * size;
+    layer_linear(s, w, W_MIX_IN, W_MIX_IN_SCALE, sc->normed, s->hidden, sc->proj, qkv_n);
+    /* per head the query, then (gated) its gate: head stride 2d */
+    const char *q = sc->proj, *k = sc->proj + q_out * size, *v = k + kv_n * size;
+    int64_t qs = qkv_n, qh = s->gated ? 2 * s->d : s->d, ks = qkv_n;
+    if (w[W_Q_NORM]) {
+        ct_head_rms_norm(q, qs, qh, WP(W_Q_NORM), sc->qn, t, s->hq, s->d, s->eps, s->zero_centred, s->bf);
+        ct_head_rms_norm(k, ks, s->d, WP(W_K_NORM), sc->kn, t, s->hkv, s->d, s->eps, s->zero_centred, s->bf);
+        q = sc->qn, qs = att_n, qh = s->d, k = sc->kn, ks = kv_n;
+    }
+    ct_store_kv(k, ks, v, qkv_n, keys->store_slots, t, s->hkv, s->d, s->rot, keys->key_cos, keys->key_sin, layer_k,
+                layer_v, s->bf);
+    ct_decode_attention(q, qs, qh, s->hq, s->hkv, s->d, s->rot, s->items, keys->rows, keys->run_start,
+                        keys->key_start, keys->slots, keys->cos, keys->sin, layer_k, layer_v, s->scale, sc->att_f,
+                        s->bf, s->threads);
+    store_row(sc->att, sc->att_f, t * att_n, s->bf); /* the per-module path's .to(dtype) of the float32 output */
+    if (s->gated) ct_sigmoid_gate(sc->att, sc->proj + s->d * size, qkv_n, 2 * s->d, sc->att, t, s->hq, s->d, s->bf);
+    layer_linear(s, w, W_MIX_OUT, W_MIX_OUT_SCALE, sc->att, att_n, sc->mixed, s->hidden);
+}
+
+/* Gated DeltaNet from the normed rows into sc->mixed: the fused input projection, its pre-conv rows
+ * kept (the block's records), the gates, each item's token from its state (ct_gdn_token) and its new
+ * conv tail, the gated output norm, the output projection. Item i is row i (one token each). */
+static void gdn_mixer(const Step *s, const int64_t *w, const int64_t *io, Scratch *sc) {
+    int64_t size = s->bf ? 2 : 4, t = s->t, value_n = s->hv * s->vd, conv_n = 2 * s->hk * s->kd + value_n;
+    int64_t in_n = conv_n + value_n + 2 * s->hv, w1 = s->conv - 1;
+    char *rows = (char *)(intptr_t)io[L_ROWS];
+    float *g = (float *)(intptr_t)io[L_G], *beta = (float *)(intptr_t)io[L_BETA];
+    layer_linear(s, w, W_MIX_IN, W_MIX_IN_SCALE, sc->normed, s->hidden, sc->proj, in_n);
+    for (int64_t r = 0; r < t; r++) memcpy(rows + r * conv_n * size, sc->proj + r * in_n * size, (size_t)(conv_n * size));
+    const char *b = sc->proj + (conv_n + value_n) * size;
+    ct_gdn_gates(b, b + s->hv * size, in_n, WP(W_A_LOG), WP(W_DT_BIAS), g, beta, t, s->hv, s->bf);
+    for (int64_t i = 0; i < s->items; i++) {
+        const int64_t *item = io + L_FIELDS + i * I_FIELDS;
+        const char *tail = (const char *)(intptr_t)item[I_TAIL], *row = rows + i * conv_n * size;
+        char *tail_out = (char *)(intptr_t)item[I_TAIL_OUT];
+        ct_gdn_token(tail, item[I_TAIL_STRIDE], w1, row, WP(W_CONV), conv_n, s->hk, s->hv, s->kd, s->vd, g + i * s->hv,
+                     beta + i * s->hv, (const float *)(intptr_t)item[I_STATE], (float *)(intptr_t)item[I_STATE_OUT],
+                     sc->att_f + i * value_n, s->l2_eps, s->bf);
+        /* the new tail: the old one's last W-2 rows, then this token's */
+        for (int64_t j = 1; j < w1; j++)
+            memcpy(tail_out + (j - 1) * conv_n * size, tail + j * item[I_TAIL_STRIDE] * size, (size_t)(conv_n * size));
+        memcpy(tail_out + (w1 - 1) * conv_n * size, row, (size_t)(conv_n * size));
+    }
+    store_row(sc->att, sc->att_f, t * value_n, s->bf); /* core.to(dtype) */
+    ct_gated_rms_norm(sc->att, sc->proj + conv_n * size, in_n, WP(W_GATED_NORM), sc->gated, t, s->hv, s->vd, s->eps,
+                      s->bf);
+    layer_linear(s, w, W_MIX_OUT, W_MIX_OUT_SCALE, sc->gated, value_n, sc->mixed, s->hidden);
+}
+
+/* The decoder layers of a decode step of t_rows single-token items, in one call: the calls the
+ * per-module path makes for such a step, in its order, with its roundings, so the result is the same
+ * to the bit (the Python loop around them costs about as much as the kernels' non-matmul work).
+ * Llama, Qwen3 (q/k norms) and the Qwen3.5 hybrid (zero-centred norms, gated attention, Gated
+ * DeltaNet layers).
  *
  * x [T, hidden] (contiguous) holds the embeddings and receives the last layer's output. Layer l reads
- * weights[l * W_FIELDS ...] (linears of storage wt, as ct_linear) and its keys at pool_k/pool_v +
- * l * pool_layer elements. This step's keys
- * go to store_slots[T] rotated by key_cos/key_sin [T, rot]; the items attend as ct_decode_attention. */
-void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const int64_t *weights, void *pool_k,
-                      void *pool_v, int64_t pool_layer, int64_t hidden, int64_t hq, int64_t hkv, int64_t d,
-                      int64_t rot, int64_t inter, float eps, float scale, const int64_t *store_slots,
-                      const void *key_cos, const void *key_sin, int64_t items, const int64_t *rows,
-                      const int64_t *run_start, const int64_t *key_start, const int64_t *slots,
-                      const void *cos, const void *sin, int bf, int wt, int64_t threads) {
-    int64_t size = bf ? 2 : 4, qkv_n = (hq + 2 * hkv) * d, att_n = hq * d, t = t_rows;
-    char *normed = malloc((size_t)(t * hidden * size)), *qkv = malloc((size_t)(t * qkv_n * size));
-    char *att = malloc((size_t)(t * att_n * size)), *mixed = malloc((size_t)(t * hidden * size));
-    char *total = malloc((size_t)(t * hidden * size)), *gate_up = malloc((size_t)(t * 2 * inter * size));
-    char *act = malloc((size_t)(t * inter * size)), *down = malloc((size_t)(t * hidden * size));
-    float *att_f = malloc((size_t)(t * att_n) * sizeof(float));
+ * weights[l * W_FIELDS ...] (linears of storage wt, as ct_linear); an attention layer its keys at
+ * pool_k/pool_v + slot * pool_layer elements, a Gated DeltaNet layer linear_io's row l. This step's
+ * keys go to store_slots[T] rotated by key_cos/key_sin [T, rot]; the items attend as
+ * ct_decode_attention. eps: [the RMSNorms', the l2 norm of Gated DeltaNet's q and k]. */
+void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const int64_t *weights, const int64_t *dims,
+                      const float *eps, float scale, void *pool_k, void *pool_v, int64_t pool_layer,
+                      const int64_t *store_slots, const void *key_cos, const void *key_sin, int64_t items,
+                      const int64_t *rows, const int64_t *run_start, const int64_t *key_start, const int64_t *slots,
+                      const void *cos, const void *sin, int64_t rot, const int64_t *linear_io, int bf, int wt,
+                      int64_t threads) {
+    Step s = {dims[D_HIDDEN], dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD_DIM], dims[D_INTER], dims[D_GATED],
+              dims[D_ZERO_CENTRED], dims[D_KEY_HEADS], dims[D_VALUE_HEADS], dims[D_KEY_DIM], dims[D_VALUE_DIM],
+              dims[D_CONV], rot, t_rows, items, threads, eps[0], eps[1], scale, bf, wt};
+    StepKeys keys = {pool_k, pool_v, pool_layer, store_slots, rows, run_start, key_start, slots, key_cos, key_sin,
+                     cos, sin};
+    int64_t size = bf ? 2 : 4, t = t_rows, hidden = s.hidden, value_n = s.hv * s.vd;
+    int64_t conv_n = 2 * s.hk * s.kd + value_n, att_n = s.hq * s.d;
+    int64_t proj_n = att_n * (s.gated ? 2 : 1) + 2 * s.hkv * s.d, gdn_n = conv_n + value_n + 2 * s.hv;
+    int64_t mix_n = att_n > value_n ? att_n : value_n;
+    if (gdn_n > proj_n) proj_n = gdn_n;
+    Scratch sc = {
+        malloc((size_t)(t * hidden * size)), malloc((size_t)(t * proj_n * size)), malloc((size_t)(t * mix_n * size)),
+        malloc((size_t)(t * mix_n * size)), malloc((size_t)(t * hidden * size)), malloc((size_t)(t * hidden * size)),
+        malloc((size_t)(t * 2 * s.inter * size)), malloc((size_t)(t * s.inter * size)),
+        malloc((size_t)(t * hidden * size)), malloc((size_t)(t * att_n * size)),
+        malloc((size_t)(t * s.hkv * s.d * size)), malloc((size_t)(t * mix_n) * sizeof(float)),
+    };
+    int64_t io_n = L_FIELDS + items * I_FIELDS;
     for (int64_t l = 0; l < layers; l++) {
         const int64_t *w = weights + l * W_FIELDS;
-#define WP(i) ((const void *)(intptr_t)w[i])
-        char *layer_k = (char *)pool_k + l * pool_layer * size;
-        char *layer_v = (char *)pool_v + l * pool_layer * size;
-        ct_rms_norm(x, hidden, NULL, 0, NULL, WP(W_IN_NORM), normed, t, hidden, eps, 0, bf);
-        ct_linear(normed, hidden, WP(W_QKV), WP(W_QKV_SCALE), WP(W_QKV_BIAS), qkv, qkv_n, t, qkv_n, hidden, bf,
-                  wt, 0, threads);
-        ct_store_kv(qkv + att_n * size, qkv_n, qkv + (att_n + hkv * d) * size, qkv_n, store_slots, t, hkv, d,
-                    rot, key_cos, key_sin, layer_k, layer_v, bf);
-        ct_decode_attention(qkv, qkv_n, d, hq, hkv, d, rot, items, rows, run_start, key_start, slots, cos,
-                            sin, layer_k, layer_v, scale, att_f, bf, threads);
-        store_row(att, att_f, t * att_n, bf); /* the per-module path's .to(dtype) of the float32 output */
-        ct_linear(att, att_n, WP(W_O), WP(W_O_SCALE), WP(W_O_BIAS), mixed, hidden, t, hidden, att_n, bf, wt, 0,
-                  threads);
-        ct_rms_norm(x, hidden, mixed, hidden, total, WP(W_POST_NORM), normed, t, hidden, eps, 0, bf);
-        ct_linear(normed, hidden, WP(W_GATE_UP), WP(W_GATE_UP_SCALE), WP(W_GATE_UP_BIAS), gate_up, 2 * inter, t,
-                  2 * inter, hidden, bf, wt, 0, threads);
-        ct_silu_mul(gate_up, 2 * inter, act, t, inter, bf);
-        ct_linear(act, inter, WP(W_DOWN), WP(W_DOWN_SCALE), WP(W_DOWN_BIAS), down, hidden, t, hidden, inter, bf,
-                  wt, 0, threads);
-#undef WP
-        for (int64_t i = 0; i < t * hidden; i++) store(x, i, load(total, i, bf) + load(down, i, bf), bf);
+        ct_rms_norm(x, hidden, NULL, 0, NULL, WP(W_IN_NORM), sc.normed, t, hidden, s.eps, s.zero_centred, bf);
+        if (w[W_KV_SLOT] >= 0)
+            attention_mixer(&s, w, &keys, &sc);
+        else
+            gdn_mixer(&s, w, linear_io + l * io_n, &sc);
+        ct_rms_norm(x, hidden, sc.mixed, hidden, sc.total, WP(W_POST_NORM), sc.normed, t, hidden, s.eps,
+                    s.zero_centred, bf);
+        layer_linear(&s, w, W_GATE_UP, W_GATE_UP_SCALE, sc.normed, hidden, sc.gate_up, 2 * s.inter);
+        ct_silu_mul(sc.gate_up, 2 * s.inter, sc.act, t, s.inter, bf);
+        layer_linear(&s, w, W_DOWN, W_DOWN_SCALE, sc.act, s.inter, sc.down, hidden);
+        for (int64_t i = 0; i < t * hidden; i++) store(x, i, load(sc.total, i, bf) + load(sc.down, i, bf), bf);
     }
-    free(normed);
-    free(qkv);
-    free(att);
-    free(mixed);
-    free(total);
-    free(gate_up);
-    free(act);
-    free(down);
-    free(att_f);
+    char *buffers[] = {sc.normed, sc.proj, sc.att, sc.gated, sc.mixed, sc.total, sc.gate_up, sc.act, sc.down,
+                       sc.qn, sc.kn, (char *)sc.att_f};
+    for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) free(buffers[i]);
 }
+#undef WP

@@ -28,7 +28,7 @@ import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from itertools import accumulate
 from pathlib import Path
 
@@ -54,13 +54,22 @@ _SIGNATURES = {
     "ct_decode_attention": [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _F, _P,
                             ctypes.c_int, _I],
     "ct_linear": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I],
-    "ct_decode_layers": [_P, _I, _I, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F, _F, _P, _P, _P, _I, _P, _P,
-                         _P, _P, _P, _P, ctypes.c_int, ctypes.c_int, _I],
+    "ct_head_rms_norm": [_P, _I, _I, _P, _P, _I, _I, _I, _F, ctypes.c_int, ctypes.c_int],
+    "ct_sigmoid_gate": [_P, _P, _I, _I, _P, _I, _I, _I, ctypes.c_int],
+    "ct_decode_layers": [_P, _I, _I, _P, _P, _P, _F, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I,
+                         _P, ctypes.c_int, ctypes.c_int, _I],
     "ct_helper_grains": [],
 }
-# the order of a decoder layer's data pointers in ct_decode_layers' table (native.c, W_FIELDS)
-LAYER_FIELDS = ("in_norm", "qkv", "qkv_bias", "o", "o_bias", "post_norm", "gate_up", "gate_up_bias", "down",
-                "down_bias", "qkv_scale", "o_scale", "gate_up_scale", "down_scale")
+# the order of a decoder layer's fields in ct_decode_layers' table (native.c, W_FIELDS): data pointers
+# (0: none), but kv_slot, the layer's index in the key pool (-1: a Gated DeltaNet layer); mix_in and
+# mix_out are the mixer's projections (attention q/k/v and o, or Gated DeltaNet's input and output)
+LAYER_FIELDS = ("in_norm", "mix_in", "mix_in_bias", "mix_out", "mix_out_bias", "post_norm", "gate_up",
+                "gate_up_bias", "down", "down_bias", "mix_in_scale", "mix_out_scale", "gate_up_scale",
+                "down_scale", "q_norm", "k_norm", "kv_slot", "conv", "a_log", "dt_bias", "gated_norm")
+# a Gated DeltaNet layer's row of ct_decode_layers' linear_io table: the step's buffers (L_*), then
+# per item (I_*; native.c)
+LINEAR_STEP_FIELDS = 3
+LINEAR_ITEM_FIELDS = 5
 
 
 def _cache_dir() -> Path:
@@ -158,6 +167,32 @@ def rms_norm(
         rows, dim, eps, int(zero_centred), DTYPES[x.dtype],
     )
     return out, total
+
+
+def head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centred: bool) -> torch.Tensor:
+    """RMSNorm of each head of x [T, heads, dim] (any token and head strides, the last dim contiguous:
+    the q/k norms on views of the q/k/v projection) -> contiguous [T, heads, dim]; the math and
+    roundings of `rms_norm`."""
+    tokens, heads, dim = x.shape
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype)
+    _library().ct_head_rms_norm(
+        x.data_ptr(), x.stride(0), x.stride(1), weight.data_ptr(), out.data_ptr(), tokens, heads, dim, eps,
+        int(zero_centred), DTYPES[x.dtype],
+    )
+    return out
+
+
+def sigmoid_gate(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(gate) for x [T, heads * dim] (contiguous) and gate [T, heads, dim] of x's dtype
+    (any token and head strides: the gate halves of Qwen3.5's q projection), sigmoid rounded to the
+    dtype first, as torch computes `x * torch.sigmoid(gate)`."""
+    tokens, heads, dim = gate.shape
+    out = torch.empty_like(x)
+    _library().ct_sigmoid_gate(
+        x.data_ptr(), gate.data_ptr(), gate.stride(0), gate.stride(1), out.data_ptr(), tokens, heads, dim,
+        DTYPES[x.dtype],
+    )
+    return out
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -307,7 +342,8 @@ def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Te
 
 @dataclass(frozen=True)
 class LayerShape:
-    """The sizes ct_decode_layers needs of a Llama-family decoder."""
+    """The sizes ct_decode_layers needs of a decoder: the attention's, and (hybrid models) Gated
+    DeltaNet's as `gdn` with its conv kernel width."""
 
     hidden: int
     heads: int
@@ -315,27 +351,47 @@ class LayerShape:
     head_dim: int
     intermediate: int
     eps: float
+    gated: bool = False  # Qwen3.5's attention output gate
+    zero_centred: bool = False  # Qwen3.5's norms
+    gdn: GdnShape | None = None
+    conv_kernel: int = 0
+
+    @cached_property
+    def dims(self) -> torch.Tensor:
+        """The sizes in ct_decode_layers' `dims` order (D_* in native.c)."""
+        g = self.gdn or GdnShape(0, 0, 0, 0, 0.0)
+        return torch.tensor([
+            self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate, int(self.gated),
+            int(self.zero_centred), g.key_heads, g.value_heads, g.key_dim, g.value_dim, self.conv_kernel,
+        ], dtype=torch.int64)
+
+    @cached_property
+    def epsilons(self) -> torch.Tensor:
+        """[the RMSNorms' eps, the l2 norm's of Gated DeltaNet's q and k]"""
+        return torch.tensor([self.eps, self.gdn.eps if self.gdn else 0.0], dtype=torch.float32)
 
 
 def decode_layers(
     x: torch.Tensor, table: torch.Tensor, shape: LayerShape, pool_k: torch.Tensor, pool_v: torch.Tensor,
     store_slots: torch.Tensor, key_cos: torch.Tensor, key_sin: torch.Tensor, plan: DecodePlan, scale: float,
-    weights: torch.dtype,
+    weights: torch.dtype, linear_io: torch.Tensor | None = None,
 ) -> None:
     """Every decoder layer of a decode step in one call, x [T, hidden] (contiguous) updated in place:
-    per layer the calls above (norm, qkv `linear`, `store_kv`, `decode_attention`, o `linear`, norm
-    with the residual, gate/up `linear`, `silu_mul`, down `linear`, residual), so results are those
-    of the per-module path to the bit. `table` [layers, len(LAYER_FIELDS)] int64 holds each layer's
-    data pointers (0 for a missing bias or scale), its linears' weights of storage `weights` (x's
-    dtype or int8); layer l's keys are pool_k[l], pool_v[l] [S, Hkv, D]."""
-    s = shape
+    per layer the calls of the per-module path (norm, mixer, norm with the residual, gate/up `linear`,
+    `silu_mul`, down `linear`, residual; the mixer an attention of `linear`, `head_rms_norm`,
+    `store_kv`, `decode_attention`, `sigmoid_gate`, or a Gated DeltaNet of `linear`, `gdn_gates`,
+    `gdn_token`, `gated_rms_norm`), so results are those of that path to the bit. `table` [layers,
+    len(LAYER_FIELDS)] int64 holds each layer's fields, its linears' weights of storage `weights` (x's
+    dtype or int8); an attention layer's keys are pool_k[kv_slot], pool_v[kv_slot] [S, Hkv, D]; a Gated
+    DeltaNet layer reads and writes the buffers of its row of `linear_io` [layers, LINEAR_STEP_FIELDS +
+    items * LINEAR_ITEM_FIELDS] (data pointers; the tensors must outlive the call)."""
     _library().ct_decode_layers(
-        x.data_ptr(), x.shape[0], table.shape[0], table.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(),
-        pool_k.stride(0), s.hidden, s.heads, s.kv_heads, s.head_dim, plan.cos.shape[-1], s.intermediate,
-        s.eps, scale, store_slots.data_ptr(), key_cos.data_ptr(), key_sin.data_ptr(), plan.items,
-        plan.rows.data_ptr(), plan.run_start.data_ptr(), plan.key_start.data_ptr(), plan.slots.data_ptr(),
-        plan.cos.data_ptr(), plan.sin.data_ptr(), DTYPES[x.dtype], WEIGHT_TYPES[weights],
-        torch.get_num_threads(),
+        x.data_ptr(), x.shape[0], table.shape[0], table.data_ptr(), shape.dims.data_ptr(),
+        shape.epsilons.data_ptr(), scale, pool_k.data_ptr(), pool_v.data_ptr(), pool_k.stride(0),
+        store_slots.data_ptr(), key_cos.data_ptr(), key_sin.data_ptr(), plan.items, plan.rows.data_ptr(),
+        plan.run_start.data_ptr(), plan.key_start.data_ptr(), plan.slots.data_ptr(), plan.cos.data_ptr(),
+        plan.sin.data_ptr(), plan.cos.shape[-1], None if linear_io is None else linear_io.data_ptr(),
+        DTYPES[x.dtype], WEIGHT_TYPES[weights], torch.get_num_threads(),
     )
 
 
