@@ -51,12 +51,7 @@ def delta_rule(
     """
     if q.shape[0] <= 4:
         return _recurrent(q, k, v, g, beta, state)
-    outs = []
-    for s in range(0, q.shape[0], CHUNK):
-        sl = slice(s, s + CHUNK)
-        out, state = _chunk(q[sl], k[sl], v[sl], g[sl], beta[sl], state)
-        outs.append(out)
-    return torch.cat(outs, dim=0), state
+    return _chunked(q, k, v, g, beta, state)
 
 
 def _recurrent(q, k, v, g, beta, state):
@@ -70,26 +65,44 @@ def _recurrent(q, k, v, g, beta, state):
     return torch.stack(outs), state
 
 
-def _chunk(q, k, v, g, beta, state):
-    # One chunk of c tokens, heads first: [H, c, *].
-    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
-    g, beta = g.t(), beta.t()
-    c = q.shape[1]
-    cum = g.cumsum(dim=-1)  # [H, c]
-    causal = torch.ones(c, c, dtype=torch.bool, device=q.device).tril()
-    decay = (
-        (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()
-    )  # exp(G_i - G_j), j<=i
+def _by_chunk(x: torch.Tensor, n_chunks: int) -> torch.Tensor:
+    """[n, H, *] (n padded to n_chunks * CHUNK) -> [H, n_chunks, CHUNK, *]."""
+    return x.reshape(n_chunks, CHUNK, *x.shape[1:]).movedim(2, 0)
+
+
+def _chunked(q, k, v, g, beta, state):
+    # Chunks of CHUNK tokens, heads first: [H, N, C, *]. What a chunk computes from its own tokens
+    # (the WY system and its solves, the decays, the intra-chunk scores) is done for all chunks at
+    # once; only the state's pass from chunk to chunk loops. The last chunk is padded with tokens of
+    # zero k, beta and log decay: they leave the state as it is, and their outputs are dropped.
+    n = q.shape[0]
+    n_chunks = -(-n // CHUNK)
+    pad = n_chunks * CHUNK - n
+    if pad:
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    q, k, v = (_by_chunk(x, n_chunks) for x in (q, k, v))
+    g, beta = (_by_chunk(x, n_chunks) for x in (g, beta))  # [H, N, C]
+    cum = g.cumsum(dim=-1)
+    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
+    # exp(G_i - G_j) for j <= i
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
     k_beta = k * beta[..., None]
     system = (k_beta @ k.transpose(-1, -2)) * decay  # unit diagonal is implied by solve_triangular below
-    system = system.tril(-1) + torch.eye(c, dtype=q.dtype, device=q.device)
+    system = system.tril(-1) + torch.eye(CHUNK, dtype=q.dtype, device=q.device)
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    v_new = u - w @ state  # [H, c, V]
-    out = (q * cum.exp()[..., None]) @ state + ((q @ k.transpose(-1, -2)) * decay) @ v_new
-    k_tail = k * (cum[:, -1:] - cum).exp()[..., None]
-    state = state * cum[:, -1].exp()[:, None, None] + k_tail.transpose(-1, -2) @ v_new
-    return out.transpose(0, 1), state
+    q_decayed = q * cum.exp()[..., None]
+    scores = (q @ k.transpose(-1, -2)) * decay
+    k_tail = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)  # [H, N, K, C]
+    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    outs = []
+    for c in range(n_chunks):
+        v_new = u[:, c] - w[:, c] @ state  # [H, C, V]
+        outs.append(q_decayed[:, c] @ state + scores[:, c] @ v_new)
+        state = state * chunk_decay[:, c] + k_tail[:, c] @ v_new
+    out = torch.stack(outs, dim=1).reshape(q.shape[0], n_chunks * CHUNK, -1)  # [H, N * C, V]
+    return out.transpose(0, 1)[:n], state
 
 
 def affine_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
