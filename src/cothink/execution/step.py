@@ -411,6 +411,7 @@ class ViewBatch:
         token): each item's state before its token, and empty buffers for what the step makes of it,
         recorded as `linear_attention` records its results. The fused kernel fills them before
         `commit` reads them."""
+        assert all(p.size == 1 for p in self.plans)  # item i is row i
         slot, g = self.store.linear_slot[layer], mixer.cfg
         rows = torch.empty(len(self.items), g.conv_dim, dtype=dtype)
         decay, beta = torch.empty(2, len(self.items), g.num_v_heads)
