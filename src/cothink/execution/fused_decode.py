@@ -17,32 +17,34 @@ from __future__ import annotations
 import torch
 
 from cothink.execution.attention_backends import NativeAttention
+from cothink.execution.linear_state import token_shape
 from cothink.execution.step import LinearDecode, ViewBatch
 from cothink.models.packing import NATIVE_MAX_ROWS, NativeLinear
 from cothink.models.transformer import CausalLM, ForwardContext, GatedDeltaNet
 from cothink.ops import native
-from cothink.ops.gdn import L2NORM_EPS
 
 
 class FusedDecode:
     """Runs a model's decoder layers for eligible decode steps (`for_model`, then `fits` per step)."""
 
-    def __init__(self, model: CausalLM, weights: torch.dtype):
+    def __init__(self, model: CausalLM, weights: torch.dtype, tensors: list[dict[str, torch.Tensor | None]]):
+        """`tensors`: each layer's by native.LAYER_FIELDS name (`_layer_tensors`); the table points
+        into them."""
         cfg = model.config
         self.weights = weights  # the linears' storage: the model dtype or int8
         g = cfg.gdn
         self.shape = native.LayerShape(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
             cfg.rms_norm_eps, cfg.attn_output_gate, cfg.zero_centred_norm,
-            native.GdnShape(g.num_k_heads, g.num_v_heads, g.k_dim, g.v_dim, L2NORM_EPS) if g else None,
+            token_shape(g) if g else None,
             g.conv_kernel if g else 0,
         )
         layers = model.model.layers
         kv_slot = {layer: i for i, layer in enumerate(cfg.attention_layers)}  # the key pool's order
-        self._tensors = [_layer_tensors(layer) for layer in layers]  # the table points into them
+        self._tensors = tensors
         self.table = torch.tensor(
-            [[kv_slot.get(i, -1) if f == "kv_slot" else _pointer(tensors[f]) for f in native.LAYER_FIELDS]
-             for i, tensors in enumerate(self._tensors)],
+            [[kv_slot.get(i, -1) if f == "kv_slot" else _pointer(layer[f]) for f in native.LAYER_FIELDS]
+             for i, layer in enumerate(tensors)],
             dtype=torch.int64,
         )
         self.linear_mixers = {
@@ -71,11 +73,12 @@ class FusedDecode:
         storage = {m.operands()[0].dtype for m in linears}
         if storage not in ({dtype}, {torch.int8}) or not all(m.takes_dtype(dtype) for m in linears):
             return None
-        params = [t for layer in layers for name, t in _layer_tensors(layer).items()
+        tensors = [_layer_tensors(layer) for layer in layers]
+        params = [t for layer in tensors for name, t in layer.items()
                   if t is not None and name not in _LINEAR_FIELDS]
         if any(t.dtype != dtype or not t.is_contiguous() for t in params):
             return None
-        return cls(model, storage.pop())
+        return cls(model, storage.pop(), tensors)
 
     def fits(self, batch: ViewBatch) -> bool:
         """Whether the per-module path would run this step wholly in the C kernels."""

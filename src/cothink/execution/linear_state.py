@@ -10,10 +10,12 @@ of what precedes it in this view, then its body is applied either as a cached de
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
 from cothink.memory.block import LinearRecords, SealedRecords
+from cothink.models.config import GDNConfig
 from cothink.models.transformer import GatedDeltaNet
 from cothink.ops import native
 from cothink.ops.gdn import L2NORM_EPS, affine_summary, apply_summary, causal_conv, compose, delta_rule
@@ -48,11 +50,15 @@ def run_tokens(
     the same math to float rounding) instead of ~30 small torch ops."""
     conv = mixer.conv_weight
     if rows.shape[0] == 1 and _token_kernel_fits(mixer, conv, history, rows, g, beta, state):
-        c = mixer.cfg
-        shape = native.GdnShape(c.num_k_heads, c.num_v_heads, c.k_dim, c.v_dim, L2NORM_EPS)
-        return native.gdn_token(history, rows, conv, g, beta, state, shape)
+        return native.gdn_token(history, rows, conv, g, beta, state, token_shape(mixer.cfg))
     q, k, v = mixer.split(causal_conv(history, rows, conv))
     return delta_rule(q, k, v, g, beta, state)
+
+
+@cache
+def token_shape(g: GDNConfig) -> native.GdnShape:
+    """The sizes the C kernels read of a Gated DeltaNet layer (one per model)."""
+    return native.GdnShape(g.num_k_heads, g.num_v_heads, g.k_dim, g.v_dim, L2NORM_EPS)
 
 
 def _token_kernel_fits(

@@ -91,8 +91,9 @@ def _chunked(q, k, v, g, beta, state):
     system = (k_beta @ k.transpose(-1, -2)) * decay  # unit diagonal is implied by solve_triangular below
     system = system.tril(-1) + torch.eye(CHUNK, dtype=q.dtype, device=q.device)
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    w = torch.linalg.solve_triangular(system, k_beta * cum.exp()[..., None], upper=False, unitriangular=True)
-    q_decayed = q * cum.exp()[..., None]
+    gain = cum.exp()[..., None]  # exp(G_i): token i's decay since the chunk's start
+    w = torch.linalg.solve_triangular(system, k_beta * gain, upper=False, unitriangular=True)
+    q_decayed = q * gain
     scores = (q @ k.transpose(-1, -2)) * decay
     k_tail = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)  # [H, N, K, C]
     chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]

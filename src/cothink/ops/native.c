@@ -148,6 +148,9 @@ static double sum_squares(const float *x, int64_t n) {
 /* x sigmoid(x) with libm's exp (the Gated DeltaNet kernels' SiLU) */
 static inline float silu(float x) { return x / (1.0f + expf(-x)); }
 
+/* 1 / (1 + exp(-x)) with libm's exp (beta, the attention output gate) */
+static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
 /* RMSNorm of `rows` rows of x (row stride xs), optionally after adding a residual: s = x + res
  * (rounded to the dtype, written to sum_out), out = norm(s). Llama/Qwen3 scale after the cast
  * (w * dtype(normed)); zero-centred (Qwen3.5) scales in float by (1 + w), then casts. */
@@ -224,7 +227,7 @@ void ct_gdn_gates(const void *b, const void *a, int64_t rs, const void *a_log, c
         for (int64_t h = 0; h < heads; h++) {
             float bv = load(b, r * rs + h, bf), x = load(a, r * rs + h, bf) + load(dt_bias, h, bf);
             float softplus = x > 20.0f ? x : log1pf(expf(x)); /* torch's threshold */
-            beta[r * heads + h] = rnd(1.0f / (1.0f + expf(-bv)), bf);
+            beta[r * heads + h] = rnd(sigmoid(bv), bf);
             g[r * heads + h] = -expf(load(a_log, h, bf)) * softplus;
         }
 }
@@ -821,7 +824,7 @@ void ct_sigmoid_gate(const void *x, const void *gate, int64_t gs, int64_t gh, vo
         for (int64_t h = 0; h < heads; h++)
             for (int64_t i = 0; i < dim; i++) {
                 int64_t at = (t * heads + h) * dim + i;
-                float s = rnd(1.0f / (1.0f + expf(-load(gate, t * gs + h * gh + i, bf))), bf);
+                float s = rnd(sigmoid(load(gate, t * gs + h * gh + i, bf)), bf);
                 store(out, at, load(x, at, bf) * s, bf);
             }
 }
@@ -964,13 +967,14 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const int64_t *we
     int64_t proj_n = att_n * (s.gated ? 2 : 1) + 2 * s.hkv * s.d, gdn_n = conv_n + value_n + 2 * s.hv;
     int64_t mix_n = att_n > value_n ? att_n : value_n;
     if (gdn_n > proj_n) proj_n = gdn_n;
+#define ROWS(width) malloc((size_t)(t * (width) * size))
     Scratch sc = {
-        malloc((size_t)(t * hidden * size)), malloc((size_t)(t * proj_n * size)), malloc((size_t)(t * mix_n * size)),
-        malloc((size_t)(t * mix_n * size)), malloc((size_t)(t * hidden * size)), malloc((size_t)(t * hidden * size)),
-        malloc((size_t)(t * 2 * s.inter * size)), malloc((size_t)(t * s.inter * size)),
-        malloc((size_t)(t * hidden * size)), malloc((size_t)(t * att_n * size)),
-        malloc((size_t)(t * s.hkv * s.d * size)), malloc((size_t)(t * mix_n) * sizeof(float)),
+        .normed = ROWS(hidden), .proj = ROWS(proj_n), .att = ROWS(mix_n), .gated = ROWS(mix_n),
+        .mixed = ROWS(hidden), .total = ROWS(hidden), .gate_up = ROWS(2 * s.inter), .act = ROWS(s.inter),
+        .down = ROWS(hidden), .qn = ROWS(att_n), .kn = ROWS(s.hkv * s.d),
+        .att_f = malloc((size_t)(t * mix_n) * sizeof(float)),
     };
+#undef ROWS
     int64_t io_n = L_FIELDS + items * I_FIELDS;
     for (int64_t l = 0; l < layers; l++) {
         const int64_t *w = weights + l * W_FIELDS;
