@@ -352,3 +352,21 @@ async def test_probe_matches_runner_log_probs():
     norm = torch.softmax(torch.tensor([scores[c] for c in choices], dtype=torch.float64), 0)
     for choice, p in zip(choices, norm.tolist()):
         assert probs[choice] == pytest.approx(p, abs=1e-5), choice
+
+
+def test_greedy_pick_is_torchs_argmax_ties_and_nans_included():
+    """Greedy picks each row's first largest logit, a NaN if the row has one, as torch's argmax (the
+    sampler takes it through numpy on the CPU)."""
+    from cothink.execution.sampling import SamplerState, SamplingParams, sample
+
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(5))
+    logits[1, [7, 40]] = 50.0  # a tie: the first
+    logits[2, [9, 30]] = float("nan")  # NaNs: the first
+    logits[3] = float("-inf")  # nothing allowed: index 0
+    logits[4, 299] = 60.0  # the last column
+    want = logits.argmax(dim=-1).tolist()
+    assert want[1:5] == [7, 9, 0, 299]
+    states = [SamplerState(SamplingParams()) for _ in range(6)]
+    assert [s.token_id for s in sample(logits, states)] == want
+    assert [s.token_id for s in sample(logits[2:3], states[:1])] == [9]
+    assert [s.token_id for s in sample(logits.T.contiguous().T, states)] == want  # a strided batch

@@ -324,7 +324,9 @@ class Scheduler:
         ready = [w for w in works if w.pending is None and w.next_logits is not None]
         if not ready:
             return
-        picked = sample(torch.stack([w.next_logits for w in ready]), [w.sampler for w in ready])
+        rows = [w.next_logits for w in ready]
+        logits = rows[0][None] if len(rows) == 1 else torch.stack(rows)  # one row: a view, no copy
+        picked = sample(logits, [w.sampler for w in ready])
         for work, token in zip(ready, picked):
             work.accept(token)
 
