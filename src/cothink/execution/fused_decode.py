@@ -47,9 +47,7 @@ class FusedDecode:
              for i, layer in enumerate(tensors)],
             dtype=torch.int64,
         )
-        self.linear_mixers = {
-            i: layer.linear_attn for i, layer in enumerate(layers) if hasattr(layer, "linear_attn")
-        }
+        self.linear_mixers = {i: layers[i].linear_attn for i in cfg.linear_layers}
 
     @classmethod
     def for_model(cls, model: CausalLM, backend: object) -> FusedDecode | None:
@@ -127,8 +125,8 @@ def _pointer(t: torch.Tensor | None) -> int:
 
 def _mixer(layer: torch.nn.Module) -> torch.nn.Module | None:
     """The layer's attention or Gated DeltaNet, with its input projections fused (else None)."""
-    mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
-    fused = mixer.qkv_proj if hasattr(layer, "self_attn") else mixer.in_proj
+    mixer = layer.mixer
+    fused = mixer.in_proj if isinstance(mixer, GatedDeltaNet) else mixer.qkv_proj
     return mixer if fused is not None else None
 
 

@@ -274,9 +274,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norm)
 
+    @property
+    def mixer(self) -> Attention | GatedDeltaNet:
+        """The token mixer: full attention, or Gated DeltaNet (kept under its Hugging Face name)."""
+        return self.self_attn if hasattr(self, "self_attn") else self.linear_attn
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        mixer = self.self_attn if hasattr(self, "self_attn") else self.linear_attn
-        normed, x = self.post_attention_layernorm.add_forward(x, mixer(self.input_layernorm(x), ctx))
+        normed, x = self.post_attention_layernorm.add_forward(x, self.mixer(self.input_layernorm(x), ctx))
         return x + self.mlp(normed)
 
 
@@ -302,8 +306,7 @@ class CausalLM(nn.Module):
         cothink's fused C kernels where available (ops/native.py). fp32 results match the unfused
         modules to rounding."""
         for layer in self.model.layers:
-            mixer = layer.self_attn if hasattr(layer, "self_attn") else layer.linear_attn
-            mixer.fuse()
+            layer.mixer.fuse()
             layer.mlp.fuse()
         for module in self.modules():
             if isinstance(module, (RMSNorm, GatedRMSNorm, GatedDeltaNet, Attention)):
