@@ -18,7 +18,8 @@ import torch
 from cothink.ops import native
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_OUT = ROOT / "bench" / "results"
 
 
 def add_common_args(p: argparse.ArgumentParser) -> None:
@@ -68,38 +69,41 @@ def console() -> Any:
     return Console() if sys.stdout.isatty() else Console(width=150)
 
 
-def _cpu_name() -> str:
+def _run_info() -> dict[str, Any]:
+    """cothink.run_info's record: commit, dirty flag, CPU model, cores, torch and its threads, Python, start
+    time. A cothink older than that module (an A/B run against an older commit) gets this checkout's copy,
+    which still names the commit of the cothink imported."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return platform.processor() or platform.machine()
+        from cothink.run_info import run_info
+    except ImportError:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("_run_info", ROOT / "src" / "cothink" / "run_info.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        run_info = module.run_info
+    return run_info().as_dict()
 
 
 def machine() -> dict[str, Any]:
-    """What the numbers were measured on."""
+    """What the numbers were measured on, and at which commit."""
     try:
         load = os.getloadavg()[0]
     except OSError:  # pragma: no cover
         load = float("nan")
     return {
+        **_run_info(),
         "platform": platform.platform(),
-        "processor": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
         # cothink's fused C kernels (cothink.ops.native), or the torch path (COTHINK_NATIVE=0 / no compiler)
         "cothink_kernels": "native" if native.available() else "torch",
         "load_avg_1min_at_start": round(load, 2),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
 
 
 def machine_line(info: dict[str, Any]) -> str:
     """The CPU, threads and load a result was measured under, for the first line a script prints."""
-    return (f"{info['processor']}, {info['cpu_count']} CPUs, torch {info['torch']} with "
+    return (f"{info['cpu']}, {info['cores']} CPUs, torch {info['torch']} with "
             f"{info['torch_threads']} threads (load avg {info['load_avg_1min_at_start']})")
 
 

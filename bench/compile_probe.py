@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     machine = C.machine()
     console.print(
-        f"compile probe: {args.model} {args.dtype} on {machine['processor']}, {machine['cpu_count']} CPUs, "
+        f"compile probe: {args.model} {args.dtype} on {machine['cpu']}, {machine['cores']} CPUs, "
         f"torch {machine['torch']} (load avg {machine['load_avg_1min_at_start']})"
     )
     start = time.perf_counter()

@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [run_dtype(folder, name, args) for name in args.dtypes]
     show(runs)
     C.write_speedups(args, info, "decode_attention", runs, "keys_per_step",
-                     title=f"{args.model} decode attention on {info['processor']}",
+                     title=f"{args.model} decode attention on {info['cpu']}",
                      xlabel="keys read per step (N x context)", ylabel="torch step time / native step time")
     return 0
 

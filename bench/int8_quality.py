@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     C.setup(args)
     console = C.console()
     info = C.machine()
-    console.print(f"int8 quality: {args.model} on {info['processor']}, {info['torch_threads']} threads")
+    console.print(f"int8 quality: {args.model} on {info['cpu']}, {info['torch_threads']} threads")
     variants = {
         "float32": dict(dtype=torch.float32),
         "bfloat16": dict(dtype=torch.bfloat16),

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{run['dtype']}: {run['modules']} linears per pass through {', '.join(run['module_kinds'])}")
     show(runs)
     C.write_speedups(args, info, "linears", runs, "rows",
-                     title=f"{args.model} linears on {info['processor']}",
+                     title=f"{args.model} linears on {info['cpu']}",
                      xlabel="rows per call (M)", ylabel="F.linear time / fast path time")
     return 0
 

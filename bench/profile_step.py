@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     folder = C.model_folder(args.model)
     info = C.machine()
     console.print(
-        f"profile: {args.model} on {info['processor']}, {args.threads} threads, "
+        f"profile: {args.model} on {info['cpu']}, {args.threads} threads, "
         f"load {info['load_avg_1min_at_start']}"
     )
     results = {}

@@ -7,13 +7,25 @@ Heavy modules (torch, transformers, the runtime) are imported inside the subcomm
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import platform
 import sys
 import time
 from collections.abc import Sequence
-from typing import TextIO
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, TextIO
 
 DEFAULT_MODEL = "smollm2"
 DTYPES = ("float32", "bfloat16")
+# the CPU features cothink's kernels and torch's CPU kernels take faster paths with (x86 flags, Arm
+# features), as /proc/cpuinfo names them
+CPU_FLAGS = (
+    "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+    "avx512_fp16", "avx_vnni", "amx_tile", "amx_bf16", "amx_int8", "asimd", "asimddp", "sve", "sve2", "bf16",
+    "i8mm",
+)
 
 
 def stream_generation(
@@ -88,6 +100,55 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def machine_report() -> dict[str, Any]:
+    """What `cothink info` prints: versions, the CPU, torch's threads and the C kernels' status
+    (building them on first use)."""
+    import torch
+
+    import cothink
+    from cothink.ops import native
+
+    from cothink.run_info import cpu_flags, cpu_model
+
+    kernels, flags = native.status(), cpu_flags()
+    return {
+        "cothink": cothink.__version__,
+        "location": str(Path(cothink.__file__).parent),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": cpu_model(),
+        "cpu_flags": [f for f in CPU_FLAGS if f in flags],
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "native": kernels.available,
+        "kernels": asdict(kernels),
+    }
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    report = machine_report()
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    kernels = report["kernels"]
+    if kernels["available"]:
+        native = f"true ({kernels['library']}, ABI {kernels['abi']})"
+    else:
+        native = f"false: {kernels['reason']}"
+    rows = [
+        ("cothink", f"{report['cothink']} ({report['location']})"),
+        ("python", report["python"]),
+        ("torch", report["torch"]),
+        ("cpu", report["cpu"]),
+        ("cpu flags", " ".join(report["cpu_flags"]) or "none of those cothink uses"),
+        ("threads", f"{report['torch_threads']} torch threads, {report['cores']} cores"),
+        ("native", native + (" (required: COTHINK_REQUIRE_NATIVE=1)" if kernels["required"] else "")),
+    ]
+    for name, value in rows:
+        print(f"{name + ':':<11}{value}")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -105,11 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "prepare",
-        help="make a model ready to load (converts the embedded model once) and print its folder",
-        description="Resolve MODEL (an embedded name such as 'smollm2', or a local Hugging Face folder), "
-        "converting the embedded GGUF into a cached safetensors folder if needed, and print the folder.",
+        help="make a model ready to load (converts an embedded model once) and print its folder",
+        description="Resolve MODEL (an embedded name such as 'smollm2' or 'qwen2.5-coder-1.5b', or a local "
+        "Hugging Face folder), converting the embedded GGUF into a cached safetensors folder if needed, and "
+        "print the folder. A GGUF shipped in parts (the Qwen2.5-Coder models) is joined from its installed "
+        "packages and refused unless its size and SHA-256 are the published file's.",
     )
-    p.add_argument("model", metavar="MODEL", help="embedded model name (smollm2) or a local model folder")
+    from cothink.models.hub import known_model_names
+
+    p.add_argument("model", metavar="MODEL",
+                   help=f"embedded model name ({', '.join(known_model_names())}) or a local model folder")
     p.add_argument("--force", action="store_true", help="convert again even if the cached folder exists")
     p.set_defaults(func=_cmd_prepare)
 
@@ -124,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"most new tokens (default: {max_tokens})",
         )
         q.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: float32)")
-        q.add_argument("--quantize", choices=("int8",), default=None, help="int8 weights (Llama, Qwen3)")
+        q.add_argument(
+            "--quantize", choices=("int8",), default=None, help="int8 weights (Llama, Qwen2, Qwen3)"
+        )
 
     p = sub.add_parser(
         "generate",
@@ -137,6 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="use the prompt as is, without the chat template")
     add_common(p, 256)
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser(
+        "info",
+        help="print the versions, the CPU and whether cothink's C kernels run here (and why not)",
+        description="Print cothink's, Python's and torch's versions, the CPU model and the features its "
+        "kernels use, torch's threads, and the C kernels' status: native true, or false with the reason "
+        "(switched off, no C compiler, the compiler's message). Builds the kernels if they are not cached.",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=_cmd_info)
 
     from cothink.agents import demo
     from cothink.server import cli as server_cli

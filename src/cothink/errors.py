@@ -19,10 +19,13 @@ __all__ = [
     "PoolExhaustedError",
     "EngineClosedError",
     "InvalidParameterError",
+    "InvalidTokenIdError",
     "BlockSealedError",
     "SnapshotError",
     "SnapshotMismatchError",
     "DeadlineExceededError",
+    "NativeKernelError",
+    "ModelIntegrityError",
 ]
 
 
@@ -62,6 +65,10 @@ class InvalidParameterError(CothinkError, ValueError):
     """Raised when a call's parameter is out of range or of the wrong kind (`param` names it)."""
 
 
+class InvalidTokenIdError(InvalidParameterError):
+    """Raised when a token id is not an int in [0, vocab_size) (`param` names the parameter)."""
+
+
 class EmptyInputError(CothinkError, ValueError):
     """Raised when an operation that needs tokens is given none."""
 
@@ -96,3 +103,13 @@ class SnapshotMismatchError(SnapshotError):
 
 class DeadlineExceededError(CothinkError, TimeoutError):
     """Raised when a work's deadline passed before it was served (it is dropped unrun)."""
+
+
+class NativeKernelError(CothinkError, RuntimeError):
+    """Raised when cothink's C kernels are required (COTHINK_REQUIRE_NATIVE=1) but cannot be built or
+    loaded (no C compiler, a failed build, a library of another ABI)."""
+
+
+class ModelIntegrityError(CothinkError, ValueError):
+    """Raised when the GGUF joined from an embedded model's packages is not the published file (its size
+    or SHA-256 differs); nothing is converted or loaded from it."""

@@ -1,4 +1,4 @@
-"""The attention backend seam and the execution cache, through the runner.
+"""The execution backend seam and the execution cache, through the runner.
 
 The "torch" path (flash kernel per run, padded batch for decode), the "native" path (fused C kernels
 for key stores and decode attention) and the plain "reference" math give the same logits on
@@ -12,11 +12,12 @@ import torch
 from support import ids, load_runner
 
 from cothink.errors import InvalidParameterError
-from cothink.execution import attention_backends, step
+from cothink.execution import attention_backends
 from cothink.execution.attention_backends import (
-    NativeAttention,
-    ReferenceAttention,
-    TorchAttention,
+    NativeBackend,
+    NativeStep,
+    ReferenceBackend,
+    TorchBackend,
     select_backend,
 )
 from cothink.execution.runner import ModelRunner
@@ -51,10 +52,11 @@ def _scenario(runner: ModelRunner) -> list[torch.Tensor]:
 NEEDS_NATIVE = pytest.mark.skipif(not native.available(), reason="cothink's C kernels did not build here")
 
 
-class _CountingNative(NativeAttention):
+class _CountingNative(NativeBackend):
     """The native backend, counting how many decode steps its fused attention planned."""
 
     def __init__(self):
+        super().__init__()
         self.plans = 0
 
     def decode_plan(self, *args):
@@ -69,18 +71,18 @@ def test_fast_backends_agree_with_reference(kind, backend):
     chosen = _CountingNative() if backend == "native" else backend
     fast = load_runner(kind, kv_tokens=512, page_size=4, attention_backend=chosen)
     slow = load_runner(kind, kv_tokens=512, page_size=4, attention_backend="reference")
-    assert isinstance(fast.attention, TorchAttention) and isinstance(slow.attention, ReferenceAttention)
+    assert isinstance(fast.backend, TorchBackend) and isinstance(slow.backend, ReferenceBackend)
     for a, b in zip(_scenario(fast), _scenario(slow), strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
     if backend == "native":  # the decode steps (shared blocks, one or three items) took the kernel,
         # except with llama_yarn's head size 8: the kernel reads heads in 16-lane blocks
-        assert fast.attention.plans >= 5 if fast.config.head_dim % 16 == 0 else fast.attention.plans == 0
+        assert fast.backend.plans >= 5 if fast.config.head_dim % 16 == 0 else fast.backend.plans == 0
 
 
 @NEEDS_NATIVE
 def test_native_decode_hands_large_steps_to_the_torch_kernels(monkeypatch):
     seen: list[tuple[bool, bool]] = []  # per attention call: (fused decode, padded torch batch)
-    monkeypatch.setattr(step.ViewBatch, "attention", _recording(step.ViewBatch.attention, seen))
+    monkeypatch.setattr(NativeBackend, "forward", _recording(NativeBackend.forward, seen))
     monkeypatch.setattr(attention_backends, "NATIVE_DECODE_MAX_KEYS", 0)
     large = _scenario(load_runner("llama", kv_tokens=512, page_size=4, attention_backend="native"))
     over, seen[:] = list(seen), []
@@ -92,10 +94,11 @@ def test_native_decode_hands_large_steps_to_the_torch_kernels(monkeypatch):
     assert any(n for n, _ in seen)  # the same steps under it: the fused kernel
 
 
-def _recording(attention, seen: list[tuple[bool, bool]]):
-    def record(batch, layer, q, k, v):
-        seen.append((bool(batch.native_items), batch.decode is not None))
-        return attention(batch, layer, q, k, v)
+def _recording(forward, seen: list[tuple[bool, bool]]):
+    def record(backend, layer, q, k, v, metadata):
+        assert isinstance(metadata, NativeStep)
+        seen.append((bool(metadata.items), metadata.decode is not None))
+        return forward(backend, layer, q, k, v, metadata)
 
     return record
 
@@ -108,7 +111,7 @@ def test_backend_is_chosen_once_by_name(monkeypatch):
     assert select_backend("auto", "cpu").name == "torch"
     with pytest.raises(InvalidParameterError, match="COTHINK_NATIVE"):
         select_backend("native", "cpu")
-    custom = ReferenceAttention()
+    custom = ReferenceBackend()
     assert select_backend(custom, "cpu") is custom
     with pytest.raises(InvalidParameterError) as err:
         select_backend("flash9", "cpu")

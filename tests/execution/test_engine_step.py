@@ -1,4 +1,4 @@
-"""Batch invariance and step semantics of `ModelRunner.step` (BRIEF §2 "Step semantics").
+"""Batch invariance and step semantics of `ModelRunner.step` (docs/runtime.md, "Semantics").
 
 One step carries many items, each writing its own block under its own view (different block orders and
 offsets, decode tokens and prefill chunks mixed, partial views through `read_lengths`). Each item's

@@ -9,6 +9,7 @@ import torch
 from support import ids
 
 from cothink.execution.step import StepItem
+from cothink.models import packing
 from cothink.ops import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="cothink's C kernels did not build here")
@@ -26,6 +27,14 @@ def fused_calls(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(native, "decode_layers", counting)
     return calls
+
+
+@pytest.fixture
+def c_linears(monkeypatch) -> None:
+    """bfloat16 linears in cothink's C kernel on every CPU: where oneDNN has bfloat16 kernels they are
+    prepacked for it instead (models/packing.py `can_pack`), and the fused step, which chains the C
+    kernels, is off; this test is about the fused step itself."""
+    monkeypatch.setattr(packing, "can_pack", lambda dtype, device: False)
 
 
 def _conversation(runner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -69,7 +78,7 @@ def _conversation(runner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     ],
 )
 def test_fused_decode_is_the_per_module_path_to_the_bit(
-    tiny_model, fused_calls, name, dtype, quantize, threads
+    tiny_model, fused_calls, c_linears, name, dtype, quantize, threads
 ):
     """llama3 adds biases on every projection and tied embeddings; int8 weights (with row scales)
     take the same C kernel as in the module path. On 2 threads the C kernels split their products
@@ -94,7 +103,7 @@ def test_fused_decode_is_the_per_module_path_to_the_bit(
 
 def test_fused_decode_runs_only_steps_the_c_kernels_would_run_whole(tiny_model, fused_calls):
     """More rows than the C linear takes, or a prefill item in the step: the module path."""
-    from cothink.models.packing import NATIVE_MAX_ROWS
+    from cothink.execution.native_modules import NATIVE_MAX_ROWS
 
     runner = tiny_model("llama").runner()
     blocks = [runner.new_block() for _ in range(NATIVE_MAX_ROWS + 1)]
@@ -134,7 +143,7 @@ def test_switching_the_kernels_off_takes_the_module_path(tiny_model, fused_calls
 def test_helper_threads_attend_only_in_steps_whose_products_run_in_c(tiny_model, monkeypatch):
     """Above NATIVE_MAX_ROWS rows torch's OpenMP threads run the products and hold the other cores:
     the decode attention then stays on the calling thread."""
-    from cothink.models.packing import NATIVE_MAX_ROWS
+    from cothink.execution.native_modules import NATIVE_MAX_ROWS
 
     seen: list[int | None] = []
     real = native.decode_attention

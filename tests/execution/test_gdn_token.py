@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from cothink.execution.linear_state import run_tokens
+from cothink.execution.native_modules import NativeDeltaRecurrence
+from cothink.models.transformer import DeltaRecurrence
 from cothink.ops import native
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="cothink's C kernels did not build here")
@@ -36,12 +38,12 @@ def test_a_decoding_token_takes_one_c_call_with_the_torch_paths_result(
     for seed in range(3):
         history, row, decay, beta, state = _token(mixer, dtype, seed)
         kept = state.clone()
-        assert mixer.native
+        assert isinstance(mixer.recurrence, NativeDeltaRecurrence)
         out, new = run_tokens(mixer, history, row, decay, beta, state)
         assert len(calls) == seed + 1 and torch.equal(state, kept)
-        mixer.native = False  # the torch path (as the eager model's)
+        swapped, mixer.recurrence = mixer.recurrence, DeltaRecurrence(mixer.cfg)  # the torch path
         want_out, want_state = run_tokens(mixer, history, row, decay, beta, state)
-        mixer.native = True
+        mixer.recurrence = swapped
         assert out.shape == want_out.shape and new.shape == want_state.shape
         err = max((out - want_out).abs().max() / want_out.abs().max(),
                   (new - want_state).abs().max() / want_state.abs().max()).item()

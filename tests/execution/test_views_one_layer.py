@@ -44,7 +44,7 @@ def test_any_view_is_exact(tiny_model, record_error, name, dense):
     runner = tm.runner(dense_summary_min_tokens=dense)
     blocks, tokens = _write_blocks(runner, seed=10)
     rng = random.Random(11)
-    views = [[1, 0, 2], [0, 2]]  # the examples: [B, A, C, D] and [A, C, D]
+    views = [[1, 0, 2], [0, 2]]  # views [B, A, C, D] and [A, C, D]
     views += [rng.sample(range(len(blocks)), rng.randint(1, 8)) for _ in range(10)]
     views.append(list(range(len(blocks)))[::-1][:8])
     worst = 0.0

@@ -62,7 +62,7 @@ def test_random_views_match_reference(tiny_model, record_error, name, dense):
 @pytest.mark.parametrize("name", MODELS)
 def test_one_step_many_items(tiny_model, record_error, name):
     """Step semantics: each item reads every view block as it was at the start of the step, plus its own
-    new tokens, whoever shares the batch (BRIEF §2)."""
+    new tokens, whoever shares the batch (docs/runtime.md, "Semantics")."""
     runner = tiny_model(name).runner()
     rng = random.Random(21)
     blocks = _write_blocks_with_random_views(runner, rng)

@@ -30,7 +30,7 @@ def test_fast_path_fp32_logits_match_eager_and_transformers(tiny_model, record_e
     tm = tiny_model(name)
     ids = random_ids(40, seed=5)
     fast, eager = tm.runner(), tm.runner(fast=False, attention_backend="torch")
-    assert fast.attention.name == kernels
+    assert fast.backend.name == kernels
     assert fast.model.model.layers[0].mlp.gate_up_proj is not None
     assert eager.model.model.layers[0].mlp.gate_up_proj is None
     want = tm.logits(ids)

@@ -1,5 +1,6 @@
-"""The fast path's CPU linears (models/packing.py) against F.linear and a float64 reference: each
-kernel choice by dtype and row count, several weight slabs, bias, inputs that are not the fast path's."""
+"""The fast path's CPU linears (models/packing.py, and the native backend's, execution/native_modules.py)
+against F.linear and a float64 reference: each kernel choice by dtype and row count, several weight
+slabs, bias, inputs that are not the fast path's."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cothink.execution.native_modules import NATIVE_MAX_ROWS, NativeCpuLinear, NativeInt8Linear
 from cothink.models import packing
-from cothink.models.packing import NATIVE_MAX_ROWS, WIDEN_MIN_ROWS, CpuLinear
+from cothink.models.packing import WIDEN_MIN_ROWS, CpuLinear
 from cothink.ops import native
 
 
@@ -43,7 +45,8 @@ def test_few_rows_run_in_the_c_kernel_independent_of_the_batch(dtype, monkeypatc
     x, w, b = _data(NATIVE_MAX_ROWS, 200, 64, dtype, seed=1)
     called, kernel = [], native.linear
     monkeypatch.setattr(native, "linear", lambda *a, **kw: called.append(1) or kernel(*a, **kw))
-    lin = CpuLinear(torch.nn.Parameter(w), b)  # a loaded model's weight requires grad: not a reason to skip
+    # a loaded model's weight requires grad: not a reason to skip
+    lin = NativeCpuLinear(torch.nn.Parameter(w), b)
     whole = lin(x)
     assert len(called) == 1
     for a, c in ((0, 1), (3, 8), (5, NATIVE_MAX_ROWS)):
@@ -64,7 +67,7 @@ def test_float_forward_is_forward_widened_to_float32_to_the_bit(dtype, monkeypat
     x, w, b = _data(NATIVE_MAX_ROWS + 1, 200, 64, dtype, seed=2)
     calls, kernel = [], native.linear
     monkeypatch.setattr(native, "linear", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw))
-    lin = CpuLinear(w, b)
+    lin = NativeCpuLinear(w, b)
     for rows in (1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1):
         got = lin.float_forward(x[:rows])
         assert got.dtype == torch.float32 and torch.equal(got, lin(x[:rows]).float())
@@ -148,13 +151,13 @@ def test_int8_few_rows_run_in_the_c_kernel_as_torchs_int8_kernel_computes(dtype,
     times the row scale rounded to bfloat16, then the bias, as `_weight_int8pack_mm` + the bias add):
     within one bfloat16 rounding of torch's int8 kernel (other sum order), each row the same to the
     bit alone or in a batch, the float32 logits form equal to the result widened."""
-    from cothink.models.quantize import _INT8_MM, Int8Linear
+    from cothink.models.quantize import _INT8_MM
 
     x, w, b = _data(NATIVE_MAX_ROWS, 200, 96, dtype, seed=6)
     called, kernel = [], native.linear
     monkeypatch.setattr(native, "linear", lambda *a, **kw: called.append(1) or kernel(*a, **kw))
     for bias in (None, b):
-        lin = Int8Linear(w, bias)
+        lin = NativeInt8Linear(w, bias)
         assert lin.native_rows == NATIVE_MAX_ROWS
         got = lin(x)
         assert got.dtype == dtype and len(called) == 1

@@ -10,15 +10,12 @@ of what precedes it in this view, then its body is applied either as a cached de
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 
 import torch
 
 from cothink.memory.block import LinearRecords, SealedRecords
-from cothink.models.config import GDNConfig
 from cothink.models.transformer import GatedDeltaNet
-from cothink.ops import native
-from cothink.ops.gdn import L2NORM_EPS, affine_summary, apply_summary, causal_conv, compose, delta_rule
+from cothink.ops.gdn import affine_summary, apply_summary, causal_conv, compose
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,33 +43,9 @@ def run_tokens(
     state: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Conv (after `history`, the W-1 preceding pre-conv rows) and delta rule over rows; (out, state).
-    A single row (a decoding coroutine's token) on the fast path takes one C call (`native.gdn_token`:
-    the same math to float rounding) instead of ~30 small torch ops."""
-    conv = mixer.conv_weight
-    if rows.shape[0] == 1 and _token_kernel_fits(mixer, conv, history, rows, g, beta, state):
-        return native.gdn_token(history, rows, conv, g, beta, state, token_shape(mixer.cfg))
-    q, k, v = mixer.split(causal_conv(history, rows, conv))
-    return delta_rule(q, k, v, g, beta, state)
-
-
-@cache
-def token_shape(g: GDNConfig) -> native.GdnShape:
-    """The sizes the C kernels read of a Gated DeltaNet layer (one per model)."""
-    return native.GdnShape(g.num_k_heads, g.num_v_heads, g.k_dim, g.v_dim, L2NORM_EPS)
-
-
-def _token_kernel_fits(
-    mixer: GatedDeltaNet, conv: torch.Tensor, history: torch.Tensor, row: torch.Tensor, g: torch.Tensor,
-    beta: torch.Tensor, state: torch.Tensor,
-) -> bool:
-    """Whether ct_gdn_token reads these: the fast path's mixer, rows of a kernel dtype (the conv
-    weight's), float32 gates and state, all laid out as it reads them."""
-    return (
-        mixer.native and native.supports(row) and native.supports(history) and row.is_contiguous()
-        and conv.dtype == row.dtype == history.dtype and conv.is_contiguous()
-        and history.shape[0] == mixer.cfg.conv_kernel - 1
-        and all(t.dtype == torch.float32 and t.is_contiguous() for t in (g, beta, state))
-    )
+    The layer's `recurrence` module computes it (the native backend's takes one C call for a single
+    row)."""
+    return mixer.recurrence(history, rows, mixer.conv_weight, g, beta, state)
 
 
 def _body_summary(mixer: GatedDeltaNet, rec: LinearRecords, length: int) -> torch.Tensor:

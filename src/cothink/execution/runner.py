@@ -1,7 +1,7 @@
 """ModelRunner: the synchronous, exact core. Blocks in, logits out.
 
 `load_model` returns one. The engine (cothink.runtime) drives `step` with many items per forward;
-`extend` is the single-item convenience the issue's public API names.
+`extend` is the single-item convenience of the public API.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from cothink.errors import (
     BlockSealedError,
     EmptyInputError,
     InputTooLongError,
-    InvalidParameterError,
+    InvalidTokenIdError,
     InvalidViewError,
 )
-from cothink.execution.attention_backends import AttentionBackend, select_backend
+from cothink.execution.attention_backends import ExecutionBackend, select_backend
 from cothink.execution.cache import ExecutionCache
 from cothink.execution.fused_decode import FusedDecode
 from cothink.execution.linear_state import seal_records
@@ -45,6 +45,11 @@ class ForwardResult:
     batch: ViewBatch
     logits: list[torch.Tensor]  # per item
 
+    @property
+    def path(self) -> str:
+        """Which code ran the step ("fused", "native", "torch", "reference")."""
+        return self.batch.path
+
 
 class ModelRunner:
     def __init__(
@@ -56,7 +61,7 @@ class ModelRunner:
         page_size: int = 16,
         max_context: int | None = None,
         dense_summary_min_tokens: int | None = None,
-        attention_backend: str | AttentionBackend = "auto",
+        attention_backend: str | ExecutionBackend = "auto",
     ):
         cfg = model.config
         self.model, self.config, self.tokenizer = model, cfg, tokenizer
@@ -71,14 +76,24 @@ class ModelRunner:
         if dense_summary_min_tokens is None:
             dense_summary_min_tokens = 4 * cfg.gdn.k_dim if cfg.gdn else 0
         self.dense_summary_min_tokens = dense_summary_min_tokens
-        # chosen once: "torch" (CPU flash + padded decode), "reference" (plain math, for tests), "auto"
-        self.attention = select_backend(attention_backend, self.device)
-        # small decode steps' decoder layers in one C call where the model and backend allow it
-        # (execution/fused_decode.py; results identical to the per-module path); None: never
-        self.fused_decode = FusedDecode.for_model(model, self.attention)
+        # chosen once (execution/attention_backends.py): it makes the model its own (the native
+        # backend swaps in its modules) and decides, per step, which path runs the step
+        self.backend = select_backend(attention_backend, self.device)
+        self.backend.attach(model)
         # writer states and last logits of this runner's blocks (entries dropped on truncate and free)
         self.cache = ExecutionCache()
         self._identity: ModelIdentity | None = None
+
+    @property
+    def fused_decode(self) -> FusedDecode | None:
+        """The backend's fused decode step: small decode steps' decoder layers in one C call
+        (execution/fused_decode.py; results identical to the per-module path). None where it never
+        applies; set it to None to switch it off for this runner."""
+        return self.backend.fused
+
+    @fused_decode.setter
+    def fused_decode(self, fused: FusedDecode | None) -> None:
+        self.backend.fused = fused
 
     # ---- blocks -------------------------------------------------------------------------------
     def new_block(self, name: str | None = None) -> Block:
@@ -157,7 +172,7 @@ class ModelRunner:
         """The token-id rule: plain ints in [0, vocab)."""
         vocab = self.config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab for t in ids):
-            raise InvalidParameterError(f"{param} must be ints in [0, {vocab})", param=param)
+            raise InvalidTokenIdError(f"{param} must be ints in [0, {vocab})", param=param)
 
     def check_view(self, view: list[Block], new_tokens: int, read_lengths: list[int] | None = None) -> None:
         """The view rule: blocks live and distinct, and the view (read up to `read_lengths` before
@@ -249,7 +264,7 @@ class ModelRunner:
         self.store.reserve([(item.block, item.block.length + len(item.token_ids)) for item in items])
         try:
             return ViewBatch(
-                self.store, self.rotary, items, self.dense_summary_min_tokens, self.attention, self.cache
+                self.store, self.rotary, items, self.dense_summary_min_tokens, self.backend, self.cache
             )
         except BaseException:
             self.abort(items)
@@ -259,10 +274,10 @@ class ModelRunner:
         """The forward pass of a prepared step. It writes keys into the reserved pages and changes
         nothing else that anyone can see (GDN records and lengths are published by `commit`)."""
         ids = [t for item in batch.items for t in item.token_ids]
-        fused = self.fused_decode if self.fused_decode is not None and self.fused_decode.fits(batch) else None
         with torch.inference_mode():
             logits = self.model(
-                torch.tensor(ids, device=self.device), batch, batch.logit_rows().to(self.device), fused
+                torch.tensor(ids, device=self.device), batch, batch.logit_rows().to(self.device),
+                batch.metadata.layers,
             )
         out, row = [], 0
         for item in batch.items:
@@ -298,7 +313,7 @@ def load_model(
     `quantize="int8"`: weight-only int8 linears (Llama and Qwen3 families; models/quantize.py).
     `fast=False` keeps the plain per-projection modules (the eager path the fast one is tested
     against). `limits` go to ModelRunner: kv_tokens (pool size), page_size, max_context,
-    dense_summary_min_tokens, attention_backend ("auto", "torch" or "reference").
+    dense_summary_min_tokens, attention_backend ("auto", "torch", "native" or "reference").
     """
     from transformers import AutoTokenizer
 

@@ -9,18 +9,19 @@ until the next step, and an item's result does not depend on who shares its batc
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-from cothink.execution.attention_backends import AttentionBackend, NativeAttention, TorchAttention
 from cothink.execution.cache import ExecutionCache, LastLogits, ViewKey, WriterState
 from cothink.execution.linear_state import LinearState, apply_block, empty_state, run_tokens
 from cothink.memory.block import Block, view_key
 from cothink.memory.store import BlockStore
-from cothink.models.packing import NATIVE_MAX_ROWS
 from cothink.models.transformer import GatedDeltaNet
-from cothink.ops import native
 from cothink.ops.rope import Rotary
+
+if TYPE_CHECKING:  # the backends read this module's geometry
+    from cothink.execution.attention_backends import ExecutionBackend, StepMetadata
 
 
 @dataclass
@@ -103,7 +104,7 @@ class LinearDecode:
 Rows = torch.Tensor | slice  # row indices; a slice when they are consecutive (a view, no gather)
 
 
-def _rows(rows: list[int], device: torch.device | str) -> Rows:
+def row_index(rows: list[int], device: torch.device | str) -> Rows:
     """Indices of `rows` for q[...] / out[...]: a slice when consecutive, so reading them is a view
     and writing them a plain copy (decode items usually are: one row each, in order)."""
     if rows and rows == list(range(rows[0], rows[0] + len(rows))):
@@ -111,95 +112,14 @@ def _rows(rows: list[int], device: torch.device | str) -> Rows:
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-@dataclass
-class _SharedRun:
-    """A key run several decode items read (a shared block): its keys are read once per layer."""
-
-    slots: torch.Tensor  # [L]
-    rows: Rows  # [k] the readers' query rows
-    cos: torch.Tensor  # [k, rotary_dim]: each reader's own position relative to the block
-    sin: torch.Tensor
-    span: tuple[int, int] | None  # slots are exactly the range [a, b): read keys as a view, no gather
-
-
-@dataclass(frozen=True, slots=True)
-class _Reader:
-    """One decode item's use of one key run."""
-
-    row: int  # the item's query row in the flattened batch
-    item: int  # the decode item's index (0..D-1)
-    run: KeyRun
-
-
-@dataclass
-class _DecodeRuns:
-    """Every key run of the step's single-token items, batched (layer-independent).
-
-    Runs read by several items are attended once per run with all readers' queries; the rest
-    (mostly each item's own block) are padded into one batch.
-    """
-
-    size: int  # D, the number of decode items
-    items: Rows  # [D] the decode items' rows in the flattened batch
-    shared: list[_SharedRun]
-    rows: Rows  # [R] the query row of each padded run
-    # which decode item (0..D-1) each partial belongs to: the shared runs' readers, then the padded runs
-    owners: torch.Tensor
-    slots: torch.Tensor  # [R, Lmax] pool slots, padded with slot 0
-    valid: torch.Tensor  # [R, Lmax]
-    cos: torch.Tensor  # [R, rotary_dim]
-    sin: torch.Tensor
-
-    @classmethod
-    def build(cls, plans: list[ItemPlan], device) -> _DecodeRuns:
-        readers: dict[RunKey, list[_Reader]] = {}
-        for d, p in enumerate(plans):
-            for run in p.runs:
-                if run.shared is not None:
-                    readers.setdefault(run.shared, []).append(_Reader(p.rows.start, d, run))
-        groups = [group for group in readers.values() if len(group) > 1]  # in first-reader order
-        shared_keys = {group[0].run.shared for group in groups}
-        shared = [
-            _SharedRun(
-                slots=group[0].run.slots,
-                rows=_rows([r.row for r in group], device),
-                cos=torch.cat([r.run.cos for r in group]),
-                sin=torch.cat([r.run.sin for r in group]),
-                span=group[0].run.span,
-            )
-            for group in groups
-        ]
-        padded = [
-            _Reader(p.rows.start, d, run)
-            for d, p in enumerate(plans)
-            for run in p.runs
-            if run.shared not in shared_keys
-        ]
-        shared_readers = [r for group in groups for r in group]  # in the order of `shared`
-        width = max((r.run.slots.numel() for r in padded), default=0)
-        slots = torch.zeros(len(padded), width, dtype=torch.long, device=device)
-        valid = torch.zeros(len(padded), width, dtype=torch.bool, device=device)
-        for i, r in enumerate(padded):
-            slots[i, : r.run.slots.numel()] = r.run.slots
-            valid[i, : r.run.slots.numel()] = True
-        return cls(
-            size=len(plans),
-            items=_rows([p.rows.start for p in plans], device),
-            shared=shared,
-            rows=_rows([r.row for r in padded], device),
-            owners=torch.tensor([r.item for r in [*shared_readers, *padded]], device=device),
-            slots=slots,
-            valid=valid,
-            cos=torch.cat([r.run.cos for r in padded]),
-            sin=torch.cat([r.run.sin for r in padded]),
-        )
-
-
 class ViewBatch:
-    """Implements the model's ForwardContext for one step over blocks and views.
+    """One step over blocks and views: its geometry (an ItemPlan per item, the key runs it reads,
+    where its keys go), its Gated DeltaNet state and its commit; the model's ForwardContext.
 
-    `backend` attends queries over key runs (execution/attention_backends.py); `cache` holds the
-    writer states this step starts from and receives the ones it ends with (execution/cache.py).
+    `backend` runs the step (execution/attention_backends.py): its `prepare`, called once here when
+    the geometry is built, decides which path runs the step and builds what the path needs
+    (`metadata`); every attention layer then goes to its `forward`. `cache` holds the writer states
+    this step starts from and receives the ones it ends with (execution/cache.py).
     """
 
     def __init__(
@@ -208,43 +128,41 @@ class ViewBatch:
         rotary: Rotary,
         items: list[StepItem],
         dense_min_tokens: int,
-        backend: AttentionBackend | None = None,
+        backend: ExecutionBackend,
         cache: ExecutionCache | None = None,
     ):
         self.store, self.rotary, self.items = store, rotary, items
         self.dense_min_tokens = dense_min_tokens
-        self.backend = backend if backend is not None else TorchAttention()
+        self.backend = backend
         self.cache = cache if cache is not None else ExecutionCache()
         self.scale = store.cfg.head_dim**-0.5
         self._read_slots: dict[tuple[int, int], tuple[torch.Tensor, tuple[int, int] | None]] = {}
         self.plans = [self._plan(item, row) for item, row in zip(items, self._starts(items))]
+        # [T, 1, rot] the rotation of this step's keys, row by row (None: no attention layer)
         self.key_rotation = self._key_rotation() if store.attn_slot else None
         # this step's keys go to the slots after each writer's old tokens
         self.write_slots = self._write_index() if store.attn_slot else None
-        native_backend = isinstance(self.backend, NativeAttention) and bool(store.attn_slot)
-        # the fused kernel writes keys slot by slot: it takes every new slot in one index tensor
-        self.store_slots = torch.cat([p.new_slots for p in self.plans]) if native_backend else None
-        # Single-token items (decoding coroutines) attend in one call: the fused kernel when the step
-        # is small enough for it, else one padded batch instead of a Python loop over items and
-        # blocks. Prefill chunks keep the per-item path.
-        decode = [p for p in self.plans if p.size == 1] if store.attn_slot else []
-        self.native_decode = self._native_plan(decode) if native_backend else None
-        self.native_items = decode if self.native_decode is not None else []
-        # the attention kernel's helper threads only where the step's products run in C too (None:
-        # torch's thread count): in wider steps torch's OpenMP threads hold the other cores, and a
-        # helper sharing one with them stalls the call (measured: 16 bf16 coroutines 0.67x)
-        self.native_threads = None if self.rows <= NATIVE_MAX_ROWS else 1
-        self.decode = (
-            _DecodeRuns.build(decode, store.device) if len(decode) > 1 and not self.native_items else None
-        )
-        batched = {id(p) for p in decode} if self.decode is not None or self.native_items else set()
-        self.looped = [p for p in self.plans if id(p) not in batched]
         # per item, per linear slot: the state after the item's tokens (published by commit)
         self.new_states: list[dict[int, LinearState]] = [{} for _ in items]
         # per item, per linear slot: the tokens' GDN records (pre-conv rows, g, beta), appended by commit
         self.new_records: list[dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = [
             {} for _ in items
         ]
+        self.metadata: StepMetadata = backend.prepare(self)
+
+    @property
+    def path(self) -> str:
+        """Which code runs this step ("fused", "native", "torch", "reference"): the backend's choice."""
+        return self.metadata.path
+
+    @property
+    def has_attention(self) -> bool:
+        """Whether the model has attention layers (keys to store and attend)."""
+        return bool(self.store.attn_slot)
+
+    def decode_plans(self) -> list[ItemPlan]:
+        """The single-token items (decoding coroutines), which backends batch; none without attention."""
+        return [p for p in self.plans if p.size == 1] if self.store.attn_slot else []
 
     @property
     def rows(self) -> int:
@@ -288,13 +206,6 @@ class ViewBatch:
             plan.runs.append(KeyRun(plan.new_slots, cos, sin, True, None, plan.new_span))
         return plan
 
-    def _native_plan(self, plans: list[ItemPlan]) -> native.DecodePlan | None:
-        if not plans:
-            return None
-        runs = [[(run.slots, run.cos, run.sin) for run in p.runs] for p in plans]
-        rows = [p.rows.start for p in plans]
-        return self.backend.decode_plan(runs, rows, self.store.pool.k)
-
     def _write_index(self) -> Rows:
         """Where this step's keys go: one slice when each writer's new slots follow the previous
         one's (always for a single writer on consecutive pages: a plain copy), else the slots."""
@@ -323,70 +234,9 @@ class ViewBatch:
             found = self._read_slots[key] = self.store.slots_and_span(block, 0, length)
         return found
 
-    def _keys(self, slot: int, run: KeyRun | _SharedRun) -> tuple[torch.Tensor, torch.Tensor]:
-        """A run's keys and values in one layer: a view when its slots are one range, else gathered."""
-        pool = self.store.pool
-        if run.span is not None:
-            a, b = run.span
-            return pool.k[slot, a:b], pool.v[slot, a:b]
-        return pool.k[slot, run.slots], pool.v[slot, run.slots]
-
     # ---- full attention --------------------------------------------------------------------
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        slot = self.store.attn_slot[layer]
-        pool, backend = self.store.pool, self.backend
-        pool_k, pool_v = pool.k[slot], pool.v[slot]
-        if self.store_slots is not None and backend.can_store(k, v, pool_k):
-            native.store_kv(k, v, self.store_slots, *self.key_rotation, pool_k, pool_v)
-        else:
-            pool_k[self.write_slots] = self.rotary.apply_prepared(k, *self.key_rotation)
-            pool_v[self.write_slots] = v
-        out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
-        if self.native_items:
-            if q.dtype == pool_k.dtype and native.supports(q):
-                native.decode_attention(
-                    q, self.native_decode, pool_k, pool_v, self.scale, out, self.native_threads
-                )
-            else:  # not the kernel's input layout: the per-item torch path
-                for plan in self.native_items:
-                    self._attend_item(plan, q, slot, out)
-        if self.decode is not None:
-            d = self.decode
-            outs, lses = [], []
-            for run in d.shared:
-                k_run, v_run = self._keys(slot, run)
-                o, lse = backend.run(
-                    self.rotary.apply_prepared(q[run.rows], run.cos, run.sin), k_run, v_run, self.scale
-                )
-                outs.append(o)
-                lses.append(lse)
-            if d.slots.numel():
-                o, lse = backend.padded(
-                    self.rotary.apply_prepared(q[d.rows], d.cos, d.sin),
-                    pool.k[slot, d.slots],
-                    pool.v[slot, d.slots],
-                    d.valid,
-                    self.scale,
-                )
-                outs.append(o)
-                lses.append(lse)
-            out[d.items] = backend.merge_grouped(torch.cat(outs), torch.cat(lses), d.owners, d.size)
-        for plan in self.looped:
-            self._attend_item(plan, q, slot, out)
-        return out
-
-    def _attend_item(self, plan: ItemPlan, q: torch.Tensor, slot: int, out: torch.Tensor) -> None:
-        """One item's queries over each of its key runs, partials merged by LSE, into out[rows]."""
-        q_item, backend = q[plan.rows], self.backend
-        outs, lses = [], []
-        for run in plan.runs:
-            k_run, v_run = self._keys(slot, run)
-            o, lse = backend.run(
-                self.rotary.apply_prepared(q_item, run.cos, run.sin), k_run, v_run, self.scale, run.causal
-            )
-            outs.append(o)
-            lses.append(lse)
-        out[plan.rows] = outs[0] if len(outs) == 1 else backend.merge(outs, lses)
+        return self.backend.forward(layer, q, k, v, self.metadata)
 
     # ---- Gated DeltaNet ---------------------------------------------------------------------
     def linear_attention(

@@ -6,16 +6,9 @@
   time on an AVX-512-BF16 CPU (measured: a [49152, 576] lm_head GEMV 6.4 -> 3.4 ms) and gives
   bit-identical results, row by row independent of the batch (tests/models/test_fast_path.py).
 - Otherwise float32 and bfloat16: `CpuLinear`, which picks the call by the number of rows
-  (measured on an AMD EPYC Zen 3 with AVX2, 2 threads, `bench/linears.py`):
-  * up to NATIVE_MAX_ROWS rows (decode steps of up to 32 coroutines), either dtype: cothink's C
-    kernel (`ops/native.py` `linear`, weight rows split over the step's threads): each weight
-    element read once per 8 rows, bfloat16 widened in registers, float32 sums in a fixed order per
-    output, so a row's result is the same to the bit in any batch of up to NATIVE_MAX_ROWS rows.
-    bfloat16: 1.1x `F.linear` at one row, 2.0-3.7x at 2-8 rows (torch's bfloat16 kernel costs a GEMV
-    per row there); float32: 1.7x at one row, 2.1-3.0x at 2-8 rows. At 16-32 rows the linears alone
-    are about as fast as the choices below (within the run-to-run swing); decode steps of that many
-    rows gain as a whole, from the fused decode step around them (docs/benchmarks.md item 11).
-    Without the C kernels the choices below apply from one row.
+  (measured on an AMD EPYC Zen 3 with AVX2, 2 threads, `bench/linears.py`). Under the native
+  execution backend its steps of a few rows run in cothink's C kernel instead
+  (execution/native_modules.py `NativeCpuLinear`, swapped in when the runner is built):
   * float32, from 2 to SGEMM_TRANSPOSED_MAX_ROWS rows: y^T = W x^T (`torch.mm(W, x.t())`) instead
     of `F.linear`'s y = x W^T. Same products, other operand order: at 2-4 rows MKL's kernel for
     `F.linear` streams the weights at 6-7 GB/s, the other order at ~13 (as one row does); 1.3-1.4x
@@ -24,11 +17,11 @@
     in either case (`F.linear` in bfloat16 accumulates in float32 and rounds the result), but the
     bfloat16 GEMM runs at ~18 GFLOP/s there against ~100 for float32. So the weight is widened to
     float32 a slab of rows at a time (WIDEN_SLAB_ELEMENTS, a size that stays in cache; no second
-    copy of the model), multiplied in float32 and the result rounded to bfloat16 once, as before.
+    copy of the model), multiplied in float32 and the result rounded to bfloat16 once.
     Results agree with `F.linear` up to the order of the float32 sums: a bfloat16 rounding step
-    apart on ~1e-4 of the outputs, so batch invariance holds up to float tolerance (BRIEF §2), not
-    to the bit. Fewer rows stay on `F.linear` (without the C kernels). int8 layers
-    (models/quantize.py) widen their wide inputs the same way (`widened_matmul`).
+    apart on ~1e-4 of the outputs, so batch invariance holds up to float tolerance (docs/runtime.md,
+    "Semantics"), not to the bit. Fewer rows stay on `F.linear`. int8 layers (models/quantize.py)
+    widen their wide inputs the same way (`widened_matmul`).
 """
 
 from __future__ import annotations
@@ -39,8 +32,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from cothink.ops import native
 
 
 def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
@@ -53,7 +44,16 @@ def can_pack(dtype: torch.dtype, device: torch.device | str) -> bool:
     )
 
 
-class PackedLinear(nn.Module):
+class FastLinear(nn.Module):
+    """A linear of the fast path (the model's head gives its float32 logits through
+    `float_forward`, which a backend's module may compute in the product's own pass)."""
+
+    def float_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward(x).float()`."""
+        return self(x).float()
+
+
+class PackedLinear(FastLinear):
     """y = x W^T (+ b) with W held in oneDNN's blocked layout (an opaque tensor)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -73,9 +73,6 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, prepacked bf16"
 
 
-# rows up to which cothink's C kernel (ops/native.py `linear`) runs float32 and bfloat16 products
-# (and decode steps take the fused path, execution/fused_decode.py); measured in the module doc
-NATIVE_MAX_ROWS = 32
 # rows up to which float32 runs as y^T = W x^T (at one row, and above this, F.linear is as fast)
 SGEMM_TRANSPOSED_MAX_ROWS = 64
 # rows from which a bfloat16 product is computed in float32 on CPUs without bfloat16 kernels
@@ -121,54 +118,7 @@ def widened_matmul(x: torch.Tensor, fill: SlabFill, n: int, bias: torch.Tensor |
     return torch.empty(y.shape, dtype=x.dtype).copy_(y)
 
 
-class NativeLinear(nn.Module):
-    """A CPU linear whose products of up to NATIVE_MAX_ROWS rows run in cothink's C kernel
-    (`native.linear`; its operands from `operands`), and whose logits come out of that call in
-    float32 (`float_forward`). CpuLinear and the int8 layers (models/quantize.py) are ones; the fused
-    decode step (execution/fused_decode.py) reads their operands."""
-
-    _native_rows = 0  # set by `_fit_native` once the operands exist
-    _native_dtype: torch.dtype | None = None  # the activations' dtype the kernel takes (None: any of its)
-
-    def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(weight, int8 row scales or None, bias or None) as the C kernel reads them."""
-        raise NotImplementedError
-
-    @property
-    def native_rows(self) -> int:
-        """Rows up to which this linear runs in the C kernel (0: never; its weight does not fit it)."""
-        return self._native_rows
-
-    def float_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`forward(x).float()` (the logits), in one pass where the C kernel takes x: a separate
-        widening pass over a bfloat16 step's [rows, vocab] output wakes torch's idle OpenMP thread
-        (measured ~0.6 ms of a ~20 ms single-stream decode step)."""
-        if x.dim() == 2 and self._takes_native(x):
-            return self._native(x, float_out=True)
-        return self(x).float()
-
-    def _fit_native(self, activations: torch.dtype | None) -> None:
-        w, scale, b = self.operands()
-        self._native_dtype = activations
-        self._native_rows = NATIVE_MAX_ROWS if native.linear_fits(w, b, scale) else 0
-
-    def takes_dtype(self, dtype: torch.dtype) -> bool:
-        """Whether the C kernel takes this weight with activations of `dtype`."""
-        return dtype == self._native_dtype if self._native_dtype is not None else dtype in native.DTYPES
-
-    def _takes_native(self, rows: torch.Tensor) -> bool:
-        """Whether the C kernel runs this product (2-D CPU rows of a dtype it takes for this weight)."""
-        return (
-            rows.shape[0] <= self._native_rows and rows.is_cpu and rows.stride(-1) == 1
-            and self.takes_dtype(rows.dtype) and native.available()
-        )
-
-    def _native(self, rows: torch.Tensor, float_out: bool = False) -> torch.Tensor:
-        w, scale, b = self.operands()
-        return native.linear(rows, w, b, scale=scale, float_out=float_out)
-
-
-class CpuLinear(NativeLinear):
+class CpuLinear(FastLinear):
     """y = x W^T (+ b) for float32 and bfloat16 weights on a CPU, by the row count (module doc)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -179,19 +129,13 @@ class CpuLinear(NativeLinear):
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._w, self._b = self.weight.data, None if bias is None else self.bias.data
-        self._fit_native(self._w.dtype)
-
-    def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        return self._w, None, self._b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self._w, self._b
         if x.dtype != w.dtype or not x.is_cpu:  # not the fast path's input: plain math
             return F.linear(x, w.to(x.dtype), None if b is None else b.to(x.dtype))
         rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self._takes_native(rows):
-            y = self._native(rows)
-        elif w.dtype == torch.float32:
+        if w.dtype == torch.float32:
             y = _sgemm(rows, w, b)
         elif rows.shape[0] >= WIDEN_MIN_ROWS:
             y = widened_matmul(rows, lambda slab, a, b: slab.copy_(w[a:b]), self.out_features, b)

@@ -2,10 +2,11 @@
 
 Every linear layer's weight becomes int8 with one bfloat16 scale per output row (symmetric,
 absmax / 127); activations, norms, attention and the KV pool keep the model's dtype. Decode reads
-half the weight bytes of bfloat16: up to NATIVE_MAX_ROWS rows through cothink's C kernel
-(`native.linear` with row scales, models/packing.py `NativeLinear`; the fused decode step takes int8
-models too), else through torch's CPU int8 weight-only kernel (`aten._weight_int8pack_mm`, the op
-gpt-fast uses); both take bfloat16 activations and round the result as that op does. For wide
+half the weight bytes of bfloat16: through torch's CPU int8 weight-only kernel
+(`aten._weight_int8pack_mm`, the op gpt-fast uses), and under the native execution backend for steps
+of a few rows through cothink's C kernel (`native.linear` with row scales,
+execution/native_modules.py `NativeInt8Linear`; the fused decode step takes int8 models too); both
+take bfloat16 activations and round the result as that op does. For wide
 inputs (prefill chunks) that kernel is slower than a dense matmul, so there the layer dequantizes
 its weight once per call and runs the ordinary bfloat16 GEMM (on a CPU without bfloat16 arithmetic:
 dequantized to float32 a slab at a time, as models/packing.py widens bfloat16): the cost is one
@@ -22,34 +23,40 @@ import torch.nn.functional as F
 from torch import nn
 
 from cothink.errors import InvalidParameterError, UnsupportedModelError
-from cothink.models.packing import NativeLinear, can_pack, replace_linears, widened_matmul
+from cothink.models.packing import FastLinear, can_pack, replace_linears, widened_matmul
 
 QUANTIZE_MODES = ("int8",)
 # Families whose every linear is a plain projection of the residual stream, validated for quality.
 # The Qwen3.5 hybrid's Gated DeltaNet gates (a few output rows driving exp/softplus decays) are not.
-INT8_FAMILIES = ("llama", "qwen3")
+INT8_FAMILIES = ("llama", "qwen2", "qwen3")
 # rows per call up to which the int8 kernel beats dequantize + dense GEMM (measured: bench/limits)
 INT8_KERNEL_MAX_ROWS = 16
 
 _INT8_MM = getattr(torch.ops.aten, "_weight_int8pack_mm", None)
 
 
-class Int8Linear(NativeLinear):
+class Int8Linear(FastLinear):
     """y = x W^T (+ b) with W stored as int8 [out, in] and a bfloat16 scale per output row."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__()
         w = weight.detach().float()
         scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
         q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
-        self.register_buffer("weight_int8", q.contiguous())
-        self.register_buffer("scale", scale.to(torch.bfloat16))
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self._fit_native(None if bias is None else bias.dtype)  # the C kernel reads the bias in x's dtype
+        self._hold(q.contiguous(), scale.to(torch.bfloat16), None if bias is None else bias.detach().clone())
 
-    def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        return self.weight_int8, self.scale, self.bias
+    @classmethod
+    def of(cls, other: Int8Linear) -> Int8Linear:
+        """A layer of this class holding `other`'s int8 weight, scales and bias (no copy)."""
+        layer = cls.__new__(cls)
+        Int8Linear._hold(layer, other.weight_int8, other.scale, other.bias)
+        return layer
+
+    def _hold(self, weight_int8: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        FastLinear.__init__(self)
+        self.out_features, self.in_features = weight_int8.shape
+        self.register_buffer("weight_int8", weight_int8)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         return (self.weight_int8.to(dtype) * self.scale.to(dtype)[:, None]).to(dtype)
@@ -58,9 +65,9 @@ class Int8Linear(NativeLinear):
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         cpu = x.device.type == "cpu"
-        if self._takes_native(rows):  # bias included
-            return self._native(rows).view(*shape[:-1], self.out_features)
-        if rows.shape[0] <= INT8_KERNEL_MAX_ROWS and _INT8_MM is not None and cpu:
+        # torch's int8 kernel reads past the row when in_features is not a multiple of 16 (garbage out)
+        small = rows.shape[0] <= INT8_KERNEL_MAX_ROWS and self.in_features % 16 == 0
+        if small and _INT8_MM is not None and cpu:
             y = _INT8_MM(rows.to(torch.bfloat16).contiguous(), self.weight_int8, self.scale).to(x.dtype)
         elif cpu and not can_pack(torch.bfloat16, "cpu"):  # no bfloat16 arithmetic: float32 slabs
             scale = self.scale.float()[:, None]

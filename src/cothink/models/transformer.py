@@ -1,8 +1,13 @@
-"""The decoder in plain PyTorch: Llama, Qwen3 and the Qwen3.5 hybrid (Gated DeltaNet + gated attention).
+"""The decoder in plain PyTorch: Llama, Qwen2, Qwen3 and the Qwen3.5 hybrid (Gated DeltaNet, gated attention).
 
 Module and parameter names follow the Hugging Face checkpoints so weights load by name. The model
 never touches memory itself: token mixing goes through a `ForwardContext`, which the execution
 layer implements over blocks and views. Tokens of all items in a step arrive flattened, [T, hidden].
+
+Every module here is plain torch. The small element-wise pieces (the norms, `SiluMul`, `SigmoidGate`,
+`DecayGates`, `DeltaRecurrence`) are modules of their own so that an execution backend can replace
+them by module replacement (the native backend's C kernels: execution/native_modules.py), as the
+linears are replaced (models/packing.py).
 """
 
 from __future__ import annotations
@@ -14,10 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cothink.models.config import FULL_ATTENTION, ModelConfig
-from cothink.models.packing import NativeLinear
-from cothink.ops import native
-from cothink.ops.gdn import l2norm
+from cothink.models.config import FULL_ATTENTION, GDNConfig, ModelConfig
+from cothink.models.packing import FastLinear
+from cothink.ops.gdn import causal_conv, delta_rule, l2norm
 
 
 class ForwardContext(Protocol):
@@ -35,20 +39,12 @@ DecoderLayers = Callable[[torch.Tensor, ForwardContext], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
-    # set by CausalLM.fuse_projections (the fast path): rows go through the fused C kernel
-    # (cothink.ops.native) when it is available; the eager path stays plain torch
-    native = False
-
     def __init__(self, dim: int, eps: float, zero_centred: bool = False):
         super().__init__()
         self.eps, self.zero_centred = eps, zero_centred
         self.weight = nn.Parameter(torch.zeros(dim) if zero_centred else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._native(x):
-            if x.dim() == 3:  # the q/k norms: each head of views of the q/k/v projection
-                return native.head_rms_norm(x, self.weight, self.eps, self.zero_centred)
-            return native.rms_norm(x, self.weight, self.eps, self.zero_centred)[0]
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.zero_centred:  # Qwen3.5 scales in fp32, then casts
@@ -56,21 +52,14 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)  # Llama/Qwen3 cast first, then scale
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual): the residual add and the next norm in one kernel."""
-        if self._native(x) and x.dim() == 2 and native.supports(residual):
-            return native.rms_norm(x, self.weight, self.eps, self.zero_centred, residual)
+        """(norm(x + residual), x + residual): the residual add and the next norm (one kernel in the
+        native backend's module)."""
         total = x + residual
         return self(total), total
-
-    def _native(self, x: torch.Tensor) -> bool:
-        # rows of a 2-D activation, or the heads of [T, heads, D] (the q/k norms)
-        return self.native and x.dim() in (2, 3) and x.dtype == self.weight.dtype and native.supports(x)
 
 
 class GatedRMSNorm(nn.Module):
     """RMSNorm over each value head, then multiplied by silu(z) (inside Gated DeltaNet)."""
-
-    native = False  # as RMSNorm's: one C call per step on the fast path
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -78,20 +67,65 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        if self._native(x, z):
-            return native.gated_rms_norm(x, z, self.weight, self.eps)
         xf = x.float()
         normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
         return (self.weight * normed * F.silu(z.float())).to(x.dtype)
 
-    def _native(self, x: torch.Tensor, z: torch.Tensor) -> bool:
-        # x [T, heads, dim] contiguous; z of the same shape, each token's heads contiguous (a slice
-        # of the fused input projection's rows)
-        return (
-            self.native and x.dim() == 3 and x.is_contiguous() and z.shape == x.shape
-            and z.stride(2) == 1 and z.stride(1) == x.shape[2]
-            and x.dtype == z.dtype == self.weight.dtype and native.supports(x) and native.supports(z)
-        )
+
+class SiluMul(nn.Module):
+    """silu(gate) * up for rows [gate | up] (the fused gate/up projection's output)."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+class SigmoidGate(nn.Module):
+    """Qwen3.5's attention output gate: out [T, heads * D] times sigmoid(gate [T, heads, D])."""
+
+    def forward(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return out * torch.sigmoid(gate.reshape(out.shape))
+
+
+class DecayGates(nn.Module):
+    """Gated DeltaNet's per-token log decay g and write strength beta, [T, HV] float32, from the
+    b and a projections and the layer's A_log and dt_bias (they do not pass through the conv)."""
+
+    def forward(
+        self, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        beta = b.sigmoid().float()
+        g = -a_log.float().exp() * F.softplus(a.float() + dt_bias)
+        return g, beta
+
+
+def split_heads(cfg: GDNConfig, post_conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Post-conv rows [n, conv_dim] -> delta-rule inputs q, k [n, HV, K] and v [n, HV, V], fp32."""
+    n = post_conv.shape[0]
+    q, k, v = post_conv.float().split([cfg.key_dim, cfg.key_dim, cfg.value_dim], dim=-1)
+    repeat = cfg.num_v_heads // cfg.num_k_heads  # value head h reads key head h // repeat
+    q = l2norm(q.reshape(n, cfg.num_k_heads, cfg.k_dim)).repeat_interleave(repeat, dim=1) * cfg.k_dim**-0.5
+    k = l2norm(k.reshape(n, cfg.num_k_heads, cfg.k_dim)).repeat_interleave(repeat, dim=1)
+    return q, k, v.reshape(n, cfg.num_v_heads, cfg.v_dim)
+
+
+class DeltaRecurrence(nn.Module):
+    """Gated DeltaNet's token mixing over a few tokens from a state: the causal conv (after
+    `history`, the W-1 preceding pre-conv rows) and the gated delta rule. The ForwardContext runs it
+    per item (execution/linear_state.py `run_tokens`), from the state of the item's view."""
+
+    def __init__(self, cfg: GDNConfig):
+        super().__init__()
+        self.cfg = cfg
+
+    def forward(
+        self, history: torch.Tensor, rows: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor, state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [n, conv_dim] pre-conv, g and beta [n, HV] fp32, state [HV, K, V] fp32 -> (out
+        [n, HV, V] fp32, the state after the rows)."""
+        q, k, v = split_heads(self.cfg, causal_conv(history, rows, conv_weight))
+        return delta_rule(q, k, v, g, beta, state)
 
 
 def fuse_linears(parts: list[nn.Linear]) -> nn.Linear:
@@ -124,24 +158,18 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=bias)
         self.down_proj = nn.Linear(i, h, bias=bias)
         self.gate_up_proj: nn.Module | None = None  # set by fuse()
+        self.act = SiluMul()  # of the fused projection's rows
 
     def fuse(self) -> None:
         self.gate_up_proj = fuse_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)
-            if gate_up.dim() == 2 and native.supports(gate_up):
-                return self.down_proj(native.silu_mul(gate_up))
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(self.act(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Attention(nn.Module):
-    # set by CausalLM.fuse_projections (the fast path): the output gate takes the C kernel
-    native = False
-
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer, self.head_dim = layer, cfg.head_dim
@@ -153,7 +181,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(cfg.hidden_size, q_out, bias=bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_out, bias=bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_out, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.zero_centred_norm)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.zero_centred_norm)
@@ -161,6 +189,7 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.qkv_proj: nn.Module | None = None  # set by fuse()
         self.qkv_sizes = [q_out, kv_out, kv_out]
+        self.output_gate = SigmoidGate() if self.gated else None
 
     def fuse(self) -> None:
         self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
@@ -181,21 +210,11 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         out = ctx.attention(self.layer, q, k, v).reshape(t, -1).to(x.dtype)
         if gate is not None:  # applied after the merge of per-block partials: it depends on the query only
-            out = self._gate(out, gate)
+            out = self.output_gate(out, gate)
         return self.o_proj(out)
-
-    def _gate(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        """out [T, heads * D] times sigmoid(gate [T, heads, D])."""
-        if self.native and gate.dtype == out.dtype and native.supports(gate) and out.is_contiguous():
-            return native.sigmoid_gate(out, gate)
-        return out * torch.sigmoid(gate.reshape(out.shape))
 
 
 class GatedDeltaNet(nn.Module):
-    # set by CausalLM.fuse_projections (the fast path): a decoding token's conv and delta rule take
-    # the C kernel (execution/linear_state.py run_tokens); the eager path stays plain torch
-    native = False
-
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         g = cfg.gdn
@@ -212,6 +231,8 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(g.value_dim, cfg.hidden_size, bias=False)
         self.in_proj: nn.Module | None = None  # qkv, z, b, a in one matmul; set by fuse()
         self.in_sizes = [g.conv_dim, g.value_dim, g.num_v_heads, g.num_v_heads]
+        self.gates = DecayGates()
+        self.recurrence = DeltaRecurrence(g)
 
     def fuse(self) -> None:
         self.in_proj = fuse_linears([self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a])
@@ -222,32 +243,7 @@ class GatedDeltaNet(nn.Module):
 
     def split(self, post_conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Post-conv rows [n, conv_dim] -> delta-rule inputs q, k [n, HV, K] and v [n, HV, V], fp32."""
-        g, n = self.cfg, post_conv.shape[0]
-        q, k, v = post_conv.float().split([g.key_dim, g.key_dim, g.value_dim], dim=-1)
-        repeat = g.num_v_heads // g.num_k_heads  # value head h reads key head h // repeat
-        q = l2norm(q.reshape(n, g.num_k_heads, g.k_dim)).repeat_interleave(repeat, dim=1) * g.k_dim**-0.5
-        k = l2norm(k.reshape(n, g.num_k_heads, g.k_dim)).repeat_interleave(repeat, dim=1)
-        return q, k, v.reshape(n, g.num_v_heads, g.v_dim)
-
-    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-token log decay g and write strength beta, [T, HV] fp32 (they do not pass through the conv)."""
-        return self._gates(self.in_proj_b(x), self.in_proj_a(x))
-
-    def _gates(self, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.native and self._native_gates(b, a):
-            return native.gdn_gates(b, a, self.A_log, self.dt_bias)
-        beta = b.sigmoid().float()
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
-        return g, beta
-
-    def _native_gates(self, b: torch.Tensor, a: torch.Tensor) -> bool:
-        # columns of the fused input projection's rows: one row stride, the last dim contiguous
-        params = (self.A_log, self.dt_bias)
-        return (
-            b.dim() == a.dim() == 2 and b.stride(0) == a.stride(0) and native.supports(b)
-            and native.supports(a)
-            and all(p.dtype == b.dtype == a.dtype and p.is_contiguous() for p in params)
-        )
+        return split_heads(self.cfg, post_conv)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, g = x.shape[0], self.cfg
@@ -257,7 +253,7 @@ class GatedDeltaNet(nn.Module):
         else:
             rows, z = self.in_proj_qkv(x), self.in_proj_z(x)
             b, a = self.in_proj_b(x), self.in_proj_a(x)
-        decay, beta = self._gates(b, a)
+        decay, beta = self.gates(b, a, self.A_log, self.dt_bias)
         core = ctx.linear_attention(self.layer, self, rows, decay, beta)
         z = z.reshape(t, g.num_v_heads, g.v_dim)
         return self.out_proj(self.norm(core.to(x.dtype), z).reshape(t, -1))
@@ -301,24 +297,24 @@ class CausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """Concatenate the projections that read the same input (q/k/v, gate/up, the GDN inputs):
-        fewer, larger matmuls per layer; and let the norms (with their residual adds, the q/k norms
-        per head), SiLU x up, the attention output gate and a decoding token's Gated DeltaNet run in
-        cothink's fused C kernels where available (ops/native.py). fp32 results match the unfused
-        modules to rounding."""
+        fewer, larger matmuls per layer (the fast path). fp32 results match the unfused modules to
+        rounding."""
         for layer in self.model.layers:
             layer.mixer.fuse()
             layer.mlp.fuse()
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, GatedRMSNorm, GatedDeltaNet, Attention)):
-                module.native = True
+
+    @property
+    def fused(self) -> bool:
+        """Whether the projections are fused (the fast path; False: the eager modules)."""
+        return all(layer.mlp.gate_up_proj is not None for layer in self.model.layers)
 
     def forward(
         self, input_ids: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor,
         layers: DecoderLayers | None = None,
     ) -> torch.Tensor:
         """input_ids [T] -> float32 logits for the rows `logit_rows` (distinct ascending indices into
-        T). `layers`, if given, runs the decoder layers in place of the modules (the runner's fused
-        decode step)."""
+        T). `layers`, if given, runs the decoder layers in place of the modules (a backend that runs
+        them in one call: the native backend's fused decode step)."""
         x = self.model.embed_tokens(input_ids)
         if layers is not None:
             x = layers(x, ctx)
@@ -329,6 +325,6 @@ class CausalLM(nn.Module):
             return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         # every row (decode steps): no gather
         h = self.model.norm(x if logit_rows.numel() == x.shape[0] else x[logit_rows])
-        if isinstance(self.lm_head, NativeLinear):
+        if isinstance(self.lm_head, FastLinear):  # float32 logits in the product's own pass
             return self.lm_head.float_forward(h)
         return self.lm_head(h).float()

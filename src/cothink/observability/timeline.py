@@ -6,7 +6,8 @@ Both take an iterable of StepRecord (``engine.timeline``):
     render_timeline_png(engine.timeline, "trace.png")
 
 The Chrome trace has one track (thread) per coroutine and one complete ("X") event per step item, with
-args tokens / view_tokens / kind / priority / step. Times are microseconds from the first step's start.
+args tokens / view_tokens / kind / priority / step / path (which code ran the step: "fused", "native",
+"torch" or "reference"). Times are microseconds from the first step's start.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def chrome_trace(records: Iterable[StepRecord], process_name: str = "cothink eng
                         "kind": item.kind,
                         "priority": item.priority,
                         "step": record.index,
+                        "path": record.path,
                         "batch_items": len(record.items),
                     },
                 }

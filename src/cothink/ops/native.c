@@ -17,10 +17,17 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+/* The version of this library's interface (the ct_* signatures and the tables they read), raised with
+ * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
+#define CT_ABI_VERSION 2
+
+int ct_abi_version(void) { return CT_ABI_VERSION; }
 
 typedef uint16_t bf16;
 
@@ -837,31 +844,104 @@ void ct_sigmoid_gate(const void *x, const void *gate, int64_t gs, int64_t gh, vo
             }
 }
 
-/* What ct_decode_layers reads of one decoder layer: data pointers in this order (a missing bias,
- * scale or norm 0). The mixer's projections are the attention's q/k/v and o, or Gated DeltaNet's
- * fused qkv/z/b/a input and its output projection. KV_SLOT is not a pointer: the layer's index in
- * the key pool, -1 for a Gated DeltaNet layer (whose fields CONV .. GATED_NORM are then set). */
-enum {
-    W_IN_NORM, W_MIX_IN, W_MIX_IN_BIAS, W_MIX_OUT, W_MIX_OUT_BIAS, W_POST_NORM, W_GATE_UP, W_GATE_UP_BIAS,
-    W_DOWN, W_DOWN_BIAS,
-    W_MIX_IN_SCALE, W_MIX_OUT_SCALE, W_GATE_UP_SCALE, W_DOWN_SCALE, /* int8 weights' row scales (else 0) */
-    W_Q_NORM, W_K_NORM, W_KV_SLOT, W_CONV, W_A_LOG, W_DT_BIAS, W_GATED_NORM,
-    W_FIELDS
+/* ct_decode_layers' inputs, as named structs. Each struct's fields are listed once, in an X-macro
+ * that declares them and lists their offsets for ct_layout; cothink/ops/native.py mirrors them as
+ * ctypes Structures and checks them against ct_layout when it loads the library. */
+#define CT_DECLARE(type, name) type name;
+#define CT_OFFSET(type, name) {CT_STRUCT_NAME "." #name, (int64_t)offsetof(CT_STRUCT, name)},
+
+/* One linear of a layer, as ct_linear reads it: the weight (storage `wt`), its int8 row scales
+ * (NULL for a weight of the model dtype) and its bias (NULL: none). */
+#define CT_LINEAR_FIELDS(X) X(const void *, weight) X(const void *, scale) X(const void *, bias)
+typedef struct { CT_LINEAR_FIELDS(CT_DECLARE) } CtLinear;
+
+/* One decoder layer. The mixer's projections are the attention's q/k/v and o, or Gated DeltaNet's
+ * fused qkv/z/b/a input and its output projection. A missing norm is NULL. kv_slot: the layer's index
+ * in the key pool, -1 for a Gated DeltaNet layer (whose conv .. gated_norm are then set). */
+#define CT_LAYER_FIELDS(X)                                                                                     \
+    X(const void *, in_norm) X(const void *, post_norm) X(CtLinear, mix_in) X(CtLinear, mix_out)            \
+    X(CtLinear, gate_up) X(CtLinear, down) X(const void *, q_norm) X(const void *, k_norm) X(int64_t, kv_slot) \
+    X(const void *, conv) X(const void *, a_log) X(const void *, dt_bias) X(const void *, gated_norm)
+typedef struct { CT_LAYER_FIELDS(CT_DECLARE) } CtLayer;
+
+/* The model's sizes; Gated DeltaNet's are 0 without such layers. eps: the RMSNorms'; l2_eps: the l2
+ * norm's of Gated DeltaNet's q and k. */
+#define CT_SHAPE_FIELDS(X)                                                                                  \
+    X(int64_t, hidden) X(int64_t, heads) X(int64_t, kv_heads) X(int64_t, head_dim) X(int64_t, intermediate) \
+    X(int64_t, gated) X(int64_t, zero_centred) X(int64_t, key_heads) X(int64_t, value_heads)                \
+    X(int64_t, key_dim) X(int64_t, value_dim) X(int64_t, conv_kernel) X(float, eps) X(float, l2_eps)
+typedef struct { CT_SHAPE_FIELDS(CT_DECLARE) } CtShape;
+
+/* A step's keys: the pool (layer l of an attention layer's keys at pool_k + kv_slot * pool_layer
+ * elements), where this step's T keys go (store_slots, rotated by key_cos/key_sin [T, rot]), and the
+ * runs each item reads (ct_decode_attention's plan); `scale` the softmax's. */
+#define CT_KEYS_FIELDS(X)                                                                                      \
+    X(void *, pool_k) X(void *, pool_v) X(int64_t, pool_layer) X(const int64_t *, store_slots)                \
+    X(const void *, key_cos) X(const void *, key_sin) X(int64_t, items) X(const int64_t *, rows)               \
+    X(const int64_t *, run_start) X(const int64_t *, key_start) X(const int64_t *, slots) X(const void *, cos) \
+    X(const void *, sin) X(int64_t, rot) X(float, scale)
+typedef struct { CT_KEYS_FIELDS(CT_DECLARE) } CtStepKeys;
+
+/* One item of a Gated DeltaNet layer in a step: its conv tail [W-1, conv_dim] (row stride
+ * tail_stride) and state [value_heads, key_dim, value_dim] before its token, and the buffers for
+ * them after it. */
+#define CT_LINEAR_ITEM_FIELDS(X)                                                                  \
+    X(const void *, tail) X(int64_t, tail_stride) X(const float *, state) X(float *, state_out) \
+    X(void *, tail_out)
+typedef struct { CT_LINEAR_ITEM_FIELDS(CT_DECLARE) } CtLinearItem;
+
+/* A Gated DeltaNet layer's inputs and outputs in a step: the step's pre-conv rows [T, conv_dim]
+ * (model dtype), g and beta [T, value_heads] (float32), and one CtLinearItem per item (item i is
+ * row i). Attention layers' entries are unused. */
+#define CT_LINEAR_IO_FIELDS(X) X(void *, rows) X(float *, g) X(float *, beta) X(const CtLinearItem *, items)
+typedef struct { CT_LINEAR_IO_FIELDS(CT_DECLARE) } CtLinearIO;
+
+/* Every field of the structs above with its offset, then each struct's size (named by the struct):
+ * what ct_layout returns, read by native.py to check its mirrors. */
+typedef struct {
+    const char *name;
+    int64_t offset;
+} CtField;
+
+#define CT_SIZE(s) {#s, (int64_t)sizeof(s)},
+static const CtField layout[] = {
+#define CT_STRUCT CtLinear
+#define CT_STRUCT_NAME "CtLinear"
+    CT_LINEAR_FIELDS(CT_OFFSET)
+#undef CT_STRUCT
+#undef CT_STRUCT_NAME
+#define CT_STRUCT CtLayer
+#define CT_STRUCT_NAME "CtLayer"
+    CT_LAYER_FIELDS(CT_OFFSET)
+#undef CT_STRUCT
+#undef CT_STRUCT_NAME
+#define CT_STRUCT CtShape
+#define CT_STRUCT_NAME "CtShape"
+    CT_SHAPE_FIELDS(CT_OFFSET)
+#undef CT_STRUCT
+#undef CT_STRUCT_NAME
+#define CT_STRUCT CtStepKeys
+#define CT_STRUCT_NAME "CtStepKeys"
+    CT_KEYS_FIELDS(CT_OFFSET)
+#undef CT_STRUCT
+#undef CT_STRUCT_NAME
+#define CT_STRUCT CtLinearItem
+#define CT_STRUCT_NAME "CtLinearItem"
+    CT_LINEAR_ITEM_FIELDS(CT_OFFSET)
+#undef CT_STRUCT
+#undef CT_STRUCT_NAME
+#define CT_STRUCT CtLinearIO
+#define CT_STRUCT_NAME "CtLinearIO"
+    CT_LINEAR_IO_FIELDS(CT_OFFSET)
+#undef CT_STRUCT
+#undef CT_STRUCT_NAME
+    CT_SIZE(CtLinear) CT_SIZE(CtLayer) CT_SIZE(CtShape) CT_SIZE(CtStepKeys) CT_SIZE(CtLinearItem) CT_SIZE(CtLinearIO)
 };
 
-/* The model's sizes (ct_decode_layers' `dims`, in this order) */
-enum {
-    D_HIDDEN, D_HEADS, D_KV_HEADS, D_HEAD_DIM, D_INTER, D_GATED, D_ZERO_CENTRED,
-    D_KEY_HEADS, D_VALUE_HEADS, D_KEY_DIM, D_VALUE_DIM, D_CONV, /* Gated DeltaNet's (0 without) */
-    D_FIELDS
-};
-
-/* A Gated DeltaNet layer's inputs and outputs in a step (ct_decode_layers' `linear_io`, one row of
- * L_FIELDS + items * I_FIELDS per layer): the step's pre-conv rows [T, conv_dim] (model dtype), g and
- * beta [T, value_heads] (float32); per item its conv tail [W-1, conv_dim] (row stride I_TAIL_STRIDE)
- * and state [value_heads, key_dim, value_dim] before the token, and the buffers for them after it. */
-enum { L_ROWS, L_G, L_BETA, L_FIELDS };
-enum { I_TAIL, I_TAIL_STRIDE, I_STATE, I_STATE_OUT, I_TAIL_OUT, I_FIELDS };
+const CtField *ct_layout(int64_t *count) {
+    *count = (int64_t)(sizeof layout / sizeof *layout);
+    return layout;
+}
 
 typedef struct {
     int64_t hidden, hq, hkv, d, inter, gated, zero_centred, hk, hv, kd, vd, conv, rot, t, items, threads;
@@ -869,43 +949,31 @@ typedef struct {
     int bf, wt;
 } Step;
 
-/* A step's keys: where they go, and the runs each item reads (ct_decode_attention's plan) */
-typedef struct {
-    char *pool_k, *pool_v;
-    int64_t pool_layer;
-    const int64_t *store_slots, *rows, *run_start, *key_start, *slots;
-    const void *key_cos, *key_sin, *cos, *sin;
-} StepKeys;
-
 /* One call's scratch rows (each [T, width] of the widest use) */
 typedef struct {
     char *normed, *proj, *att, *gated, *mixed, *total, *gate_up, *act, *down, *qn, *kn;
     float *att_f;
 } Scratch;
 
-#define WP(i) ((const void *)(intptr_t)w[i])
-
-/* y = x W^T (+ b) with the layer's weight at field `f` (its bias at f + 1, its scale at the scale
- * field) */
-static void layer_linear(const Step *s, const int64_t *w, int f, int scale_f, const void *x, int64_t k, void *y,
-                         int64_t n) {
-    ct_linear(x, k, WP(f), WP(scale_f), WP(f + 1), y, n, s->t, n, k, s->bf, s->wt, 0, s->threads);
+/* y = x W^T (+ b) with one of the layer's linears */
+static void layer_linear(const Step *s, const CtLinear *lin, const void *x, int64_t k, void *y, int64_t n) {
+    ct_linear(x, k, lin->weight, lin->scale, lin->bias, y, n, s->t, n, k, s->bf, s->wt, 0, s->threads);
 }
 
 /* Full attention from the normed rows into sc->mixed: q/k/v, the q/k norms (Qwen3, Qwen3.5), keys to
  * the pool, the decode attention, the output gate (Qwen3.5), o. */
-static void attention_mixer(const Step *s, const int64_t *w, const StepKeys *keys, Scratch *sc) {
+static void attention_mixer(const Step *s, const CtLayer *w, const CtStepKeys *keys, Scratch *sc) {
     int64_t size = s->bf ? 2 : 4, t = s->t, att_n = s->hq * s->d, kv_n = s->hkv * s->d;
     int64_t q_out = att_n * (s->gated ? 2 : 1), qkv_n = q_out + 2 * kv_n;
-    char *layer_k = keys->pool_k + w[W_KV_SLOT] * keys->pool_layer * size;
-    char *layer_v = keys->pool_v + w[W_KV_SLOT] * keys->pool_layer * size;
-    layer_linear(s, w, W_MIX_IN, W_MIX_IN_SCALE, sc->normed, s->hidden, sc->proj, qkv_n);
+    char *layer_k = (char *)keys->pool_k + w->kv_slot * keys->pool_layer * size;
+    char *layer_v = (char *)keys->pool_v + w->kv_slot * keys->pool_layer * size;
+    layer_linear(s, &w->mix_in, sc->normed, s->hidden, sc->proj, qkv_n);
     /* per head the query, then (gated) its gate: head stride 2d */
     const char *q = sc->proj, *k = sc->proj + q_out * size, *v = k + kv_n * size;
     int64_t qs = qkv_n, qh = s->gated ? 2 * s->d : s->d, ks = qkv_n;
-    if (w[W_Q_NORM]) {
-        ct_head_rms_norm(q, qs, qh, WP(W_Q_NORM), sc->qn, t, s->hq, s->d, s->eps, s->zero_centred, s->bf);
-        ct_head_rms_norm(k, ks, s->d, WP(W_K_NORM), sc->kn, t, s->hkv, s->d, s->eps, s->zero_centred, s->bf);
+    if (w->q_norm) {
+        ct_head_rms_norm(q, qs, qh, w->q_norm, sc->qn, t, s->hq, s->d, s->eps, s->zero_centred, s->bf);
+        ct_head_rms_norm(k, ks, s->d, w->k_norm, sc->kn, t, s->hkv, s->d, s->eps, s->zero_centred, s->bf);
         q = sc->qn, qs = att_n, qh = s->d, k = sc->kn, ks = kv_n;
     }
     ct_store_kv(k, ks, v, qkv_n, keys->store_slots, t, s->hkv, s->d, s->rot, keys->key_cos, keys->key_sin, layer_k,
@@ -915,37 +983,36 @@ static void attention_mixer(const Step *s, const int64_t *w, const StepKeys *key
                         s->bf, s->threads);
     store_row(sc->att, sc->att_f, t * att_n, s->bf); /* the per-module path's .to(dtype) of the float32 output */
     if (s->gated) ct_sigmoid_gate(sc->att, sc->proj + s->d * size, qkv_n, 2 * s->d, sc->att, t, s->hq, s->d, s->bf);
-    layer_linear(s, w, W_MIX_OUT, W_MIX_OUT_SCALE, sc->att, att_n, sc->mixed, s->hidden);
+    layer_linear(s, &w->mix_out, sc->att, att_n, sc->mixed, s->hidden);
 }
 
 /* Gated DeltaNet from the normed rows into sc->mixed: the fused input projection, its pre-conv rows
  * kept (the block's records), the gates, each item's token from its state (ct_gdn_token) and its new
  * conv tail, the gated output norm, the output projection. Item i is row i (one token each). */
-static void gdn_mixer(const Step *s, const int64_t *w, const int64_t *io, Scratch *sc) {
+static void gdn_mixer(const Step *s, const CtLayer *w, const CtLinearIO *io, Scratch *sc) {
     int64_t size = s->bf ? 2 : 4, t = s->t, value_n = s->hv * s->vd, conv_n = 2 * s->hk * s->kd + value_n;
     int64_t in_n = conv_n + value_n + 2 * s->hv, w1 = s->conv - 1;
-    char *rows = (char *)(intptr_t)io[L_ROWS];
-    float *g = (float *)(intptr_t)io[L_G], *beta = (float *)(intptr_t)io[L_BETA];
-    layer_linear(s, w, W_MIX_IN, W_MIX_IN_SCALE, sc->normed, s->hidden, sc->proj, in_n);
+    char *rows = io->rows;
+    float *g = io->g, *beta = io->beta;
+    layer_linear(s, &w->mix_in, sc->normed, s->hidden, sc->proj, in_n);
     for (int64_t r = 0; r < t; r++) memcpy(rows + r * conv_n * size, sc->proj + r * in_n * size, (size_t)(conv_n * size));
     const char *b = sc->proj + (conv_n + value_n) * size;
-    ct_gdn_gates(b, b + s->hv * size, in_n, WP(W_A_LOG), WP(W_DT_BIAS), g, beta, t, s->hv, s->bf);
+    ct_gdn_gates(b, b + s->hv * size, in_n, w->a_log, w->dt_bias, g, beta, t, s->hv, s->bf);
     for (int64_t i = 0; i < s->items; i++) {
-        const int64_t *item = io + L_FIELDS + i * I_FIELDS;
-        const char *tail = (const char *)(intptr_t)item[I_TAIL], *row = rows + i * conv_n * size;
-        char *tail_out = (char *)(intptr_t)item[I_TAIL_OUT];
-        ct_gdn_token(tail, item[I_TAIL_STRIDE], w1, row, WP(W_CONV), conv_n, s->hk, s->hv, s->kd, s->vd, g + i * s->hv,
-                     beta + i * s->hv, (const float *)(intptr_t)item[I_STATE], (float *)(intptr_t)item[I_STATE_OUT],
-                     sc->att_f + i * value_n, s->l2_eps, s->bf);
+        const CtLinearItem *item = &io->items[i];
+        const char *tail = item->tail, *row = rows + i * conv_n * size;
+        char *tail_out = item->tail_out;
+        ct_gdn_token(tail, item->tail_stride, w1, row, w->conv, conv_n, s->hk, s->hv, s->kd, s->vd, g + i * s->hv,
+                     beta + i * s->hv, item->state, item->state_out, sc->att_f + i * value_n, s->l2_eps, s->bf);
         /* the new tail: the old one's last W-2 rows, then this token's */
         for (int64_t j = 1; j < w1; j++)
-            memcpy(tail_out + (j - 1) * conv_n * size, tail + j * item[I_TAIL_STRIDE] * size, (size_t)(conv_n * size));
+            memcpy(tail_out + (j - 1) * conv_n * size, tail + j * item->tail_stride * size, (size_t)(conv_n * size));
         memcpy(tail_out + (w1 - 1) * conv_n * size, row, (size_t)(conv_n * size));
     }
     store_row(sc->att, sc->att_f, t * value_n, s->bf); /* core.to(dtype) */
-    ct_gated_rms_norm(sc->att, sc->proj + conv_n * size, in_n, WP(W_GATED_NORM), sc->gated, t, s->hv, s->vd, s->eps,
+    ct_gated_rms_norm(sc->att, sc->proj + conv_n * size, in_n, w->gated_norm, sc->gated, t, s->hv, s->vd, s->eps,
                       s->bf);
-    layer_linear(s, w, W_MIX_OUT, W_MIX_OUT_SCALE, sc->gated, value_n, sc->mixed, s->hidden);
+    layer_linear(s, &w->mix_out, sc->gated, value_n, sc->mixed, s->hidden);
 }
 
 /* The decoder layers of a decode step of t_rows single-token items, in one call: the calls the
@@ -954,22 +1021,15 @@ static void gdn_mixer(const Step *s, const int64_t *w, const int64_t *io, Scratc
  * Llama, Qwen3 (q/k norms) and the Qwen3.5 hybrid (zero-centred norms, gated attention, Gated
  * DeltaNet layers).
  *
- * x [T, hidden] (contiguous) holds the embeddings and receives the last layer's output. Layer l reads
- * weights[l * W_FIELDS ...] (linears of storage wt, as ct_linear); an attention layer its keys at
- * pool_k/pool_v + slot * pool_layer elements, a Gated DeltaNet layer linear_io's row l. This step's
- * keys go to store_slots[T] rotated by key_cos/key_sin [T, rot]; the items attend as
- * ct_decode_attention. eps: [the RMSNorms', the l2 norm of Gated DeltaNet's q and k]. */
-void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const int64_t *weights, const int64_t *dims,
-                      const float *eps, float scale, void *pool_k, void *pool_v, int64_t pool_layer,
-                      const int64_t *store_slots, const void *key_cos, const void *key_sin, int64_t items,
-                      const int64_t *rows, const int64_t *run_start, const int64_t *key_start, const int64_t *slots,
-                      const void *cos, const void *sin, int64_t rot, const int64_t *linear_io, int bf, int wt,
-                      int64_t threads) {
-    Step s = {dims[D_HIDDEN], dims[D_HEADS], dims[D_KV_HEADS], dims[D_HEAD_DIM], dims[D_INTER], dims[D_GATED],
-              dims[D_ZERO_CENTRED], dims[D_KEY_HEADS], dims[D_VALUE_HEADS], dims[D_KEY_DIM], dims[D_VALUE_DIM],
-              dims[D_CONV], rot, t_rows, items, threads, eps[0], eps[1], scale, bf, wt};
-    StepKeys keys = {pool_k, pool_v, pool_layer, store_slots, rows, run_start, key_start, slots, key_cos, key_sin,
-                     cos, sin};
+ * x [T, hidden] (contiguous) holds the embeddings and receives the last layer's output. Layer l is
+ * layer[l] (linears of storage wt, as ct_linear); an attention layer reads and writes the keys of
+ * `keys`, a Gated DeltaNet layer the buffers of linear[l]. */
+void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const CtLayer *layer, const CtShape *shape,
+                      const CtStepKeys *keys, const CtLinearIO *linear, int bf, int wt, int64_t threads) {
+    Step s = {shape->hidden, shape->heads, shape->kv_heads, shape->head_dim, shape->intermediate, shape->gated,
+              shape->zero_centred, shape->key_heads, shape->value_heads, shape->key_dim, shape->value_dim,
+              shape->conv_kernel, keys->rot, t_rows, keys->items, threads, shape->eps, shape->l2_eps, keys->scale,
+              bf, wt};
     int64_t size = bf ? 2 : 4, t = t_rows, hidden = s.hidden, value_n = s.hv * s.vd;
     int64_t conv_n = 2 * s.hk * s.kd + value_n, att_n = s.hq * s.d;
     int64_t proj_n = att_n * (s.gated ? 2 : 1) + 2 * s.hkv * s.d, gdn_n = conv_n + value_n + 2 * s.hv;
@@ -983,23 +1043,21 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const int64_t *we
         .att_f = malloc((size_t)(t * mix_n) * sizeof(float)),
     };
 #undef ROWS
-    int64_t io_n = L_FIELDS + items * I_FIELDS;
     for (int64_t l = 0; l < layers; l++) {
-        const int64_t *w = weights + l * W_FIELDS;
-        ct_rms_norm(x, hidden, NULL, 0, NULL, WP(W_IN_NORM), sc.normed, t, hidden, s.eps, s.zero_centred, bf);
-        if (w[W_KV_SLOT] >= 0)
-            attention_mixer(&s, w, &keys, &sc);
+        const CtLayer *w = &layer[l];
+        ct_rms_norm(x, hidden, NULL, 0, NULL, w->in_norm, sc.normed, t, hidden, s.eps, s.zero_centred, bf);
+        if (w->kv_slot >= 0)
+            attention_mixer(&s, w, keys, &sc);
         else
-            gdn_mixer(&s, w, linear_io + l * io_n, &sc);
-        ct_rms_norm(x, hidden, sc.mixed, hidden, sc.total, WP(W_POST_NORM), sc.normed, t, hidden, s.eps,
+            gdn_mixer(&s, w, &linear[l], &sc);
+        ct_rms_norm(x, hidden, sc.mixed, hidden, sc.total, w->post_norm, sc.normed, t, hidden, s.eps,
                     s.zero_centred, bf);
-        layer_linear(&s, w, W_GATE_UP, W_GATE_UP_SCALE, sc.normed, hidden, sc.gate_up, 2 * s.inter);
+        layer_linear(&s, &w->gate_up, sc.normed, hidden, sc.gate_up, 2 * s.inter);
         ct_silu_mul(sc.gate_up, 2 * s.inter, sc.act, t, s.inter, bf);
-        layer_linear(&s, w, W_DOWN, W_DOWN_SCALE, sc.act, s.inter, sc.down, hidden);
+        layer_linear(&s, &w->down, sc.act, s.inter, sc.down, hidden);
         for (int64_t i = 0; i < t * hidden; i++) store(x, i, load(sc.total, i, bf) + load(sc.down, i, bf), bf);
     }
     char *buffers[] = {sc.normed, sc.proj, sc.att, sc.gated, sc.mixed, sc.total, sc.gate_up, sc.act, sc.down,
                        sc.qn, sc.kn, (char *)sc.att_f};
     for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) free(buffers[i]);
 }
-#undef WP

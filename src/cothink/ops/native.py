@@ -11,14 +11,19 @@ threads of their own (native.c; no second OpenMP runtime next to torch's), the r
 calling thread.
 
 `available()` is False, and every caller keeps its torch path, when the kernels are switched off
-(`COTHINK_NATIVE=0` in the environment, or `native.ENABLED = False`), when no C compiler is found, or
-when the build fails (logged once). The library is cached in cothink's user cache
+(`COTHINK_NATIVE=0` in the environment, or `native.ENABLED = False`), when no C compiler is found
+(`$CC`, else `cc` or `gcc` on the PATH), or when the build fails (logged once); `status()` says which.
+With `COTHINK_REQUIRE_NATIVE=1` a kernel that cannot be built or loaded raises NativeKernelError
+instead (switching the kernels off stays allowed). The library is cached in cothink's user cache
 (`$COTHINK_CACHE/native`, default `~/.cache/cothink/native`) under a name that hashes the source,
-the compiler and the CPU.
+the compiler and the CPU; it reports its interface version (`ct_abi_version`), and a cached file that
+reports another than ABI_VERSION (copied, or left by another build) is rebuilt before anything in it
+is called.
 """
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import hashlib
 import logging
@@ -34,9 +39,14 @@ from pathlib import Path
 
 import torch
 
+from cothink.errors import NativeKernelError
+
 log = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("COTHINK_NATIVE", "1") != "0"
+REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
+# CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
+ABI_VERSION = 2
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, and int8 with row scales
@@ -56,20 +66,87 @@ _SIGNATURES = {
     "ct_linear": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I],
     "ct_head_rms_norm": [_P, _I, _I, _P, _P, _I, _I, _I, _F, ctypes.c_int, ctypes.c_int],
     "ct_sigmoid_gate": [_P, _P, _I, _I, _P, _I, _I, _I, ctypes.c_int],
-    "ct_decode_layers": [_P, _I, _I, _P, _P, _P, _F, _P, _P, _I, _P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I,
-                         _P, ctypes.c_int, ctypes.c_int, _I],
+    "ct_decode_layers": [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int, _I],
     "ct_helper_grains": [],
+    "ct_layout": [ctypes.POINTER(_I)],
 }
-# the order of a decoder layer's fields in ct_decode_layers' table (native.c, W_FIELDS): data pointers
-# (0: none), but kv_slot, the layer's index in the key pool (-1: a Gated DeltaNet layer); mix_in and
-# mix_out are the mixer's projections (attention q/k/v and o, or Gated DeltaNet's input and output)
-LAYER_FIELDS = ("in_norm", "mix_in", "mix_in_bias", "mix_out", "mix_out_bias", "post_norm", "gate_up",
-                "gate_up_bias", "down", "down_bias", "mix_in_scale", "mix_out_scale", "gate_up_scale",
-                "down_scale", "q_norm", "k_norm", "kv_slot", "conv", "a_log", "dt_bias", "gated_norm")
-# a Gated DeltaNet layer's row of ct_decode_layers' linear_io table: the step's buffers (L_*), then
-# per item (I_*; native.c)
-LINEAR_STEP_FIELDS = 3
-LINEAR_ITEM_FIELDS = 5
+
+
+# ct_decode_layers' inputs (native.c, the Ct* structs): mirrors, field by field, checked against the
+# library's own offsets and sizes (`ct_layout`) when it is loaded, so the two cannot drift apart.
+class CtLinear(ctypes.Structure):
+    """One linear of a layer: the weight, its int8 row scales (None: a weight of the model dtype), its
+    bias (None: none)."""
+
+    _fields_ = [("weight", _P), ("scale", _P), ("bias", _P)]
+
+
+class CtLayer(ctypes.Structure):
+    """One decoder layer (a missing norm: None). mix_in and mix_out are the mixer's projections
+    (attention q/k/v and o, or Gated DeltaNet's input and output); kv_slot the layer's index in the
+    key pool, -1 for a Gated DeltaNet layer (whose conv .. gated_norm are then set)."""
+
+    _fields_ = [
+        ("in_norm", _P), ("post_norm", _P), ("mix_in", CtLinear), ("mix_out", CtLinear),
+        ("gate_up", CtLinear), ("down", CtLinear), ("q_norm", _P), ("k_norm", _P), ("kv_slot", _I),
+        ("conv", _P), ("a_log", _P), ("dt_bias", _P), ("gated_norm", _P),
+    ]
+
+
+class CtShape(ctypes.Structure):
+    """The model's sizes (`LayerShape`)."""
+
+    _fields_ = [
+        ("hidden", _I), ("heads", _I), ("kv_heads", _I), ("head_dim", _I), ("intermediate", _I),
+        ("gated", _I), ("zero_centred", _I), ("key_heads", _I), ("value_heads", _I), ("key_dim", _I),
+        ("value_dim", _I), ("conv_kernel", _I), ("eps", _F), ("l2_eps", _F),
+    ]
+
+
+class CtStepKeys(ctypes.Structure):
+    """A step's keys: the pool, where this step's keys go, the items' key runs (a DecodePlan)."""
+
+    _fields_ = [
+        ("pool_k", _P), ("pool_v", _P), ("pool_layer", _I), ("store_slots", _P), ("key_cos", _P),
+        ("key_sin", _P), ("items", _I), ("rows", _P), ("run_start", _P), ("key_start", _P), ("slots", _P),
+        ("cos", _P), ("sin", _P), ("rot", _I), ("scale", _F),
+    ]
+
+
+class CtLinearItem(ctypes.Structure):
+    """One item of a Gated DeltaNet layer: its conv tail and state before its token, buffers after."""
+
+    _fields_ = [("tail", _P), ("tail_stride", _I), ("state", _P), ("state_out", _P), ("tail_out", _P)]
+
+
+class CtLinearIO(ctypes.Structure):
+    """A Gated DeltaNet layer's step buffers: pre-conv rows, g, beta, and one CtLinearItem per item."""
+
+    _fields_ = [("rows", _P), ("g", _P), ("beta", _P), ("items", ctypes.POINTER(CtLinearItem))]
+
+
+STRUCTS = (CtLinear, CtLayer, CtShape, CtStepKeys, CtLinearItem, CtLinearIO)
+
+
+class _CtField(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("offset", _I)]
+
+
+def layout_mismatches(lib: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] = STRUCTS) -> list[str]:
+    """Where the ctypes mirrors disagree with the library's structs (ct_layout: each field's offset,
+    each struct's size); empty when they agree."""
+    count = _I()
+    fn = lib.ct_layout
+    fn.restype = ctypes.POINTER(_CtField)
+    fields = fn(ctypes.byref(count))
+    theirs = {fields[i].name.decode(): fields[i].offset for i in range(count.value)}
+    ours: dict[str, int] = {}
+    for struct in structs:
+        ours[struct.__name__] = ctypes.sizeof(struct)
+        for name, *_ in struct._fields_:
+            ours[f"{struct.__name__}.{name}"] = getattr(struct, name).offset
+    return [f"{name}: native.c {theirs.get(name)}, native.py {ours.get(name)}"
+            for name in sorted(theirs.keys() | ours.keys()) if theirs.get(name) != ours.get(name)]
 
 
 def _cache_dir() -> Path:
@@ -92,14 +169,19 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(compiler: str) -> Path:
-    source = SOURCE.read_bytes()
+def _target(compiler: str) -> Path:
+    """Where the library built from this source, by this compiler, for this CPU is cached."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"\0".join(
-        [source, version.encode(), _cpu_signature().encode(), " ".join(_FLAGS).encode()]
+        [SOURCE.read_bytes(), version.encode(), _cpu_signature().encode(), " ".join(_FLAGS).encode()]
     )).hexdigest()[:16]
-    target = _cache_dir() / f"native-{key}.so"
-    if target.exists():
+    return _cache_dir() / f"native-{key}.so"
+
+
+def _build(compiler: str, stale: bool = False) -> Path:
+    """The cached library, built first if missing (or `stale`: replacing the file there)."""
+    target = _target(compiler)
+    if target.exists() and not stale:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     # build to a private name, then rename: processes building at once never load a partial file
@@ -109,7 +191,9 @@ def _build(compiler: str) -> Path:
         cmd = [compiler, *_FLAGS, "-o", tmp, str(SOURCE), "-lm"]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr.strip()}")
+            message = done.stderr.strip() or done.stdout.strip()
+            raise RuntimeError(f"{' '.join(cmd)} exited with status {done.returncode}"
+                               + (f":\n{message}" if message else " (no message)"))
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):
@@ -117,26 +201,104 @@ def _build(compiler: str) -> Path:
     return target
 
 
+@dataclass(frozen=True, slots=True)
+class KernelStatus:
+    """Whether this process runs the C kernels, and why not when it does not (`cothink info`,
+    /health, the engine's start log)."""
+
+    available: bool
+    reason: str | None  # why not, for a person: switched off, no compiler, the compiler's message...
+    library: str | None  # the loaded library's path
+    abi: int  # the interface version cothink calls (ABI_VERSION); a loaded library reports the same
+    required: bool  # COTHINK_REQUIRE_NATIVE=1: not available raises NativeKernelError where they are used
+
+
+def _abi_of(lib: ctypes.CDLL) -> int | None:
+    """The version a library reports (None: it has no ct_abi_version, a build older than the check)."""
+    try:
+        fn = lib.ct_abi_version
+    except AttributeError:
+        return None
+    fn.argtypes, fn.restype = [], ctypes.c_int
+    return int(fn())
+
+
+def _off(reason: str) -> tuple[None, KernelStatus]:
+    return None, KernelStatus(False, reason, None, ABI_VERSION, REQUIRED)
+
+
 @cache
-def _library() -> ctypes.CDLL | None:
+def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
+    """Build (once per source, compiler and CPU) and load the library; nothing in it is called before
+    its ABI version is checked."""
     compiler = _compiler()
     if compiler is None:
         log.info("native kernels off: no C compiler found (set CC to use one)")
-        return None
+        return _off("no C compiler found (set CC to use one)")
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        path = _build(compiler)
+        lib = ctypes.CDLL(str(path))
+        found = _abi_of(lib)
+        if found != ABI_VERSION:
+            log.warning("native library %s has ABI %s, cothink calls %d: rebuilding it", path, found,
+                        ABI_VERSION)
+            # unloaded first: dlopen of a path it holds open returns that handle, not the file there now
+            _ctypes.dlclose(lib._handle)
+            path = _build(compiler, stale=True)
+            lib = ctypes.CDLL(str(path))
+            found = _abi_of(lib)
+            if found != ABI_VERSION:  # native.c and ABI_VERSION disagree: a source that was not released
+                reason = f"ABI mismatch: {path} reports {found}, cothink calls {ABI_VERSION}"
+                log.warning("native kernels off: %s", reason)
+                return _off(reason)
     except (OSError, RuntimeError, subprocess.SubprocessError) as err:
-        log.warning("native kernels off, torch paths used instead: %s", err)
-        return None
+        if not REQUIRED:
+            log.warning("native kernels off, torch paths used instead: %s", err)
+        return _off(f"build failed: {err}")
     for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.ct_helper_grains.restype = ctypes.c_int64
+    drift = layout_mismatches(lib)
+    if drift:  # a field added, moved or retyped on one side only: never call the library
+        reason = "native.py's structs do not match native.c's: " + "; ".join(drift)
+        log.warning("native kernels off: %s", reason)
+        return _off(reason)
+    return lib, KernelStatus(True, None, str(path), ABI_VERSION, REQUIRED)
+
+
+def _library() -> ctypes.CDLL | None:
+    lib, state = _load()
+    if lib is None and REQUIRED:
+        raise NativeKernelError(
+            f"cothink's C kernels are required (COTHINK_REQUIRE_NATIVE=1) but not available: {state.reason}"
+        )
     return lib
 
 
+def status() -> KernelStatus:
+    """Whether the kernels run in this process (building them on first call), and why not; never raises."""
+    if not ENABLED:
+        how = "COTHINK_NATIVE=0" if os.environ.get("COTHINK_NATIVE") == "0" else "native.ENABLED = False"
+        return KernelStatus(False, f"switched off ({how})", None, ABI_VERSION, REQUIRED)
+    return _load()[1]
+
+
+def start_note(device: torch.device) -> tuple[int, str]:
+    """(log level, message) of the kernels' status for an engine starting on `device`: WARNING when it
+    runs on the CPU without them (the torch path, 2-4x slower at decode), INFO otherwise."""
+    state = status()
+    if state.available:
+        return logging.INFO, f"engine on {device}: cothink's C kernels loaded ({state.library})"
+    if device.type != "cpu":
+        return logging.INFO, f"engine on {device}: cothink's C kernels not used ({state.reason})"
+    return logging.WARNING, (f"engine on the CPU without cothink's C kernels, the slower torch path runs: "
+                             f"{state.reason} (`cothink info` checks them)")
+
+
 def available() -> bool:
-    """Whether the fused kernels can be used (switched on, and built for this machine)."""
+    """Whether the fused kernels can be used (switched on, and built for this machine); with
+    COTHINK_REQUIRE_NATIVE=1, NativeKernelError where they are switched on but cannot be built."""
     return ENABLED and _library() is not None
 
 
@@ -357,41 +519,41 @@ class LayerShape:
     conv_kernel: int = 0
 
     @cached_property
-    def dims(self) -> torch.Tensor:
-        """The sizes in ct_decode_layers' `dims` order (D_* in native.c)."""
+    def struct(self) -> CtShape:
+        """The sizes as ct_decode_layers reads them."""
         g = self.gdn or GdnShape(0, 0, 0, 0, 0.0)
-        return torch.tensor([
-            self.hidden, self.heads, self.kv_heads, self.head_dim, self.intermediate, int(self.gated),
-            int(self.zero_centred), g.key_heads, g.value_heads, g.key_dim, g.value_dim, self.conv_kernel,
-        ], dtype=torch.int64)
-
-    @cached_property
-    def epsilons(self) -> torch.Tensor:
-        """[the RMSNorms' eps, the l2 norm's of Gated DeltaNet's q and k]"""
-        return torch.tensor([self.eps, self.gdn.eps if self.gdn else 0.0], dtype=torch.float32)
+        return CtShape(
+            hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+            intermediate=self.intermediate, gated=int(self.gated), zero_centred=int(self.zero_centred),
+            key_heads=g.key_heads, value_heads=g.value_heads, key_dim=g.key_dim, value_dim=g.value_dim,
+            conv_kernel=self.conv_kernel, eps=self.eps, l2_eps=g.eps,
+        )
 
 
 def decode_layers(
-    x: torch.Tensor, table: torch.Tensor, shape: LayerShape, pool_k: torch.Tensor, pool_v: torch.Tensor,
-    store_slots: torch.Tensor, key_cos: torch.Tensor, key_sin: torch.Tensor, plan: DecodePlan, scale: float,
-    weights: torch.dtype, linear_io: torch.Tensor | None = None,
+    x: torch.Tensor, layers: ctypes.Array[CtLayer], shape: LayerShape, pool_k: torch.Tensor,
+    pool_v: torch.Tensor, store_slots: torch.Tensor, key_cos: torch.Tensor, key_sin: torch.Tensor,
+    plan: DecodePlan, scale: float, weights: torch.dtype, linear_io: ctypes.Array[CtLinearIO] | None = None,
 ) -> None:
     """Every decoder layer of a decode step in one call, x [T, hidden] (contiguous) updated in place:
     per layer the calls of the per-module path (norm, mixer, norm with the residual, gate/up `linear`,
     `silu_mul`, down `linear`, residual; the mixer an attention of `linear`, `head_rms_norm`,
     `store_kv`, `decode_attention`, `sigmoid_gate`, or a Gated DeltaNet of `linear`, `gdn_gates`,
-    `gdn_token`, `gated_rms_norm`), so results are those of that path to the bit. `table` [layers,
-    len(LAYER_FIELDS)] int64 holds each layer's fields, its linears' weights of storage `weights` (x's
-    dtype or int8); an attention layer's keys are pool_k[kv_slot], pool_v[kv_slot] [S, Hkv, D]; a Gated
-    DeltaNet layer reads and writes the buffers of its row of `linear_io` [layers, LINEAR_STEP_FIELDS +
-    items * LINEAR_ITEM_FIELDS] (data pointers; the tensors must outlive the call)."""
+    `gdn_token`, `gated_rms_norm`), so results are those of that path to the bit. `layers` holds each
+    layer's tensors (its linears' weights of storage `weights`: x's dtype or int8); an attention layer's
+    keys are pool_k[kv_slot], pool_v[kv_slot] [S, Hkv, D], this step's go to `store_slots` rotated by
+    key_cos/key_sin and the items attend as `plan`; a Gated DeltaNet layer reads and writes the buffers
+    of its entry of `linear_io`. Every tensor they point to must outlive the call."""
+    keys = CtStepKeys(
+        pool_k=pool_k.data_ptr(), pool_v=pool_v.data_ptr(), pool_layer=pool_k.stride(0),
+        store_slots=store_slots.data_ptr(), key_cos=key_cos.data_ptr(), key_sin=key_sin.data_ptr(),
+        items=plan.items, rows=plan.rows.data_ptr(), run_start=plan.run_start.data_ptr(),
+        key_start=plan.key_start.data_ptr(), slots=plan.slots.data_ptr(), cos=plan.cos.data_ptr(),
+        sin=plan.sin.data_ptr(), rot=plan.cos.shape[-1], scale=scale,
+    )
     _library().ct_decode_layers(
-        x.data_ptr(), x.shape[0], table.shape[0], table.data_ptr(), shape.dims.data_ptr(),
-        shape.epsilons.data_ptr(), scale, pool_k.data_ptr(), pool_v.data_ptr(), pool_k.stride(0),
-        store_slots.data_ptr(), key_cos.data_ptr(), key_sin.data_ptr(), plan.items, plan.rows.data_ptr(),
-        plan.run_start.data_ptr(), plan.key_start.data_ptr(), plan.slots.data_ptr(), plan.cos.data_ptr(),
-        plan.sin.data_ptr(), plan.cos.shape[-1], None if linear_io is None else linear_io.data_ptr(),
-        DTYPES[x.dtype], WEIGHT_TYPES[weights], torch.get_num_threads(),
+        x.data_ptr(), x.shape[0], len(layers), layers, ctypes.byref(shape.struct), ctypes.byref(keys),
+        linear_io, DTYPES[x.dtype], WEIGHT_TYPES[weights], torch.get_num_threads(),
     )
 
 

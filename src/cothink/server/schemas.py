@@ -417,6 +417,18 @@ class MemoryHealth(BaseModel):
     pressure: bool = Field(description="used_share is at or above the server's memory_pressure threshold")
 
 
+class KernelHealth(BaseModel):
+    """cothink's C kernels in the server's process (cothink.ops.native.KernelStatus; `cothink info`)."""
+
+    available: bool = Field(description="The C kernels run; false: the slower torch path runs on the CPU")
+    reason: str | None = Field(
+        description="Why not, when not: switched off, no C compiler, the compiler's message, an ABI mismatch"
+    )
+    library: str | None = Field(description="The loaded shared library's path")
+    abi: int = Field(description="The kernels' interface version this cothink calls")
+    required: bool = Field(description="COTHINK_REQUIRE_NATIVE=1: kernels that cannot build are an error")
+
+
 class Health(BaseModel):
     status: Literal["ok", "memory_pressure", "draining", "engine_stopped"] = Field(
         description="ok; memory_pressure (200: serving, but the KV pool is nearly full); draining "
@@ -425,6 +437,7 @@ class Health(BaseModel):
     engine_running: bool
     steps: int
     memory: MemoryHealth | None = None
+    kernels: KernelHealth
 
 
 # ---- WebSocket messages (client -> server) ------------------------------------------------------

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -10,8 +10,9 @@ from fastapi.responses import JSONResponse, Response
 
 from cothink.observability.metrics import CONTENT_TYPE
 from cothink.observability.timeline import chrome_trace
+from cothink.ops import native
 from cothink.server.errors import ERROR_RESPONSES
-from cothink.server.schemas import Health
+from cothink.server.schemas import Health, KernelHealth
 from cothink.server.state import ServerState, get_state
 
 if TYPE_CHECKING:
@@ -35,7 +36,11 @@ async def health(state: ServerState = Depends(get_state)) -> Response:
     memory = state.memory() if engine.running else None
     if status == "ok" and memory is not None and memory["pressure"]:
         status = "memory_pressure"
-    body = Health(status=status, engine_running=engine.running, steps=engine.steps, memory=memory)
+    # cached: built when the runner loaded or the engine started
+    kernels = KernelHealth(**asdict(native.status()))
+    body = Health(
+        status=status, engine_running=engine.running, steps=engine.steps, memory=memory, kernels=kernels
+    )
     code = 200 if status in ("ok", "memory_pressure") else 503
     return JSONResponse(body.model_dump(), status_code=code)
 

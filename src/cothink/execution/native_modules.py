@@ -1,0 +1,289 @@
+"""The native backend's modules: cothink's C kernels (ops/native.py) in place of plain torch modules.
+
+A decode step on a CPU is bound by dispatching small torch ops, not by their arithmetic (an RMSNorm of
+one row is eight ops, ~18 us; one C call does it). When a runner is built with the native execution
+backend, `use_native_modules` replaces, in a model whose projections are fused (the fast path), each
+plain module by its native subclass here, sharing its parameters: the norms (with the residual add
+before them, and per head for the q/k norms), SiLU x up, the attention output gate, Gated DeltaNet's
+gates, output norm and a decoding token's conv + delta rule, and the linears (`NativeCpuLinear`,
+`NativeInt8Linear`). Each takes its kernel where the input is one the kernel reads and otherwise runs
+the plain module's torch code; the kernels make the torch path's roundings to the model dtype
+(tests/ops/test_native.py). `use_torch_modules` puts the plain modules back. The eager modules
+(`fast=False`) are never replaced.
+
+NATIVE_MAX_ROWS: rows up to which the C linear runs a product (and a decode step can take the fused
+decode step, execution/fused_decode.py). Measured on a 2-core AMD EPYC Zen 3 with AVX2
+(`bench/linears.py`): each weight element is read once per 8 rows, bfloat16 widened in registers,
+float32 sums in a fixed order per output (a row's result is the same to the bit in any batch up to
+this size); against `F.linear`, bfloat16 1.1x at one row and 2.0-3.7x at 2-8 rows, float32 1.7x and
+2.1-3.0x; at 16-32 rows about even for the linears alone, and the decode step gains as a whole from
+the fused step around them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+
+import torch
+from torch import nn
+
+from cothink.models.config import GDNConfig
+from cothink.models.packing import CpuLinear
+from cothink.models.quantize import Int8Linear
+from cothink.models.transformer import (
+    CausalLM,
+    DecayGates,
+    DeltaRecurrence,
+    GatedRMSNorm,
+    RMSNorm,
+    SigmoidGate,
+    SiluMul,
+)
+from cothink.ops import native
+from cothink.ops.gdn import L2NORM_EPS
+
+NATIVE_MAX_ROWS = 32
+
+
+class NativeRMSNorm(RMSNorm):
+    """RMSNorm of 2-D rows (with the residual add before it) or of each head of [T, heads, D] (the
+    q/k norms, on views of the q/k/v projection) in one C call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fits(x):
+            if x.dim() == 3:
+                return native.head_rms_norm(x, self.weight, self.eps, self.zero_centred)
+            return native.rms_norm(x, self.weight, self.eps, self.zero_centred)[0]
+        return super().forward(x)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._fits(x) and x.dim() == 2 and native.supports(residual):
+            return native.rms_norm(x, self.weight, self.eps, self.zero_centred, residual)
+        return super().add_forward(x, residual)
+
+    def _fits(self, x: torch.Tensor) -> bool:
+        return x.dim() in (2, 3) and x.dtype == self.weight.dtype and native.supports(x)
+
+
+class NativeGatedRMSNorm(GatedRMSNorm):
+    """Gated DeltaNet's output norm in one C call."""
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        # x [T, heads, dim] contiguous; z of the same shape, each token's heads contiguous (a slice
+        # of the fused input projection's rows)
+        if (
+            x.dim() == 3 and x.is_contiguous() and z.shape == x.shape
+            and z.stride(2) == 1 and z.stride(1) == x.shape[2]
+            and x.dtype == z.dtype == self.weight.dtype and native.supports(x) and native.supports(z)
+        ):
+            return native.gated_rms_norm(x, z, self.weight, self.eps)
+        return super().forward(x, z)
+
+
+class NativeSiluMul(SiluMul):
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if gate_up.dim() == 2 and native.supports(gate_up):
+            return native.silu_mul(gate_up)
+        return super().forward(gate_up)
+
+
+class NativeSigmoidGate(SigmoidGate):
+    def forward(self, out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if gate.dtype == out.dtype and native.supports(gate) and out.is_contiguous():
+            return native.sigmoid_gate(out, gate)
+        return super().forward(out, gate)
+
+
+class NativeDecayGates(DecayGates):
+    def forward(
+        self, b: torch.Tensor, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # columns of the fused input projection's rows: one row stride, the last dim contiguous
+        if (
+            b.dim() == a.dim() == 2 and b.stride(0) == a.stride(0)
+            and native.supports(b) and native.supports(a)
+            and all(p.dtype == b.dtype == a.dtype and p.is_contiguous() for p in (a_log, dt_bias))
+        ):
+            return native.gdn_gates(b, a, a_log, dt_bias)
+        return super().forward(b, a, a_log, dt_bias)
+
+
+class NativeDeltaRecurrence(DeltaRecurrence):
+    """A single row (a decoding coroutine's token) in one C call (`native.gdn_token`: the same math
+    to float rounding) instead of ~30 small torch ops; more rows take the torch path."""
+
+    def forward(
+        self, history: torch.Tensor, rows: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor,
+        beta: torch.Tensor, state: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if rows.shape[0] == 1 and self._fits(history, rows, conv_weight, g, beta, state):
+            return native.gdn_token(history, rows, conv_weight, g, beta, state, token_shape(self.cfg))
+        return super().forward(history, rows, conv_weight, g, beta, state)
+
+    def _fits(self, history: torch.Tensor, row: torch.Tensor, conv: torch.Tensor, g: torch.Tensor,
+              beta: torch.Tensor, state: torch.Tensor) -> bool:
+        """Rows of a kernel dtype (the conv weight's), float32 gates and state, laid out as it reads them."""
+        return (
+            native.supports(row) and native.supports(history) and row.is_contiguous()
+            and conv.dtype == row.dtype == history.dtype and conv.is_contiguous()
+            and history.shape[0] == self.cfg.conv_kernel - 1
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (g, beta, state))
+        )
+
+
+@cache
+def token_shape(g: GDNConfig) -> native.GdnShape:
+    """The sizes the C kernels read of a Gated DeltaNet layer (one per model)."""
+    return native.GdnShape(g.num_k_heads, g.num_v_heads, g.k_dim, g.v_dim, L2NORM_EPS)
+
+
+class NativeLinear:
+    """A linear whose products of up to NATIVE_MAX_ROWS rows run in cothink's C kernel (`native.linear`;
+    its operands from `operands`), and whose logits come out of that call in float32 (`float_forward`).
+    Mixed into the fast path's linears (`NativeCpuLinear`, `NativeInt8Linear`); the fused decode step
+    (execution/fused_decode.py) reads their operands."""
+
+    _native_rows = 0  # set by `_fit_native` once the operands exist
+    _native_dtype: torch.dtype | None = None  # the activations' dtype the kernel takes (None: any of its)
+
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(weight, int8 row scales or None, bias or None) as the C kernel reads them."""
+        raise NotImplementedError
+
+    @property
+    def native_rows(self) -> int:
+        """Rows up to which this linear runs in the C kernel (0: never; its weight does not fit it)."""
+        return self._native_rows
+
+    def float_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`forward(x).float()` (the logits), in one pass where the C kernel takes x: a separate
+        widening pass over a bfloat16 step's [rows, vocab] output wakes torch's idle OpenMP thread
+        (measured ~0.6 ms of a ~20 ms single-stream decode step)."""
+        if x.dim() == 2 and self._takes_native(x):
+            return self._native(x, float_out=True)
+        return self(x).float()
+
+    def takes_dtype(self, dtype: torch.dtype) -> bool:
+        """Whether the C kernel takes this weight with activations of `dtype`."""
+        return dtype == self._native_dtype if self._native_dtype is not None else dtype in native.DTYPES
+
+    def _fit_native(self, activations: torch.dtype | None) -> None:
+        w, scale, b = self.operands()
+        self._native_dtype = activations
+        self._native_rows = NATIVE_MAX_ROWS if native.linear_fits(w, b, scale) else 0
+
+    def _takes_native(self, rows: torch.Tensor) -> bool:
+        """Whether the C kernel runs this product (2-D CPU rows of a dtype it takes for this weight)."""
+        return (
+            rows.shape[0] <= self._native_rows and rows.is_cpu and rows.stride(-1) == 1
+            and self.takes_dtype(rows.dtype) and native.available()
+        )
+
+    def _native(self, rows: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        w, scale, b = self.operands()
+        return native.linear(rows, w, b, scale=scale, float_out=float_out)
+
+
+class NativeCpuLinear(NativeLinear, CpuLinear):
+    """CpuLinear with its products of up to NATIVE_MAX_ROWS rows in the C kernel."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight, bias)
+        self._fit_native(self._w.dtype)
+
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        return self._w, None, self._b
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if x.dtype == self._w.dtype and self._takes_native(rows):
+            y = self._native(rows)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
+
+class NativeInt8Linear(NativeLinear, Int8Linear):
+    """Int8Linear with its products of up to NATIVE_MAX_ROWS rows in the C kernel (input rounded to
+    bfloat16, each output's sum times its scale rounded as torch's int8 kernel does, bias included)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight, bias)
+        self._fit_native(None if bias is None else bias.dtype)  # the C kernel reads the bias in x's dtype
+
+    @classmethod
+    def of(cls, other: Int8Linear) -> NativeInt8Linear:
+        layer = super().of(other)
+        layer._fit_native(None if layer.bias is None else layer.bias.dtype)
+        return layer
+
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        return self.weight_int8, self.scale, self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self._takes_native(rows):
+            return self._native(rows).view(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
+
+def _norm(cls: type[RMSNorm]) -> Callable[[RMSNorm], RMSNorm]:
+    def make(norm: RMSNorm) -> RMSNorm:
+        new = cls(norm.weight.shape[0], norm.eps, norm.zero_centred)
+        new.weight = norm.weight
+        return new
+
+    return make
+
+
+def _gated_norm(cls: type[GatedRMSNorm]) -> Callable[[GatedRMSNorm], GatedRMSNorm]:
+    def make(norm: GatedRMSNorm) -> GatedRMSNorm:
+        new = cls(norm.weight.shape[0], norm.eps)
+        new.weight = norm.weight
+        return new
+
+    return make
+
+
+def _cpu_linear(cls: type[CpuLinear]) -> Callable[[CpuLinear], CpuLinear]:
+    return lambda lin: cls(lin.weight, lin.bias)
+
+
+# plain module class -> (its native module, the native module -> a plain one); each pair shares the
+# parameters and buffers of the module it replaces
+_NATIVE: dict[type[nn.Module], type[nn.Module]] = {
+    RMSNorm: NativeRMSNorm, GatedRMSNorm: NativeGatedRMSNorm, SiluMul: NativeSiluMul,
+    SigmoidGate: NativeSigmoidGate, DecayGates: NativeDecayGates, DeltaRecurrence: NativeDeltaRecurrence,
+    CpuLinear: NativeCpuLinear, Int8Linear: NativeInt8Linear,
+}
+_MAKE: dict[type[nn.Module], Callable[[type[nn.Module]], Callable[[nn.Module], nn.Module]]] = {
+    RMSNorm: _norm, GatedRMSNorm: _gated_norm, SiluMul: lambda cls: lambda _m: cls(),
+    SigmoidGate: lambda cls: lambda _m: cls(), DecayGates: lambda cls: lambda _m: cls(),
+    DeltaRecurrence: lambda cls: lambda m: cls(m.cfg), CpuLinear: _cpu_linear,
+    Int8Linear: lambda cls: cls.of,
+}
+
+
+def use_native_modules(model: CausalLM) -> None:
+    """Replace, in place, each plain module of a fast-path model by its native module (module doc).
+    The eager modules stay as they are."""
+    if model.fused:
+        _replace(model, {plain: _MAKE[plain](fast) for plain, fast in _NATIVE.items()})
+
+
+def use_torch_modules(model: CausalLM) -> None:
+    """Put the plain torch modules back, in place, wherever native ones were swapped in."""
+    _replace(model, {fast: _MAKE[plain](plain) for plain, fast in _NATIVE.items()})
+
+
+def has_native_modules(model: nn.Module) -> bool:
+    """Whether any of the model's modules runs cothink's C kernels."""
+    return any(type(m) in _NATIVE.values() for m in model.modules())
+
+
+def _replace(model: nn.Module, makers: dict[type[nn.Module], Callable[[nn.Module], nn.Module]]) -> None:
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            make = makers.get(type(child))
+            if make is not None:
+                setattr(parent, name, make(child))
