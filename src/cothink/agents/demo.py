@@ -18,7 +18,8 @@ At the end a summary compares what the engine did with what a text-passing desig
 re-encoded (each narrator sync re-reading ctx + the thinker's text so far, and a thinker restart after
 the interjection).
 
-Run it with ``cothink demo`` (or ``python -m cothink.agents.demo``).
+Run it with ``cothink demo`` (or ``python -m cothink.agents.demo``); ``cothink demo --console`` runs it
+behind the live console (docs/console.md) and keeps serving that page until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -430,6 +432,16 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="write the step timeline as a Chrome trace JSON to FILE (and a PNG next to it)",
     )
+    p.add_argument(
+        "--console",
+        action="store_true",
+        help="serve the live console (docs/console.md): print its URL, run the demo once a page has "
+        "connected, then keep serving until Ctrl-C",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="with --console: address to bind (default: 127.0.0.1)")
+    p.add_argument(
+        "--port", type=int, default=8000, help="with --console: port (default: 8000; 0 = any free port)"
+    )
     return p
 
 
@@ -450,10 +462,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace, console: Any = None) -> int:
     """Run the demo for parsed `args`; returns the exit code."""
     result = run_with_result(args, console)
-    return 0 if result is not None else 1
+    return 0 if result is not None or args.console else 1
 
 
-def run_with_result(args: argparse.Namespace, console: Any = None) -> DemoResult:
+def run_with_result(args: argparse.Namespace, console: Any = None) -> DemoResult | None:
+    """Run the demo; None when it was stopped (Ctrl-C) before it ended (with --console)."""
     import torch
     from rich.console import Console
 
@@ -474,6 +487,8 @@ def run_with_result(args: argparse.Namespace, console: Any = None) -> DemoResult
         f"in {time.perf_counter() - t0:.1f}s[/dim]"
     )
     console.print(f"[bold]problem:[/bold] {PROBLEM}")
+    if args.console:
+        return _run_with_console(engine, args, console)
     result = asyncio.run(_run_displayed(engine, args, console, live))
     _print_summary(result, console)
     if args.trace:
@@ -493,6 +508,45 @@ async def _run_displayed(engine: Any, args: argparse.Namespace, console: Any, li
                 interject_at=args.interject_at,
                 seed=args.seed,
             )
+
+
+def _run_with_console(engine: Any, args: argparse.Namespace, console: Any) -> DemoResult | None:
+    """Serve the engine with its live console; run the demo on the server's loop once a page is
+    connected, then keep serving until Ctrl-C."""
+    from cothink.server import BackgroundServer, ServerSettings, create_app
+
+    name = Path(str(args.model).rstrip("/")).name or str(args.model)
+    # no keys: the console shows every coroutine only where sessions may be listed without a key
+    settings = ServerSettings(model_name=name, bind_host=args.host, list_sessions_without_key=True)
+    app = create_app(engine, settings)
+    server = BackgroundServer(app, host=args.host, port=args.port).start()
+    result = None
+    try:
+        print(f"console: {server.url}/console", flush=True)
+        console.print("[dim]the demo starts when the console page is open (Ctrl-C stops)[/dim]")
+        hub = app.state.events
+        while not hub.subscribers:
+            time.sleep(0.1)
+        demo = run_demo(
+            engine,
+            PlainDisplay(console),
+            max_tokens=args.max_tokens,
+            narrate_every=args.narrate_every,
+            interject_at=args.interject_at,
+            seed=args.seed,
+        )
+        assert server.loop is not None
+        result = asyncio.run_coroutine_threadsafe(demo, server.loop).result()
+        _print_summary(result, console)
+        if args.trace:
+            _write_trace(engine, args.trace, console)
+        console.print(f"[dim]still serving {server.url}/console until Ctrl-C[/dim]")
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return result
 
 
 def _print_summary(result: DemoResult, console: Any) -> None:

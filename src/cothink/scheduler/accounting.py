@@ -35,12 +35,15 @@ class StepItemRecord:
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One forward pass: when it ran and which coroutines' items it carried."""
+    """One forward pass: when it ran, which coroutines' items it carried and which code ran it."""
 
     index: int
     start: float  # perf_counter seconds
     end: float
     items: tuple[StepItemRecord, ...]
+    # the execution backend's path for the step: "fused" (all decoder layers in one C call), "native"
+    # (per-module, C kernels), "torch", "reference"; "" when no forward pass ran
+    path: str = ""
 
     @property
     def tokens(self) -> int:
@@ -51,9 +54,12 @@ class StepRecord:
 class WorkEvent:
     """A moment in a work's life, for metrics and traces.
 
-    event: 'submit', 'scheduled' (first time in a step; value = queue wait s), 'first_token'
-    (value = time to first token s), 'finish' (value = seconds since submit; detail = finish reason
-    or error type).
+    event: 'submit' (view = the blocks it reads; value = the tokens it first asks for: an extend's
+    input, a probe's question, 1 for a generation), 'scheduled' (first time in a step; value = queue
+    wait s), 'first_token' (value = time to first token s), 'piece' (a generation's step: value =
+    tokens written, text = the text it streamed, possibly empty), 'paused' and 'resumed' (a
+    generation), 'finish' (value = seconds since submit; detail = finish reason or error type;
+    answer = a probe's choice probabilities when it answered).
     """
 
     event: str
@@ -64,6 +70,9 @@ class WorkEvent:
     time: float
     value: float = 0.0
     detail: str = ""
+    view: tuple[str, ...] = ()  # block names, the written block last ('submit' only)
+    text: str = ""  # 'piece' only
+    answer: tuple[tuple[str, float], ...] = ()  # (choice, probability): a probe's 'finish' only
 
 
 class Accounting:
@@ -94,9 +103,16 @@ class Accounting:
         block: str,
         value: float = 0.0,
         detail: str = "",
+        *,
+        view: tuple[str, ...] = (),
+        text: str = "",
+        answer: tuple[tuple[str, float], ...] = (),
     ) -> None:
         if self.work_listeners:
-            record = WorkEvent(event, coroutine, work, priority, block, time.perf_counter(), value, detail)
+            now = time.perf_counter()
+            record = WorkEvent(
+                event, coroutine, work, priority, block, now, value, detail, view, text, answer
+            )
             for listener in self.work_listeners:
                 listener(record)
 

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -120,7 +121,7 @@ class Scheduler:
         self.works.append(work)
         self.accounting.of(work.coroutine).works += 1
         log.debug("submit %s", work.kind, extra={"coroutine": work.coroutine, "block": work.target_name})
-        self._event(work, "submit")
+        self._event(work, "submit", work.wanted_tokens(), view=tuple(b.name for b in work.view))
         self.kick()
 
     def cancel(self, work: Work) -> None:
@@ -134,6 +135,15 @@ class Scheduler:
         if work not in self._in_flight:
             self._retire(work)
         self.kick()
+
+    def set_paused(self, work: GenerateWork, paused: bool) -> None:
+        """Pause or resume a generation (it keeps its pending token, sampler and output)."""
+        if work.finished or work.paused == paused:
+            return
+        work.paused = paused
+        self._event(work, "paused" if paused else "resumed")
+        if not paused:
+            self.kick()
 
     def fail(self, work: Work, exc: BaseException) -> None:
         if not work.finished:
@@ -176,11 +186,14 @@ class Scheduler:
             self.runner.free(block)
         for b in work.reads:
             self.ownership.unhold(b)
-        self._event(work, "finish", time.perf_counter() - work.submitted, work.outcome)
+        answer = tuple(work.answer.items()) if work.answer is not None else ()
+        self._event(work, "finish", time.perf_counter() - work.submitted, work.outcome, answer=answer)
 
-    def _event(self, work: Work, event: str, value: float = 0.0, detail: str = "") -> None:
+    def _event(self, work: Work, event: str, value: float = 0.0, detail: str = "", **extra: Any) -> None:
         priority = work.priority.klass.name.lower()
-        self.accounting.event(event, work.coroutine, work.kind, priority, work.target_name, value, detail)
+        self.accounting.event(
+            event, work.coroutine, work.kind, priority, work.target_name, value, detail, **extra
+        )
 
     # ---- the loop ---------------------------------------------------------------------------------
     async def run_forever(self) -> None:
@@ -221,7 +234,7 @@ class Scheduler:
     async def _run(self, loop: asyncio.AbstractEventLoop, plan: StepPlan) -> None:
         items = plan.items
         self._in_flight = plan.works
-        start = time.perf_counter()
+        start, path = time.perf_counter(), ""
         try:
             if items:
                 with threads_for(1):
@@ -244,6 +257,7 @@ class Scheduler:
                 keep = [not p.work.finished for p in plan.planned for _ in p.items]
                 with threads_for(1):
                     logits = self.runner.commit(result, keep)
+                path = result.path
             else:
                 logits = []
         except asyncio.CancelledError:
@@ -257,7 +271,7 @@ class Scheduler:
         finally:
             self._in_flight = set()
         with threads_for(1):
-            self.postprocess(plan, logits, start, time.perf_counter())
+            self.postprocess(plan, logits, start, time.perf_counter(), path)
 
     def _forward(self, batch: ViewBatch) -> ForwardResult:
         """Worker thread: one forward pass; holds the memory lock `_run` took for it."""
@@ -348,7 +362,9 @@ class Scheduler:
         return None
 
     # ---- postprocess ------------------------------------------------------------------------------
-    def postprocess(self, plan: StepPlan, logits: list[torch.Tensor], start: float, end: float) -> None:
+    def postprocess(
+        self, plan: StepPlan, logits: list[torch.Tensor], start: float, end: float, path: str = ""
+    ) -> None:
         records, row, counted = [], 0, set()
         for p in plan.planned:
             work, count = p.work, len(p.items)
@@ -368,21 +384,25 @@ class Scheduler:
                 )
             )
             emitted_before = len(work.out.token_ids) if isinstance(work, GenerateWork) else 0
+            sent_before = work.out.sent if isinstance(work, GenerateWork) else 0
             try:
                 work.after_step(mine, self.runner)
             except Exception as exc:
                 self.fail(work, exc)
                 continue
-            if isinstance(work, GenerateWork) and emitted_before == 0 and work.out.token_ids:
-                ttft = time.perf_counter() - work.submitted
-                self.accounting.of(work.coroutine).ttft_s.append(ttft)
-                self._event(work, "first_token", ttft)
+            if isinstance(work, GenerateWork) and len(work.out.token_ids) > emitted_before:
+                if emitted_before == 0:
+                    ttft = time.perf_counter() - work.submitted
+                    self.accounting.of(work.coroutine).ttft_s.append(ttft)
+                    self._event(work, "first_token", ttft)
+                text = work.out.text[sent_before : work.out.sent]
+                self._event(work, "piece", len(work.out.token_ids) - emitted_before, text=text)
             if work.finished:
                 self._release_writer(work)
                 if self.auto_seal and isinstance(work, GenerateWork) and work.outcome in ("stop", "length"):
                     self.runner.seal(work.block)  # between steps: no forward pass is running
         self.steps += 1
-        self.accounting.step(StepRecord(self.steps, start, end, tuple(records)))
+        self.accounting.step(StepRecord(self.steps, start, end, tuple(records), path))
         # Retire finished works now, before their callers resume: scratch blocks and holds go at once.
         for work in [w for w in self.works if w.finished]:
             self._retire(work)

@@ -62,6 +62,7 @@ class Work:
         self.finished = False
         self.outcome = ""  # how it ended: 'done', a finish reason, 'cancelled' or the error's type
         self.deadline: float | None = None  # time.perf_counter() after which it is dropped unrun
+        self.answer: dict[str, float] | None = None  # a probe's choice probabilities, once answered
 
     @property
     def block(self) -> Block:
@@ -189,10 +190,22 @@ class GenerationOutput:
 class GenerateWork(Work):
     """Samples into view[-1]. A token is emitted once it is written, so the block holds all output.
 
-    The next token is sampled (by the scheduler's batched stage) from the logits of the step that
-    wrote the previous one; it is kept in `pending` until a step writes it. Pausing keeps
-    `pending`, the sampler's generator and the output, so a resumed generation continues exactly
-    as if it had never stopped.
+    The Piece protocol: a token's two-step life.
+    1. Sampled: the scheduler's batched stage picks it (`accept`) from the logits of the step that
+       wrote the previous token. It waits in `pending`; it is not output yet.
+    2. Written: the next step appends it to the block and `after_step` emits it: it joins the
+       output and exactly one Piece carries it, with the text it completed (text that may begin a
+       stop string is held back until it cannot).
+    A token that ends the generation is emitted the same way: the stop token (in `token_ids`, its
+    text not in the output), the token that completes a stop string or a constraint, the
+    `max_tokens`-th token. Its piece carries the remaining text, and the GenerationResult follows
+    as the queue's last item. Ending without a token (cancelled, context full, engine stopping)
+    drops a sampled token that no step wrote, and puts the text still held back (a possible stop
+    string's start, bytes the decoder waited on), if any, in a last piece with no token ids. So
+    the pieces' token ids and texts, concatenated, are the result's.
+
+    Pausing keeps `pending`, the sampler's generator and the output, so a resumed generation
+    continues exactly as if it had never stopped.
     """
 
     kind = "generate"
@@ -421,7 +434,8 @@ class ProbeWork(FutureWork):
         top = max(self.scores.values())
         weights = {c: math.exp(s - top) for c, s in self.scores.items()}
         total = sum(weights.values())
-        self._resolve({c: w / total for c, w in weights.items()})
+        self.answer = {c: w / total for c, w in weights.items()}
+        self._resolve(dict(self.answer))  # the caller's copy
 
     def scratch_blocks(self) -> list[Block]:
         blocks = [*self.forks.values(), *([self.scratch] if self.scratch is not None else [])]

@@ -25,7 +25,7 @@ from opentelemetry import trace
 
 from cothink.observability.logs import request_var
 from cothink.observability.timeline import render_timeline_png, write_chrome_trace
-from cothink.server import openai_api, session_api, system_api
+from cothink.server import events, openai_api, session_api, system_api
 from cothink.server.errors import APIError, install_error_handlers
 from cothink.server.settings import ServerSettings
 from cothink.server.state import ServerState
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cothink.server")
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", *events.CONSOLE_PATHS})  # the console page asks for a key
 
 DESCRIPTION = """\
 An HTTP front for one cothink engine: one language model whose coroutines share memory.
@@ -269,14 +269,17 @@ def create_app(
     and stops it at shutdown after ending running generations."""
     settings = settings or ServerSettings()
     state = ServerState(engine, settings, tracer_provider)
+    hub = events.EventHub(state)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         await state.start()
+        hub.attach()
         log.info("serving model %r", settings.model_name)
         try:
             yield
         finally:
+            hub.close()
             await state.close()
             if settings.trace_out:
                 _write_trace(state, settings.trace_out)
@@ -295,11 +298,13 @@ def create_app(
         ],
     )
     app.state.cothink = state
+    app.state.events = hub
     install_error_handlers(app)
 
     app.include_router(system_api.router)
     app.include_router(openai_api.router)
     app.include_router(session_api.router)
+    app.include_router(events.router)  # /v1/events and the console page at /console
 
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     app.add_middleware(AuthMiddleware, api_keys=settings.keys(), admin_keys=tuple(settings.admin_keys))
