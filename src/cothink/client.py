@@ -13,18 +13,28 @@
 
 `AsyncClient` has the same methods, as coroutines (and `stream` as an async iterator). For the
 OpenAI-compatible routes use the official `openai` package with ``base_url=<server>/v1``.
+
+One core, two transports: `ClientCalls` and `SessionCalls` say what each method asks of the server and
+how its answer is read, as a `Call` (no I/O). `Client`/`Session` send a call with `httpx.Client`,
+`AsyncClient`/`AsyncSession` with `httpx.AsyncClient`; each public method is the core's builder wrapped
+by its transport (`_sync_method` / `_async_method`), so a method is written once.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import json
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Generic, TypeVar, Union
 
 import httpx
 
 __all__ = ["AsyncClient", "AsyncSession", "BlockRef", "Client", "ClientError", "Session"]
+
+T = TypeVar("T")
 
 
 class ClientError(Exception):
@@ -98,6 +108,7 @@ def _clean(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _sse_data(line: str) -> dict[str, Any] | None:
+    """The event on one SSE line: None for other lines and for the closing ``[DONE]``."""
     if line.startswith("data: "):
         data = line[6:]
         if data != "[DONE]":
@@ -109,83 +120,89 @@ def _headers(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def _gen_body(
-    view, max_tokens, temperature, top_p, top_k, seed, stop, priority, name, extra
-) -> dict[str, Any]:
-    return _clean(
-        {
-            "view": _view(view),
-            "max_tokens": max_tokens,
-            "temperature": temperature,
-            "top_p": top_p,
-            "top_k": top_k,
-            "seed": seed,
-            "stop": stop,
-            "priority": priority,
-            "name": name,
-            **extra,
-        }
-    )
+def _unchanged(data: Any) -> Any:
+    return data
 
 
-# ================================================================================================ sync
+def _nothing(data: Any) -> None:
+    return None
 
 
-class Client:
+def _blocks(data: dict[str, Any]) -> list[BlockRef]:
+    return [BlockRef.parse(b) for b in data["data"]]
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[T]):
+    """One request and how its JSON answer becomes the method's result; a transport sends it."""
+
+    method: str
+    path: str  # relative to the client's base URL
+    json: Any = None  # the body; None sends none
+    params: dict[str, Any] | None = None  # the query string
+    parse: Callable[[Any], T] = _unchanged  # the answer's JSON -> the result
+
+    @property
+    def content(self) -> dict[str, Any]:
+        """The body and query, as httpx's keyword arguments."""
+        return {"json": self.json, "params": self.params}
+
+
+# ================================================================================================ core
+
+
+class ClientCalls:
+    """The client's requests (no I/O). A transport sets `http_type` (the httpx client it sends with)
+    and `session_type`, and sends each `Call`."""
+
+    http_type: type[httpx.Client] | type[httpx.AsyncClient]
+    session_type: Callable[[Any, dict[str, Any]], Any]
+
     def __init__(
         self,
         base_url: str = "http://127.0.0.1:8000",
         api_key: str | None = None,
         timeout: float | None = 120.0,
-        http: httpx.Client | None = None,
+        http: httpx.Client | httpx.AsyncClient | None = None,
     ):
         self.base_url = base_url.rstrip("/")
-        self.http = http or httpx.Client(base_url=self.base_url, headers=_headers(api_key), timeout=timeout)
+        self.http = http or self.http_type(base_url=self.base_url, headers=_headers(api_key), timeout=timeout)
 
-    def request(self, method: str, path: str, **kwargs: Any) -> Any:
-        response = self.http.request(method, path, **kwargs)
-        _raise_for(response)
-        return response.json()
+    def _open(self, info: dict[str, Any]) -> Any:
+        return self.session_type(self, info)
 
-    def health(self) -> dict[str, Any]:
-        return self.request("GET", "/health")
+    def health(self) -> Call[dict[str, Any]]:
+        return Call("GET", "/health")
 
-    def models(self) -> list[str]:
-        return [m["id"] for m in self.request("GET", "/v1/models")["data"]]
+    def models(self) -> Call[list[str]]:
+        return Call("GET", "/v1/models", parse=lambda data: [m["id"] for m in data["data"]])
 
-    def session(self, name: str | None = None) -> Session:
-        return Session(self, self.request("POST", "/v1/sessions", json=_clean({"name": name})))
+    def session(self, name: str | None = None) -> Call[Any]:
+        """A new session."""
+        return Call("POST", "/v1/sessions", json=_clean({"name": name}), parse=self._open)
 
-    def restore(self, snapshot: str, name: str | None = None) -> Session:
+    def restore(self, snapshot: str, name: str | None = None) -> Call[Any]:
         """A new session from a snapshot (`Session.snapshot()`); its blocks keep their ids
         (`session.restored_blocks`)."""
         body = _clean({"snapshot": snapshot, "name": name})
-        return Session(self, self.request("POST", "/v1/sessions/restore", json=body))
+        return Call("POST", "/v1/sessions/restore", json=body, parse=self._open)
 
-    def delete_snapshot(self, snapshot: str) -> None:
-        self.request("DELETE", f"/v1/sessions/snapshots/{snapshot}")
-
-    def close(self) -> None:
-        self.http.close()
-
-    def __enter__(self) -> Client:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def delete_snapshot(self, snapshot: str) -> Call[None]:
+        return Call("DELETE", f"/v1/sessions/snapshots/{snapshot}", parse=_nothing)
 
 
-class Session:
-    """A server session: blocks and coroutines private to it. Delete it (or use `with`) when done."""
+class SessionCalls:
+    """A server session's requests (no I/O): blocks and coroutines private to it. Delete it (or use
+    `with`) when done."""
 
-    def __init__(self, client: Client, info: dict[str, Any]):
+    def __init__(self, client: Any, info: dict[str, Any]):
         self.client, self.id, self.info = client, info["id"], info
         self.path = f"/v1/sessions/{self.id}"
         # a session restored from a snapshot: its blocks, in the order they were saved
         self.restored_blocks = [BlockRef.parse(b) for b in info.get("blocks", [])]
 
-    def _call(self, method: str, path: str = "", **kwargs: Any) -> Any:
-        return self.client.request(method, self.path + path, **kwargs)
+    def _call(self, method: str, path: str = "", **kwargs: Any) -> Call[Any]:
+        return Call(method, self.path + path, **kwargs)
 
     # blocks
     def block(
@@ -195,17 +212,17 @@ class Session:
         token_ids: list[int] | None = None,
         name: str | None = None,
         priority: str | None = None,
-    ) -> BlockRef:
+    ) -> Call[BlockRef]:
         """A new block, holding `text` or `token_ids` if given."""
         body = _clean({"text": text, "token_ids": token_ids, "name": name, "priority": priority})
-        return BlockRef.parse(self._call("POST", "/blocks", json=body))
+        return self._call("POST", "/blocks", json=body, parse=BlockRef.parse)
 
-    def blocks(self, text: bool = True, token_ids: bool = False) -> list[BlockRef]:
-        data = self._call("GET", "/blocks", params={"text": text, "token_ids": token_ids})["data"]
-        return [BlockRef.parse(b) for b in data]
+    def blocks(self, text: bool = True, token_ids: bool = False) -> Call[list[BlockRef]]:
+        return self._call("GET", "/blocks", params={"text": text, "token_ids": token_ids}, parse=_blocks)
 
-    def get_block(self, block: BlockLike, token_ids: bool = False) -> BlockRef:
-        return BlockRef.parse(self._call("GET", f"/blocks/{_id(block)}", params={"token_ids": token_ids}))
+    def get_block(self, block: BlockLike, token_ids: bool = False) -> Call[BlockRef]:
+        params = {"token_ids": token_ids}
+        return self._call("GET", f"/blocks/{_id(block)}", params=params, parse=BlockRef.parse)
 
     def extend(
         self,
@@ -215,7 +232,7 @@ class Session:
         token_ids: list[int] | None = None,
         view: Sequence[BlockLike] | None = None,
         priority: str | None = None,
-    ) -> BlockRef:
+    ) -> Call[BlockRef]:
         body = _clean(
             {
                 "text": text,
@@ -224,16 +241,18 @@ class Session:
                 "priority": priority,
             }
         )
-        return BlockRef.parse(self._call("POST", f"/blocks/{_id(block)}/extend", json=body))
+        return self._call("POST", f"/blocks/{_id(block)}/extend", json=body, parse=BlockRef.parse)
 
-    def truncate(self, block: BlockLike, length: int) -> BlockRef:
-        return BlockRef.parse(self._call("POST", f"/blocks/{_id(block)}/truncate", json={"length": length}))
+    def truncate(self, block: BlockLike, length: int) -> Call[BlockRef]:
+        body = {"length": length}
+        return self._call("POST", f"/blocks/{_id(block)}/truncate", json=body, parse=BlockRef.parse)
 
-    def fork(self, block: BlockLike, name: str | None = None) -> BlockRef:
-        return BlockRef.parse(self._call("POST", f"/blocks/{_id(block)}/fork", json=_clean({"name": name})))
+    def fork(self, block: BlockLike, name: str | None = None) -> Call[BlockRef]:
+        body = _clean({"name": name})
+        return self._call("POST", f"/blocks/{_id(block)}/fork", json=body, parse=BlockRef.parse)
 
-    def delete_block(self, block: BlockLike) -> None:
-        self._call("DELETE", f"/blocks/{_id(block)}")
+    def delete_block(self, block: BlockLike) -> Call[None]:
+        return self._call("DELETE", f"/blocks/{_id(block)}", parse=_nothing)
 
     # coroutines
     def generate(
@@ -249,31 +268,156 @@ class Session:
         priority: str | None = None,
         name: str | None = None,
         **extra: Any,
-    ) -> dict[str, Any]:
+    ) -> Call[dict[str, Any]]:
         """Generate into view[-1] and wait: {coroutine, text, token_ids, finish_reason, usage}."""
-        body = _gen_body(view, max_tokens, temperature, top_p, top_k, seed, stop, priority, name, extra)
-        return self._call("POST", "/generate", json={**body, "stream": False})
+        params = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, stop=stop)
+        params.update(priority=priority, name=name, **extra)
+        return self._generation(view, max_tokens, params, stream=False)
 
-    def stream(
+    def stream(self, view: Sequence[BlockLike] | BlockLike, max_tokens: int = 64, **params: Any) -> Call[Any]:
+        """Generate into view[-1], yielding events: start, token..., end (or error); the parameters
+        are `generate`'s. Stopping the iteration early cancels the generation."""
+        return self._generation(view, max_tokens, params, stream=True)
+
+    def start(
+        self, view: Sequence[BlockLike] | BlockLike, max_tokens: int = 64, **params: Any
+    ) -> Call[dict[str, Any]]:
+        """Start a generation in the background (the parameters are `generate`'s); returns the coroutine
+        (follow it with `coroutine(id)`)."""
+        return self._generation(view, max_tokens, params, background=True)
+
+    def _generation(
+        self, view: Sequence[BlockLike] | BlockLike, max_tokens: int, params: dict[str, Any], **mode: bool
+    ) -> Call[Any]:
+        """POST /generate: `params` are the generation's fields (None leaves one to the server), `mode`
+        says how it answers (`stream`, `background`)."""
+        body = _clean({"view": _view(view), "max_tokens": max_tokens, **params})
+        return self._call("POST", "/generate", json={**body, **mode})
+
+    def probe(
         self,
         view: Sequence[BlockLike] | BlockLike,
-        max_tokens: int = 64,
-        *,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: list[str] | str | None = None,
+        question: str | list[int],
+        choices: Sequence[str] = (" yes", " no"),
         priority: str | None = None,
-        name: str | None = None,
-        **extra: Any,
-    ) -> Iterator[dict[str, Any]]:
-        """Generate into view[-1], yielding events: start, token..., end (or error).
-        Stopping the iteration early cancels the generation."""
-        body = _gen_body(view, max_tokens, temperature, top_p, top_k, seed, stop, priority, name, extra)
-        with self.client.http.stream(
-            "POST", self.path + "/generate", json={**body, "stream": True}
-        ) as response:
+    ) -> Call[dict[str, float]]:
+        body = _clean(
+            {"view": _view(view), "question": question, "choices": list(choices), "priority": priority}
+        )
+        return self._call("POST", "/probe", json=body, parse=lambda data: data["probabilities"])
+
+    def coroutines(self, status: str = "all") -> Call[list[dict[str, Any]]]:
+        return self._call("GET", "/coroutines", params={"status": status}, parse=lambda data: data["data"])
+
+    def coroutine(self, coroutine_id: str) -> Call[dict[str, Any]]:
+        return self._call("GET", f"/coroutines/{coroutine_id}")
+
+    def cancel(self, coroutine_id: str) -> Call[dict[str, Any]]:
+        return self._call("POST", f"/coroutines/{coroutine_id}/cancel")
+
+    def snapshot(self, blocks: Sequence[BlockLike] | None = None) -> Call[dict[str, Any]]:
+        """Save the session's blocks (or `blocks`) on the server; returns the snapshot (its "id")."""
+        body = {"blocks": [_id(b) for b in blocks]} if blocks is not None else None
+        return self._call("POST", "/snapshot", json=body)
+
+    def delete(self) -> Call[None]:
+        return self._call("DELETE", parse=_nothing)
+
+
+# The builders each transport turns into methods that send their call; a session's `stream` is sent as a
+# stream of events.
+CLIENT_METHODS = "health models session restore delete_snapshot".split()
+SESSION_METHODS = "block blocks get_block extend truncate fork delete_block generate start probe".split()
+SESSION_METHODS += "coroutines coroutine cancel snapshot delete".split()
+
+
+def _transport(wrap: Callable[[Callable[..., Call[Any]]], Callable[..., Any]]) -> Callable[[type], type]:
+    """A class decorator for a transport of `ClientCalls` or `SessionCalls`: each builder becomes a
+    method that sends its call, through `wrap`."""
+
+    def install(cls: type) -> type:
+        core = ClientCalls if issubclass(cls, ClientCalls) else SessionCalls
+        for name in CLIENT_METHODS if core is ClientCalls else SESSION_METHODS:
+            setattr(cls, name, wrap(getattr(core, name)))
+        if core is SessionCalls:
+            cls.stream = _stream_method(SessionCalls.stream)  # type: ignore[attr-defined]
+        return cls
+
+    return install
+
+
+def _client_of(owner: Any) -> Any:
+    return owner if isinstance(owner, ClientCalls) else owner.client
+
+
+def _as_method(build: Callable[..., Call[Any]], method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method` named and documented as `build`, its signature returning what the call parses to
+    (``Call[BlockRef]`` -> ``BlockRef``), as help() and IDEs show it."""
+    functools.update_wrapper(method, build)
+    signature = inspect.signature(build)
+    result = signature.return_annotation
+    if isinstance(result, str) and result.startswith("Call[") and result.endswith("]"):
+        method.__signature__ = signature.replace(return_annotation=result[5:-1])  # type: ignore[attr-defined]
+    return method
+
+
+def _sync_method(build: Callable[..., Call[T]]) -> Callable[..., T]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> T:
+        return _client_of(self).send(build(self, *args, **kwargs))
+
+    return _as_method(build, method)
+
+
+def _async_method(build: Callable[..., Call[T]]) -> Callable[..., Any]:
+    async def method(self: Any, *args: Any, **kwargs: Any) -> T:
+        return await _client_of(self).send(build(self, *args, **kwargs))
+
+    return _as_method(build, method)
+
+
+def _stream_method(build: Callable[..., Call[Any]]) -> Callable[..., Any]:
+    """`stream`, for either transport: the client's `events` iterates (sync) or async-iterates."""
+
+    @functools.wraps(build)
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return self.client.events(build(self, *args, **kwargs))
+
+    return method
+
+
+# ================================================================================================ sync
+
+
+@_transport(_sync_method)
+class Session(SessionCalls):
+    """A server session over the sync transport; each method returns its result."""
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(ClientError, httpx.HTTPError):
+            self.delete()
+
+
+@_transport(_sync_method)
+class Client(ClientCalls):
+    session_type = Session
+
+    http: httpx.Client
+    http_type = httpx.Client
+
+    def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self.http.request(method, path, **kwargs)
+        _raise_for(response)
+        return response.json()
+
+    def send(self, call: Call[T]) -> T:
+        return call.parse(self.request(call.method, call.path, **call.content))
+
+    def events(self, call: Call[Any]) -> Iterator[dict[str, Any]]:
+        """The SSE events of a streaming call; closing the iterator closes the response."""
+        with self.http.stream(call.method, call.path, **call.content) as response:
             if response.status_code >= 400:
                 response.read()
                 _raise_for(response)
@@ -282,99 +426,57 @@ class Session:
                 if event is not None:
                     yield event
 
-    def start(
-        self, view: Sequence[BlockLike] | BlockLike, max_tokens: int = 64, **params: Any
-    ) -> dict[str, Any]:
-        """Start a generation in the background; returns the coroutine (follow it with `coroutine(id)`)."""
-        body = _gen_body(
-            view,
-            max_tokens,
-            params.pop("temperature", None),
-            params.pop("top_p", None),
-            params.pop("top_k", None),
-            params.pop("seed", None),
-            params.pop("stop", None),
-            params.pop("priority", None),
-            params.pop("name", None),
-            params,
-        )
-        return self._call("POST", "/generate", json={**body, "background": True})
+    def close(self) -> None:
+        self.http.close()
 
-    def probe(
-        self,
-        view: Sequence[BlockLike] | BlockLike,
-        question: str | list[int],
-        choices: Sequence[str] = (" yes", " no"),
-        priority: str | None = None,
-    ) -> dict[str, float]:
-        body = _clean(
-            {"view": _view(view), "question": question, "choices": list(choices), "priority": priority}
-        )
-        return self._call("POST", "/probe", json=body)["probabilities"]
-
-    def coroutines(self, status: str = "all") -> list[dict[str, Any]]:
-        return self._call("GET", "/coroutines", params={"status": status})["data"]
-
-    def coroutine(self, coroutine_id: str) -> dict[str, Any]:
-        return self._call("GET", f"/coroutines/{coroutine_id}")
-
-    def cancel(self, coroutine_id: str) -> dict[str, Any]:
-        return self._call("POST", f"/coroutines/{coroutine_id}/cancel")
-
-    def snapshot(self, blocks: Sequence[BlockLike] | None = None) -> dict[str, Any]:
-        """Save the session's blocks (or `blocks`) on the server; returns the snapshot (its "id")."""
-        body = {"blocks": [_id(b) for b in blocks]} if blocks is not None else None
-        return self._call("POST", "/snapshot", json=body)
-
-    def delete(self) -> None:
-        self._call("DELETE")
-
-    def __enter__(self) -> Session:
+    def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        try:
-            self.delete()
-        except (ClientError, httpx.HTTPError):
-            pass
+        self.close()
 
 
 # ================================================================================================ async
 
 
-class AsyncClient:
-    def __init__(
-        self,
-        base_url: str = "http://127.0.0.1:8000",
-        api_key: str | None = None,
-        timeout: float | None = 120.0,
-        http: httpx.AsyncClient | None = None,
-    ):
-        self.base_url = base_url.rstrip("/")
-        self.http = http or httpx.AsyncClient(
-            base_url=self.base_url, headers=_headers(api_key), timeout=timeout
-        )
+@_transport(_async_method)
+class AsyncSession(SessionCalls):
+    """A server session over the async transport; each method is a coroutine, `stream` an async
+    iterator."""
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        with contextlib.suppress(ClientError, httpx.HTTPError):
+            await self.delete()
+
+
+@_transport(_async_method)
+class AsyncClient(ClientCalls):
+    session_type = AsyncSession
+
+    http: httpx.AsyncClient
+    http_type = httpx.AsyncClient
 
     async def request(self, method: str, path: str, **kwargs: Any) -> Any:
         response = await self.http.request(method, path, **kwargs)
         _raise_for(response)
         return response.json()
 
-    async def health(self) -> dict[str, Any]:
-        return await self.request("GET", "/health")
+    async def send(self, call: Call[T]) -> T:
+        return call.parse(await self.request(call.method, call.path, **call.content))
 
-    async def models(self) -> list[str]:
-        return [m["id"] for m in (await self.request("GET", "/v1/models"))["data"]]
-
-    async def session(self, name: str | None = None) -> AsyncSession:
-        return AsyncSession(self, await self.request("POST", "/v1/sessions", json=_clean({"name": name})))
-
-    async def restore(self, snapshot: str, name: str | None = None) -> AsyncSession:
-        body = _clean({"snapshot": snapshot, "name": name})
-        return AsyncSession(self, await self.request("POST", "/v1/sessions/restore", json=body))
-
-    async def delete_snapshot(self, snapshot: str) -> None:
-        await self.request("DELETE", f"/v1/sessions/snapshots/{snapshot}")
+    async def events(self, call: Call[Any]) -> AsyncIterator[dict[str, Any]]:
+        """The SSE events of a streaming call; closing the iterator closes the response."""
+        async with self.http.stream(call.method, call.path, **call.content) as response:
+            if response.status_code >= 400:
+                await response.aread()
+                _raise_for(response)
+            async for line in response.aiter_lines():
+                event = _sse_data(line)
+                if event is not None:
+                    yield event
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -384,162 +486,3 @@ class AsyncClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
-
-
-class AsyncSession:
-    def __init__(self, client: AsyncClient, info: dict[str, Any]):
-        self.client, self.id, self.info = client, info["id"], info
-        self.path = f"/v1/sessions/{self.id}"
-        self.restored_blocks = [BlockRef.parse(b) for b in info.get("blocks", [])]
-
-    async def _call(self, method: str, path: str = "", **kwargs: Any) -> Any:
-        return await self.client.request(method, self.path + path, **kwargs)
-
-    async def block(
-        self,
-        text: str | None = None,
-        *,
-        token_ids: list[int] | None = None,
-        name: str | None = None,
-        priority: str | None = None,
-    ) -> BlockRef:
-        body = _clean({"text": text, "token_ids": token_ids, "name": name, "priority": priority})
-        return BlockRef.parse(await self._call("POST", "/blocks", json=body))
-
-    async def blocks(self, text: bool = True, token_ids: bool = False) -> list[BlockRef]:
-        data = (await self._call("GET", "/blocks", params={"text": text, "token_ids": token_ids}))["data"]
-        return [BlockRef.parse(b) for b in data]
-
-    async def get_block(self, block: BlockLike, token_ids: bool = False) -> BlockRef:
-        return BlockRef.parse(
-            await self._call("GET", f"/blocks/{_id(block)}", params={"token_ids": token_ids})
-        )
-
-    async def extend(
-        self,
-        block: BlockLike,
-        text: str | None = None,
-        *,
-        token_ids: list[int] | None = None,
-        view: Sequence[BlockLike] | None = None,
-        priority: str | None = None,
-    ) -> BlockRef:
-        body = _clean(
-            {
-                "text": text,
-                "token_ids": token_ids,
-                "view": _view(view) if view else None,
-                "priority": priority,
-            }
-        )
-        return BlockRef.parse(await self._call("POST", f"/blocks/{_id(block)}/extend", json=body))
-
-    async def truncate(self, block: BlockLike, length: int) -> BlockRef:
-        return BlockRef.parse(
-            await self._call("POST", f"/blocks/{_id(block)}/truncate", json={"length": length})
-        )
-
-    async def fork(self, block: BlockLike, name: str | None = None) -> BlockRef:
-        return BlockRef.parse(
-            await self._call("POST", f"/blocks/{_id(block)}/fork", json=_clean({"name": name}))
-        )
-
-    async def delete_block(self, block: BlockLike) -> None:
-        await self._call("DELETE", f"/blocks/{_id(block)}")
-
-    async def generate(
-        self,
-        view: Sequence[BlockLike] | BlockLike,
-        max_tokens: int = 64,
-        *,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: list[str] | str | None = None,
-        priority: str | None = None,
-        name: str | None = None,
-        **extra: Any,
-    ) -> dict[str, Any]:
-        body = _gen_body(view, max_tokens, temperature, top_p, top_k, seed, stop, priority, name, extra)
-        return await self._call("POST", "/generate", json={**body, "stream": False})
-
-    async def stream(
-        self,
-        view: Sequence[BlockLike] | BlockLike,
-        max_tokens: int = 64,
-        *,
-        temperature: float | None = None,
-        top_p: float | None = None,
-        top_k: int | None = None,
-        seed: int | None = None,
-        stop: list[str] | str | None = None,
-        priority: str | None = None,
-        name: str | None = None,
-        **extra: Any,
-    ) -> AsyncIterator[dict[str, Any]]:
-        body = _gen_body(view, max_tokens, temperature, top_p, top_k, seed, stop, priority, name, extra)
-        async with self.client.http.stream(
-            "POST", self.path + "/generate", json={**body, "stream": True}
-        ) as response:
-            if response.status_code >= 400:
-                await response.aread()
-                _raise_for(response)
-            async for line in response.aiter_lines():
-                event = _sse_data(line)
-                if event is not None:
-                    yield event
-
-    async def start(
-        self, view: Sequence[BlockLike] | BlockLike, max_tokens: int = 64, **params: Any
-    ) -> dict[str, Any]:
-        body = _gen_body(
-            view,
-            max_tokens,
-            params.pop("temperature", None),
-            params.pop("top_p", None),
-            params.pop("top_k", None),
-            params.pop("seed", None),
-            params.pop("stop", None),
-            params.pop("priority", None),
-            params.pop("name", None),
-            params,
-        )
-        return await self._call("POST", "/generate", json={**body, "background": True})
-
-    async def probe(
-        self,
-        view: Sequence[BlockLike] | BlockLike,
-        question: str | list[int],
-        choices: Sequence[str] = (" yes", " no"),
-        priority: str | None = None,
-    ) -> dict[str, float]:
-        body = _clean(
-            {"view": _view(view), "question": question, "choices": list(choices), "priority": priority}
-        )
-        return (await self._call("POST", "/probe", json=body))["probabilities"]
-
-    async def coroutines(self, status: str = "all") -> list[dict[str, Any]]:
-        return (await self._call("GET", "/coroutines", params={"status": status}))["data"]
-
-    async def coroutine(self, coroutine_id: str) -> dict[str, Any]:
-        return await self._call("GET", f"/coroutines/{coroutine_id}")
-
-    async def cancel(self, coroutine_id: str) -> dict[str, Any]:
-        return await self._call("POST", f"/coroutines/{coroutine_id}/cancel")
-
-    async def snapshot(self, blocks: Sequence[BlockLike] | None = None) -> dict[str, Any]:
-        body = {"blocks": [_id(b) for b in blocks]} if blocks is not None else None
-        return await self._call("POST", "/snapshot", json=body)
-
-    async def delete(self) -> None:
-        await self._call("DELETE")
-
-    async def __aenter__(self) -> AsyncSession:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        try:
-            await self.delete()
-        except (ClientError, httpx.HTTPError):
-            pass

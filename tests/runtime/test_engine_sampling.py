@@ -17,6 +17,7 @@ from support import (
     ids,
     make_engine,
     replay,
+    until,
 )
 
 LETTERS = list(range(ord("a"), ord("z") + 1))
@@ -298,6 +299,24 @@ async def test_streamed_pieces_carry_every_token():
             streamed = [t for piece in [p async for p in gen] for t in piece.token_ids]
             assert gen.result.finish_reason == reason, kw
             assert streamed == gen.result.token_ids, kw
+
+
+async def test_cancelled_generation_still_streams_every_written_token():
+    """Tokens written before cancel() reach the iterator in pieces, also those queued while the
+    consumer was busy: the pieces add up to the result, which the block holds."""
+    engine = make_engine("llama")
+    async with engine:
+        ctx = await _ctx(engine)
+        out = engine.block("out")
+        gen = engine.generate([ctx, out], max_tokens=200, stop_at_eos=False)
+        streamed: list[int] = []
+        async for piece in gen:
+            streamed.extend(piece.token_ids)
+            if len(streamed) == 1:
+                await until(lambda: len(out) >= 6)  # busy: five more pieces wait in the queue
+                gen.cancel()
+        assert gen.result.finish_reason == "cancelled"
+        assert len(gen.result.token_ids) >= 6 and streamed == gen.result.token_ids == out.tokens
 
 
 async def test_generate_without_tokenizer():

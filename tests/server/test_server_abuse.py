@@ -1,6 +1,6 @@
-"""Isolation and abuse (issue 11, findings 1-10), each against a real uvicorn server on loopback.
+"""Isolation and abuse, each against a real uvicorn server on loopback: what one client can see of
+another, quotas, expiry, requests that can never fit, size limits, disconnects and the event loop.
 
-Every test reproduces one finding of the attack report; it failed on the server before the fix.
 The model is the tiny random-weight Llama with SmolLM2's tokenizer (tests/support.py).
 """
 
@@ -41,7 +41,7 @@ def wait_for(predicate, timeout: float = 20.0) -> bool:
     return False
 
 
-# ------------------------------------------------------------------- 1: no-key mode enumerates nothing
+# ------------------------------------------------------------------- no-key mode enumerates nothing
 
 
 def test_without_keys_nothing_lists_other_clients_sessions():
@@ -62,7 +62,7 @@ def test_without_keys_nothing_lists_other_clients_sessions():
             assert alice.get(f"/v1/sessions/{sid}/blocks/{blk}").json()["text"].startswith("my secret")
 
 
-# ------------------------------------------------------------------- 2: Host and Origin
+# ------------------------------------------------------------------- Host and Origin
 
 
 def test_host_and_origin_are_checked():
@@ -87,7 +87,7 @@ def test_host_and_origin_are_checked():
         assert http.get("/v1/models").status_code == 403  # 127.0.0.1 is not in the list
 
 
-# ------------------------------------------------------------------- 3: idle state cannot pin memory
+# ------------------------------------------------------------------- idle state cannot pin memory
 
 
 def test_one_key_cannot_pin_the_pool_with_idle_blocks():
@@ -112,14 +112,15 @@ def test_one_key_cannot_pin_the_pool_with_idle_blocks():
             assert info["usage"]["pages"] == 32 and info["limits"]["key_max_pages"] == 32
             health = httpx.get(srv.url + "/health").json()
             assert health["status"] == "memory_pressure" and health["memory"]["used_pages"] >= 32
-        # the other key is served at once instead of waiting for memory that never frees
+        # the other key is served while key A still holds its pages: it does not wait for memory
+        # that never frees
         with httpx.Client(base_url=srv.url, headers=auth(KEY_B), timeout=30) as b:
-            t0 = time.monotonic()
             r = b.post(
                 "/v1/chat/completions",
                 json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
             )
-            assert r.status_code == 200 and time.monotonic() - t0 < 2.5
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length")
+            assert httpx.get(srv.url + "/health").json()["memory"]["used_pages"] >= 32
 
 
 def test_sessions_and_blocks_expire_and_keys_have_a_session_cap():
@@ -147,18 +148,16 @@ def test_sessions_and_blocks_expire_and_keys_have_a_session_cap():
             assert wait_for(lambda: live_blocks(srv) == baseline, 5)
 
 
-# ------------------------------------------------------------------- 4: a request that can never fit
+# ------------------------------------------------------------------- a request that can never fit
 
 
 def test_a_request_that_can_never_fit_is_refused_at_once():
     engine = tiny_engine(kv_tokens=1024, page_size=16)  # 64 pages; prompts of 500 tokens need 33 each
     with running_server(engine, ServerSettings(model_name="tiny")) as srv:
         before, steps = live_blocks(srv), srv.call(lambda: engine.steps)
-        t0 = time.monotonic()
         body = {"model": "tiny", "prompt": [[7] * 500 for _ in range(8)], "max_tokens": 16}
         r = httpx.post(srv.url + "/v1/completions", json=body, timeout=60)
-        assert time.monotonic() - t0 < 5.0  # before: prefilled, then waited 30 s for memory
-        assert srv.call(lambda: engine.steps) == steps  # not one forward pass
+        assert srv.call(lambda: engine.steps) == steps  # refused at admission: not one forward pass
         err = r.json()["error"]
         assert r.status_code == 413 and err["code"] == "exceeds_memory_budget"
         assert "264 KV pages" in err["message"] and "64 pages" in err["message"]
@@ -168,21 +167,21 @@ def test_a_request_that_can_never_fit_is_refused_at_once():
         assert httpx.post(srv.url + "/v1/completions", json=body, timeout=60).status_code == 200
 
 
-# ------------------------------------------------------------------- 5: size limits on every transport
+# ------------------------------------------------------------------- size limits on every transport
 
 
 def test_websocket_messages_have_the_body_limit_and_binary_frames_are_errors():
     settings = ServerSettings(model_name="tiny", max_body_bytes=64 * 1024)
     with running_server(tiny_engine(), settings) as srv, httpx.Client(base_url=srv.url) as http:
         sid = http.post("/v1/sessions").json()["id"]
-        blk = http.post(f"/v1/sessions/{sid}/blocks", json={"text": "The sky is blue."}).json()["id"]
+        created = http.post(f"/v1/sessions/{sid}/blocks", json={"text": "The sky is blue."}).json()
+        blk, length = created["id"], created["length"]
         with ws_connect(ws_url(srv, sid), open_timeout=10, max_size=None) as ws:
             huge = json.dumps({"type": "extend", "id": "big", "block": blk, "text": "a" * (2 << 20)})
-            t0 = time.monotonic()
             ws.send(huge)
             event = json.loads(ws.recv(timeout=10))
             assert event["type"] == "error" and event["error"]["code"] == "body_too_large"
-            assert time.monotonic() - t0 < 2
+            assert http.get(f"/v1/sessions/{sid}/blocks/{blk}").json()["length"] == length  # nothing written
             ws.send(b"\x00\x01binary")
             event = json.loads(ws.recv(timeout=10))
             assert event["type"] == "error" and event["error"]["code"] == "invalid_message"
@@ -206,28 +205,28 @@ def test_tokenizing_a_large_input_does_not_block_the_event_loop():
         worker = threading.Thread(target=big_block)
         worker.start()
         time.sleep(0.3)
-        latencies = []
+        answered_during = 0  # /health calls answered while the big request was still being served
         while worker.is_alive():
-            t0 = time.monotonic()
             assert http.get("/health").status_code in (200, 503)
-            latencies.append(time.monotonic() - t0)
+            answered_during += worker.is_alive()
             time.sleep(0.05)
         worker.join()
         assert result["r"].status_code == 413  # it could never fit the pool: refused after tokenizing
-        assert len(latencies) >= 3 and max(latencies) < 0.5, latencies
+        # a loop blocked by the tokenizer would answer at most the one call that waited behind it
+        assert answered_during >= 3, answered_during
 
 
 def test_texts_longer_than_the_context_are_refused_before_tokenizing():
     settings = ServerSettings(model_name="tiny", max_body_bytes=8 << 20)
     with running_server(tiny_engine(), settings) as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
         sid = http.post("/v1/sessions").json()["id"]
-        t0 = time.monotonic()
         r = http.post(f"/v1/sessions/{sid}/blocks", json={"text": "x" * (6 << 20)})
         assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
-        assert r.json()["error"]["param"] == "text" and time.monotonic() - t0 < 1.5
+        # refused by its character count (each token covers a bounded number of characters)
+        assert r.json()["error"]["param"] == "text" and "characters: at least" in r.json()["error"]["message"]
 
 
-# ------------------------------------------------------------------- 6: a disconnect aborts the prefill
+# ------------------------------------------------------------------- a disconnect aborts the prefill
 
 
 def _prefilled_tokens(srv, name_prefix: str) -> int:
@@ -279,7 +278,7 @@ def test_a_disconnect_during_a_session_extend_stops_the_work():
         assert _prefilled_tokens(srv, co["id"]) == settled < 1900
 
 
-# ------------------------------------------------------------------- 7: quota checks reserve atomically
+# ------------------------------------------------------------------- quota checks reserve atomically
 
 
 def test_concurrent_extends_cannot_bypass_the_session_quota():
@@ -303,7 +302,7 @@ def test_concurrent_extends_cannot_bypass_the_session_quota():
         assert http.get(f"/v1/sessions/{sid}").json()["usage"]["tokens"] <= 3000
 
 
-# ------------------------------------------------------------ 8, 9: bad input is a 400 naming the field
+# ------------------------------------------------------------ bad input is a 400 naming the field
 
 
 @pytest.fixture(scope="module")
@@ -369,7 +368,7 @@ def test_session_api_bad_unicode_and_empty_view_are_400(plain):
         assert http.get(f"/v1/sessions/{sid}/blocks/{blk}").json()["text"] == "ok"
 
 
-# ------------------------------------------------------------------- 10: the timeline is per key
+# ------------------------------------------------------------------- the timeline is per key
 
 
 def test_timeline_shows_only_the_callers_coroutines_unless_admin():

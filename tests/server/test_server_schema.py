@@ -24,6 +24,9 @@ pytestmark = pytest.mark.slow
 KEY = "fuzz-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 MAX_EXAMPLES = 12
+# an endless Server-Sent Events stream: a fuzzed request would read it until the client's timeout
+# (tests/server/test_server_events.py covers its answers)
+ENDLESS_STREAMS = frozenset({"/v1/events"})
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +59,8 @@ def test_no_server_errors(live):
     operations = 0
     for result in api.get_all_operations():
         op = result.ok()
+        if op.path in ENDLESS_STREAMS:
+            continue
         operations += 1
 
         @settings(

@@ -144,6 +144,52 @@ class Agent:
             self.engine.release(scratch)
 
 
+class DeferredRelease:
+    """Blocks leaving a view that a reader may still hold: released at once when no reader holds the view,
+    else when the last reader lets go. A reader that awaits between taking a view and submitting its work
+    needs the view's blocks alive; work already submitted keeps its blocks alive by itself."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.readers = 0
+        self._retired: list[Any] = []  # dropped while a reader held the view
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """One reader holds the view for the block's duration."""
+        self.readers += 1
+        try:
+            yield
+        finally:
+            self.readers -= 1
+            if not self.readers:
+                self.flush()
+
+    def drop(self, block: Any) -> None:
+        """`block` left the view: release it now, or when the last reader lets go."""
+        if self.readers:
+            self._retired.append(block)
+        else:
+            self.engine.release(block)
+
+    def flush(self) -> None:
+        """Release every dropped block now (the view is closing, or no reader holds it)."""
+        for block in self._retired:
+            self.engine.release(block)
+        self._retired.clear()
+
+
+async def stop_background(task: asyncio.Task[Any] | None, timeout: float = 60.0) -> None:
+    """Wait for a background coroutine that was told to stop (it finishes its current piece); cancel it
+    when it has not finished within `timeout` seconds."""
+    if task is None:
+        return
+    try:
+        await asyncio.wait_for(task, timeout=timeout)
+    except (asyncio.TimeoutError, asyncio.CancelledError):
+        task.cancel()
+
+
 @dataclass
 class _Chunk:
     block: Any
@@ -167,22 +213,13 @@ class ObservationWindow:
         self.version = 0  # bumps when the list of blocks changes (readers rebuild their views)
         self.dropped_chunks = 0
         self.appended = 0
-        self._pins = 0
-        self._retired: list[Any] = []  # dropped while pinned: released when the last pin goes
+        self._release = DeferredRelease(engine)  # chunks dropped while pinned
 
     @contextmanager
     def pinned(self) -> Iterator[list[Any]]:
-        """The current blocks, kept alive until the block exits (a reader that awaits between taking the
-        view and submitting its work). Work already submitted keeps its blocks alive by itself."""
-        self._pins += 1
-        try:
+        """The current blocks, kept alive until the block exits (see `DeferredRelease`)."""
+        with self._release.held():
             yield self.blocks
-        finally:
-            self._pins -= 1
-            if not self._pins:
-                for block in self._retired:
-                    self.engine.release(block)
-                self._retired.clear()
 
     @property
     def blocks(self) -> list[Any]:
@@ -206,21 +243,15 @@ class ObservationWindow:
         chunk.texts.append(text)
         self.appended += 1
         while len(self._chunks) > 1 and self.tokens > self.max_tokens:
-            old = self._chunks.pop(0)
-            if self._pins:
-                self._retired.append(old.block)
-            else:
-                self.engine.release(old.block)
+            self._release.drop(self._chunks.pop(0).block)
             self.dropped_chunks += 1
             self.version += 1
 
     def close(self) -> None:
         for c in self._chunks:
             self.engine.release(c.block)
-        for block in self._retired:
-            self.engine.release(block)
         self._chunks.clear()
-        self._retired.clear()
+        self._release.flush()
 
 
 class BackgroundThinker:

@@ -32,7 +32,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cothink.agents.base import Agent, AgentEvent, BackgroundThinker, ObservationWindow
+from cothink.agents.base import Agent, AgentEvent, BackgroundThinker, ObservationWindow, stop_background
 from cothink.observability.metrics import count_dropped_events
 
 
@@ -157,11 +157,7 @@ class Monitor(Agent):
                             break
         finally:
             stop.set()
-            if thinker_task is not None:
-                try:
-                    await asyncio.wait_for(thinker_task, timeout=60)
-                except (asyncio.TimeoutError, asyncio.CancelledError):
-                    thinker_task.cancel()
+            await stop_background(thinker_task)
             if thinker is not None:
                 thinker.close()
             dropped = window.dropped_chunks

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from cothink.agents.base import DeferredRelease
+
 # (engine, [previous summary block or nothing, *blocks leaving the view]) -> the new summary
 Summarizer = Callable[[Any, list[Any]], Awaitable[str | list[int]]]
 
@@ -61,8 +63,7 @@ class RollingContext:
         self.blocks: list[Any] = []
         self.summary: Any | None = None
         self.stats = RollingStats()
-        self._readers = 0
-        self._retired: list[Any] = []  # left the view while a reader held it: released after
+        self._release = DeferredRelease(engine)  # blocks that left the view while a reader held it
 
     # ---- reading ----------------------------------------------------------------------------
     @property
@@ -79,15 +80,9 @@ class RollingContext:
 
     @contextmanager
     def reading(self) -> Iterator[list[Any]]:
-        self._readers += 1
-        try:
+        """The current view, its blocks kept alive until the block exits (see `DeferredRelease`)."""
+        with self._release.held():
             yield self.view
-        finally:
-            self._readers -= 1
-            if not self._readers:
-                for block in self._retired:
-                    self.engine.release(block)
-                self._retired.clear()
 
     # ---- writing ----------------------------------------------------------------------------
     async def append(self, text: str | None = None, token_ids: list[int] | None = None) -> None:
@@ -147,10 +142,7 @@ class RollingContext:
         self.stats.summaries += 1
 
     def _drop(self, block: Any) -> None:
-        if self._readers:
-            self._retired.append(block)
-        else:
-            self.engine.release(block)
+        self._release.drop(block)
 
     def close(self) -> None:
         """Release every block of the context."""

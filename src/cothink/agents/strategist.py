@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-from cothink.agents.base import Agent, AgentEvent, ObservationWindow
+from cothink.agents.base import Agent, AgentEvent, DeferredRelease, ObservationWindow, stop_background
 
 Mode = Literal["async", "probe-only", "sequential"]
 NO_FIT = "stop"  # the fit probe's answer that the plan no longer fits (besides the actions)
@@ -147,8 +147,8 @@ class StrategistActor(Agent):
         self.abandoned_plans = 0
         self._plan_block: Any = None
         self._plan_index = -1
-        self._deciding = False
-        self._retired_plans: list[Any] = []
+        # plans replaced while the actor decides on them: released when its decision is done
+        self._plans = DeferredRelease(engine)
         self._window: ObservationWindow | None = None
         # a plan the strategist started before this many observations were in the window is abandoned
         self._replan_from = 0
@@ -168,8 +168,7 @@ class StrategistActor(Agent):
     # ------------------------------------------------------------------------------------ replan hook
 
     def _retire(self, block: Any) -> None:
-        # the actor may be deciding on this plan: it releases it when its decision is done
-        (self._retired_plans.append(block) if self._deciding else self.engine.release(block))
+        self._plans.drop(block)
 
     def replan(self, tick: int = -1, fit: float | None = None, plan: int | None = None) -> None:
         """Drop the current plan and have the strategist start a new one from the newest observations
@@ -347,14 +346,8 @@ class StrategistActor(Agent):
                 observation = await env.observe()
                 await window.append(f"[t={tick}] {observation}\n", self.coroutine("actor"))
                 self.emit("input", "actor", observation)
-                self._deciding = True
-                try:
+                with self._plans.held():
                     d = await self._decide([ctx, *window.blocks], tick)
-                finally:
-                    self._deciding = False
-                    for old in self._retired_plans:
-                        engine.release(old)
-                    self._retired_plans.clear()
                 reward = float(await env.act(d.action))
                 records.append(
                     ActionRecord(
@@ -373,11 +366,7 @@ class StrategistActor(Agent):
                 self.emit("action", "actor", d.action, value=reward)
         finally:
             stop.set()
-            if strategist is not None:
-                try:
-                    await asyncio.wait_for(strategist, timeout=60)
-                except (asyncio.TimeoutError, asyncio.CancelledError):
-                    strategist.cancel()
+            await stop_background(strategist)
             window.close()
             self._window = None
             if self._plan_block is not None:

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from cothink.agents.base import Agent, AgentEvent, BackgroundThinker
+from cothink.agents.base import Agent, AgentEvent, BackgroundThinker, stop_background
 from cothink.observability.metrics import count_dropped_events
 
 
@@ -240,10 +240,6 @@ class _StreamRun:
         if self.reader is not None:
             self.reader.cancel()
             await asyncio.gather(self.reader, return_exceptions=True)
-        if self.thinker_task is not None:
-            try:
-                await asyncio.wait_for(self.thinker_task, timeout=60)
-            except (asyncio.TimeoutError, asyncio.CancelledError):
-                self.thinker_task.cancel()
+        await stop_background(self.thinker_task)
         if self.thinker is not None:
             self.thinker.close()

@@ -175,10 +175,8 @@ class ThinkNarrate(Agent):
             name=self.coroutine("thinker"),
             seed=self.seed,
         )
-        counted = 0
-        async for piece in gen:
+        async for piece in gen:  # every token arrives in a piece, the ending one included
             n = len(piece.token_ids)
-            counted += n
             self.generated += n
             self.text += piece.text
             self.emit("thought", "thinker", piece.text, tokens=n)
@@ -187,7 +185,6 @@ class ThinkNarrate(Agent):
                 gen.cancel()  # pause: the tokens already emitted stay in the block
                 return "interrupted"
         assert gen.result is not None
-        self.generated += len(gen.result.token_ids) - counted  # the ending token is in no piece
         return gen.result.finish_reason
 
     async def _write(self, text: str, reaction: bool = True) -> None:

@@ -42,6 +42,7 @@ from cothink.memory.snapshot import (
 )
 from cothink.memory.store import MemoryStats, parse_bytes
 from cothink.models.text import stop_token_ids as turn_end_ids
+from cothink.ops import native
 from cothink.runtime.residency import Residency
 from cothink.scheduler.accounting import Accounting, CoroutineStats, StepRecord, WorkEvent
 from cothink.scheduler.budget import MemoryBudget
@@ -160,6 +161,7 @@ class Engine:
 
     async def start(self) -> None:
         if self._loop_task is None:
+            log.log(*native.start_note(self.runner.device))
             self._loop_task = asyncio.create_task(self._scheduler.run_forever(), name="cothink-step-loop")
 
     async def stop(self) -> None:
@@ -327,9 +329,8 @@ class Engine:
         (DeadlineExceededError)."""
         self._require_running()
         due = _deadline(deadline)
-        view = self._view(view if view is not None else [block], writer=block)
         tokens = self._tokens(text, token_ids)
-        self.runner.check_view(view, len(tokens))
+        view = self._view(view if view is not None else [block], len(tokens), writer=block)
         work = ExtendWork(
             self._name(name),
             Priority.parse(priority, PriorityClass.BACKGROUND),
@@ -363,12 +364,11 @@ class Engine:
         Past `deadline` the generation is dropped before its next step (DeadlineExceededError)."""
         self._require_running()
         due = _deadline(deadline)
-        view = self._view(view)
+        view = self._view(view, 1)
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise InvalidParameterError("max_tokens must be an int >= 1", param="max_tokens")
         if not any(b.length for b in view):
             raise EmptyInputError("the view is empty: there is nothing to continue", param="view")
-        self.runner.check_view(view, 1)
         params = SamplingParams(temperature, top_k, top_p, seed, tuple(banned_token_ids or ()), logprobs)
         self.runner.check_token_ids(list(banned_token_ids or ()), "banned_token_ids")
         self.runner.check_token_ids(list(stop_token_ids or ()), "stop_token_ids")
@@ -406,7 +406,6 @@ class Engine:
         for single-token choices). Choices are tokenized exactly as given (mind a leading space)."""
         self._require_running()
         due = _deadline(deadline)
-        view = self._view(view, writer=None)
         q = self._tokens(
             question if isinstance(question, str) else None,
             None if isinstance(question, str) else list(question),
@@ -415,7 +414,7 @@ class Engine:
         if not choices or len(set(choices)) != len(choices):
             raise InvalidParameterError("choices must be distinct and non-empty", param="choices")
         encoded = {c: self._tokens(c, None, param="choices") for c in choices}
-        self.runner.check_view(view, len(q) + max(len(t) for t in encoded.values()) - 1)
+        view = self._view(view, len(q) + max(len(t) for t in encoded.values()) - 1, writer=None)
         work = ProbeWork(
             self._name(name),
             Priority.parse(priority, PriorityClass.INTERACTIVE),
@@ -428,26 +427,27 @@ class Engine:
         return await self._wait(work)
 
     # ---- the boundary: every check happens here, once ------------------------------------------
-    def _view(self, view: list[Block] | Block, writer: Block | None | bool = True) -> list[Block]:
-        """The view rule for callers: live handles, distinct, ending with the written block, which
-        no other work writes. `writer=True` means view[-1]; None means the view is only read."""
+    def _view(
+        self, view: list[Block] | Block, new_tokens: int, writer: Block | None | bool = True
+    ) -> list[Block]:
+        """A call's view, checked: the caller's live handles; unless `writer` is None (the view is
+        only read), ending with the written block (`True`: view[-1]), unsealed and written by no
+        other work; then, every block in memory, the runner's view rule (ModelRunner.check_view:
+        a block at least, distinct, and the view plus `new_tokens` within the context)."""
         view = [view] if isinstance(view, Block) else list(view)
-        if not view:
-            raise InvalidViewError("a view needs at least one block", param="view")
         for b in view:
             self._ownership.check(b, param="view")
-        if len({b.id for b in view}) != len(view):
-            raise InvalidViewError("a block appears twice in the view", param="view")
-        if writer is None:
-            self._residency.ensure_resident(view)
-            return view
-        block = view[-1] if writer is True else writer
-        if view[-1] is not block:
-            raise InvalidViewError(f"the view must end with the written block {block.name!r}", param="view")
-        if block.sealed:
-            raise BlockSealedError(f"block {block.name!r} is sealed: it cannot be written", param="view")
-        self._scheduler.check_writable(block)
+        if writer is not None and view:
+            block = view[-1] if writer is True else writer
+            if view[-1] is not block:
+                raise InvalidViewError(
+                    f"the view must end with the written block {block.name!r}", param="view"
+                )
+            if block.sealed:
+                raise BlockSealedError(f"block {block.name!r} is sealed: it cannot be written", param="view")
+            self._scheduler.check_writable(block)
         self._residency.ensure_resident(view)
+        self.runner.check_view(view, new_tokens)
         return view
 
     def _tokens(self, text: str | None, token_ids: list[int] | None, param: str = "token_ids") -> list[int]:

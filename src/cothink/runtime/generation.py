@@ -12,6 +12,8 @@ from cothink.scheduler.work import GenerateWork, GenerationResult, Piece
 class Generation:
     """A running generation: iterate for Pieces, or `await collect()` for the whole result.
 
+    Iterating yields every token of the result in a Piece (GenerateWork states the protocol), also
+    after `cancel()`: the pieces of tokens written before it still come, then the iteration ends.
     Cancelling the task that iterates it (or `cancel()`) ends it and frees its block at once;
     `pause()` / `resume()` stop and continue it without losing any state.
     """
@@ -20,6 +22,7 @@ class Generation:
         self._work, self._scheduler = work, scheduler
         self._consumers: set[asyncio.Task] = set()
         self.result: GenerationResult | None = None
+        self._drained = False  # the queue's GenerationResult was taken: nothing more will come
 
     @property
     def name(self) -> str:
@@ -35,12 +38,12 @@ class Generation:
 
     async def _iterate(self) -> AsyncIterator[Piece]:
         try:
-            while self.result is None:
+            while not self._drained:  # not `self.result`: cancel() sets it before the last pieces come
                 event = await self._work.queue.get()
                 if isinstance(event, BaseException):
                     raise event
                 if isinstance(event, GenerationResult):
-                    self.result = event
+                    self.result, self._drained = event, True
                     return
                 if event.text or event.token_ids:
                     yield event
@@ -84,11 +87,10 @@ class Generation:
     def pause(self) -> None:
         """Stop before the next step, keeping the sampled token, sampler state and token budget.
         The block stays reserved for this generation (other writers get BlockBusyError)."""
-        self._work.paused = True
+        self._scheduler.set_paused(self._work, True)
 
     def resume(self) -> None:
-        self._work.paused = False
-        self._scheduler.kick()
+        self._scheduler.set_paused(self._work, False)
 
     async def __aenter__(self) -> Generation:
         return self

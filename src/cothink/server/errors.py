@@ -85,6 +85,7 @@ _MAP: list[tuple[type[BaseException], int, str, str]] = [
     (ce.UnsupportedModelError, 400, "invalid_request_error", "unsupported"),
     (ce.SnapshotMismatchError, 409, "conflict_error", "snapshot_mismatch"),  # saved from another model
     (ce.SnapshotError, 400, "invalid_request_error", "snapshot_invalid"),  # not a (readable) snapshot
+    (ce.InvalidTokenIdError, 400, "invalid_request_error", "invalid_token_id"),
     (ce.InvalidParameterError, 400, "invalid_request_error", "invalid_value"),  # param names the field
 ]
 

@@ -8,7 +8,6 @@ away mid-stream.
 from __future__ import annotations
 
 import asyncio
-import json
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -45,7 +44,7 @@ from cothink.server.openai_features import (
     validate_tools,
 )
 from cothink.server.quota import Hold
-from cothink.server.streaming import EventStream, abort_on_disconnect, cancel_on_disconnect
+from cothink.server.streaming import EventStream, abort_on_disconnect, cancel_on_disconnect, sse
 from cothink.server.state import ServerState, get_state, principal
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -57,10 +56,6 @@ _STREAM_DOC = {
         "example": 'data: {"id": "...", "choices": [...]}\n\ndata: [DONE]\n\n',
     }
 }
-
-
-def sse(obj: object) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 def fingerprint() -> str:
@@ -158,13 +153,7 @@ def _common_params(state: ServerState, req, max_tokens: int | None, default_max:
                 "unsupported",
                 "logit_bias",
             )
-        banned.append(token)
-    if banned:
-        if min(banned) < 0:
-            raise APIError(
-                400, "token ids must be >= 0", "invalid_request_error", "invalid_token_id", "logit_bias"
-            )
-        state.check_token_ids(banned, "logit_bias")
+        banned.append(token)  # checked by the engine (its `banned_token_ids`)
     n = req.n or 1
     temperature = 1.0 if req.temperature is None else req.temperature
     top_p = 1.0 if req.top_p is None else req.top_p
@@ -191,6 +180,11 @@ class Run:
             "cothink.openai.request", attributes={"cothink.request": request_id}
         )
 
+    @property
+    def prompt_field(self) -> str:
+        """The request field that holds the prompt."""
+        return "messages" if self.id.startswith("chatcmpl") else "prompt"
+
     async def start(self, prompts: list[list[int]], p: Params, stop_ids: set[int]) -> None:
         state = self.state
         if len(prompts) * p.n > state.settings.max_choices:
@@ -201,7 +195,7 @@ class Run:
                 "too_many_choices",
                 "n",
             )
-        param = "messages" if self.id.startswith("chatcmpl") else "prompt"
+        param = self.prompt_field
         for ids in prompts:
             if state.max_context is not None and len(ids) > state.max_context:
                 state.check_context(len(ids), 0, param)
@@ -358,8 +352,11 @@ async def _run_or_release(
     try:
         async with abort_on_disconnect(request):
             await run.start(prompts, params, stop_ids)
-    except BaseException:
+    except BaseException as exc:
         run.release()
+        if isinstance(exc, APIError):  # the engine checked its own parameters: name the request's fields
+            fields = {"token_ids": run.prompt_field, "banned_token_ids": "logit_bias"}
+            exc.param = fields.get(exc.param, exc.param)
         raise
 
 
@@ -440,8 +437,7 @@ async def _prompts(state: ServerState, prompt) -> list[list[int]]:
                 )
             ids = await state.encode(item, "prompt", special=True)
         else:
-            ids = list(item)
-            state.check_token_ids(ids, "prompt")
+            ids = list(item)  # checked by the engine
         if not ids:
             raise APIError(400, "prompt is empty", "invalid_request_error", "empty_input", "prompt")
         out.append(ids)

@@ -4,13 +4,13 @@ A block costs whole pages (at least one, even when it holds one token), so quota
 not tokens. Every block the server creates is charged to an account (the caller's key) and, for the
 session API, to a session. Running works reserve what they may still add (an extend: its input; a
 generation: its `max_tokens`) *before* they start, in one synchronous check-and-add, so concurrent
-requests cannot all pass a check that only one of them fits (issue 11, finding 7).
+requests cannot all pass a check that only one of them fits.
 
     projected tokens(block) = length + what its running works may still add
     pages(block)            = max(1, ceil(projected / page_size)) - pages it shares with its fork parent
 
-The engine will get a memory-budget object (another issue); `MemoryLedger` is the only place that
-knows how pages are counted, so it can switch to that budget without touching the routes.
+`MemoryLedger` is the only place in the server that knows how pages are counted; what fits the pool
+itself is the engine's admission (`scheduler/budget.py::MemoryBudget`).
 """
 
 from __future__ import annotations

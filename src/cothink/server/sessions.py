@@ -44,7 +44,7 @@ class CoroutineEntry:
     view: list[str]
     block: str | None
     created: int
-    max_tokens: int = 0  # generations: tokens reserved against the session quota
+    max_tokens: int = 0  # extends and generations: tokens reserved against the session quota
     status: str = "running"  # running | finished | failed
     finish_reason: str | None = None
     error: str | None = None

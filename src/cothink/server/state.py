@@ -131,16 +131,6 @@ class ServerState:
         if not self.engine.running:
             raise APIError(503, "the engine is not running", "server_overloaded", "engine_closed")
 
-    def check_token_ids(self, ids: list[int], param: str) -> None:
-        if self.vocab_size is not None and any(t >= self.vocab_size for t in ids):
-            raise APIError(
-                400,
-                f"token ids must be in [0, {self.vocab_size})",
-                "invalid_request_error",
-                "invalid_token_id",
-                param,
-            )
-
     def check_text_size(self, text: str, param: str, limit: int | None = None) -> None:
         """Refuse, before tokenizing, a text that must hold more tokens than `limit` (default: the
         model's context): every token covers at most `max_token_chars` characters."""

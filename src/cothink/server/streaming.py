@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Callable
 
@@ -14,6 +15,11 @@ from starlette.types import Receive, Scope, Send
 from cothink.server.errors import APIError, ClientGone
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse(event: object) -> str:
+    """One server-sent event carrying `event` as compact JSON (non-ASCII kept as is)."""
+    return f"data: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
 class EventStream(StreamingResponse):
