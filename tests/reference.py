@@ -60,10 +60,11 @@ class RefRope:
 
     def __init__(self, runner):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        from transformers.models.qwen2.modeling_qwen2 import Qwen2RotaryEmbedding
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
-        cls = {"llama": LlamaRotaryEmbedding, "qwen3": Qwen3RotaryEmbedding,
+        cls = {"llama": LlamaRotaryEmbedding, "qwen2": Qwen2RotaryEmbedding, "qwen3": Qwen3RotaryEmbedding,
                "qwen3_5": Qwen3_5TextRotaryEmbedding}[runner.config.family]
         hf = cls(config=runner.config.hf_text_config)
         self.inv_freq = hf.inv_freq.detach().to(DT)

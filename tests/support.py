@@ -73,7 +73,7 @@ _NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 class Spec:
     """A tiny model: which transformers classes build it, with which config keywords and seed."""
 
-    family: str  # llama | qwen3 | qwen3_5 | qwen3_5_mm
+    family: str  # llama | qwen2 | qwen3 | qwen3_5 | qwen3_5_mm
     config: dict[str, Any]
     seed: int | None = None  # None: a stable hash of the name
     extra_tensors: bool = False  # add fake mtp.* tensors to the safetensors file
@@ -84,6 +84,13 @@ def _llama(seed: int | None = None, **kw: Any) -> Spec:
                 num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
                 max_position_embeddings=8192, tie_word_embeddings=False, **_NO_SPECIAL)
     return Spec("llama", {**base, **kw}, seed)
+
+
+def _qwen2(**kw: Any) -> Spec:
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
+                max_position_embeddings=4096, tie_word_embeddings=False, **_NO_SPECIAL)
+    return Spec("qwen2", {**base, **kw})
 
 
 def _qwen3(**kw: Any) -> Spec:
@@ -122,6 +129,11 @@ TINY_SPECS: dict[str, Spec] = {
         num_attention_heads=8, num_key_value_heads=1, max_position_embeddings=128,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 32}),
+    # Qwen2: q/k/v biases (none on o_proj), RoPE theta 1e6 as Qwen2.5's, GQA 4/2, untied embeddings
+    "qwen2": _qwen2(rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # Qwen2 as the small Qwen2.5 checkpoints: tied embeddings, 7 heads sharing one kv head, 3 layers
+    "qwen2_tied": _qwen2(hidden_size=56, num_attention_heads=7, num_key_value_heads=1, num_hidden_layers=3,
+                         tie_word_embeddings=True),
     # Qwen3: q/k norm, odd head counts (6 heads, 2 kv heads, head_dim 16 != hidden/heads), 3 layers
     "qwen3": _qwen3(),
     # Qwen3.5 text: mixed linear/full layers (Gated DeltaNet + gated full attention), partial rotary
@@ -173,6 +185,7 @@ def _build_reference(spec: Spec, seed: int) -> torch.nn.Module:
 
     classes = {
         "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
         "qwen3_5_mm": (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration),

@@ -11,7 +11,8 @@ import pytest
 import torch
 from reference import ATOL, max_err, random_ids, reference_logits
 
-FAMILIES = ["llama", "llama3", "llama_yarn", "qwen3", "qwen35", "qwen35_linear", "qwen35_mm"]
+FAMILIES = ["llama", "llama3", "llama_yarn", "qwen2", "qwen2_tied", "qwen3", "qwen35", "qwen35_linear",
+            "qwen35_mm"]
 PROMPT = 70  # > 64: the GDN chunked form crosses a chunk boundary
 
 
@@ -73,7 +74,7 @@ BLOCK_LENGTHS = [1, 2, 3, 5, 70, 4, 12]
 
 
 # dense summaries exist only for linear-attention layers: the threshold is varied on Qwen3.5 only
-BLOCK_CASES = [("llama", None), ("qwen3", None)] + [
+BLOCK_CASES = [("llama", None), ("qwen2", None), ("qwen2_tied", None), ("qwen3", None)] + [
     (name, dense) for name in ("qwen35", "qwen35_linear", "qwen35_mm") for dense in (None, 8, 10**9)
 ]
 
@@ -121,7 +122,7 @@ def _mode(dense: int | None) -> str:
 
 def test_reference_matches_transformers(tiny_model, record_error):
     """The reference itself (empty view, all tokens new) agrees with transformers."""
-    for name in ["llama_yarn", "qwen3", "qwen35", "qwen35_mm"]:
+    for name in ["llama_yarn", "qwen2", "qwen3", "qwen35", "qwen35_mm"]:
         tm = tiny_model(name)
         ids = random_ids(40, seed=6)
         ref = reference_logits(tm.runner(), [], ids)

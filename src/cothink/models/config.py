@@ -6,7 +6,7 @@ rope parameters) and keep only what the forward pass needs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ LINEAR_ATTENTION = "linear_attention"
 # model_type -> our architecture family
 _FAMILIES = {
     "llama": "llama",
+    "qwen2": "qwen2",  # Qwen2 and Qwen2.5: the Llama decoder with biases on q/k/v (none on o_proj)
     "qwen3": "qwen3",
     "qwen3_5": "qwen3_5",  # multimodal layout; the text decoder sits under text_config
     "qwen3_5_text": "qwen3_5",
@@ -49,6 +50,99 @@ class GDNConfig:
 
 
 @dataclass(frozen=True)
+class VisionConfig:
+    """The vision tower of a Qwen3.5 multimodal or Qwen3-VL checkpoint, and its placeholder token ids."""
+
+    family: str  # "qwen3_5" | "qwen3_vl" (DeepStack)
+    depth: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+    spatial_merge_size: int
+    out_hidden_size: int  # = the text decoder's hidden size
+    num_position_embeddings: int  # a square table of learned position embeddings
+    hidden_act: str  # of the blocks' MLP (the merger's GELU is always erf)
+    rope_theta: float
+    deepstack_layers: tuple[int, ...]  # blocks whose output feeds a DeepStack merger (Qwen3-VL)
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values in one flattened patch: channels x temporal x patch x patch."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches merged into one LLM token (merge x merge)."""
+        return self.spatial_merge_size**2
+
+
+# model_type of a multimodal checkpoint -> the family of its vision tower
+_VISION_FAMILIES = {"qwen3_5": "qwen3_5", "qwen3_vl": "qwen3_vl"}
+
+
+def _single(value: Any, name: str) -> int:
+    if isinstance(value, (list, tuple)):
+        if len(set(value)) != 1:
+            raise UnsupportedModelError(f"vision {name} {value!r}: only square patches are supported")
+        value = value[0]
+    return int(value)
+
+
+def vision_config_from_hf(hf: Any) -> VisionConfig | None:
+    """The vision tower of a multimodal transformers config; None for text-only configs."""
+    family = _VISION_FAMILIES.get(hf.model_type)
+    vis = getattr(hf, "vision_config", None)
+    if family is None or vis is None:
+        return None
+    rope = getattr(vis, "rope_parameters", None) or {}
+    deepstack = (getattr(vis, "deepstack_visual_indexes", None) or ()) if family == "qwen3_vl" else ()
+    return VisionConfig(
+        family=family,
+        depth=vis.depth,
+        hidden_size=vis.hidden_size,
+        intermediate_size=vis.intermediate_size,
+        num_heads=vis.num_heads,
+        in_channels=vis.in_channels,
+        patch_size=_single(vis.patch_size, "patch_size"),
+        temporal_patch_size=_single(vis.temporal_patch_size, "temporal_patch_size"),
+        spatial_merge_size=vis.spatial_merge_size,
+        out_hidden_size=vis.out_hidden_size,
+        num_position_embeddings=vis.num_position_embeddings,
+        hidden_act=vis.hidden_act,
+        rope_theta=float(rope.get("rope_theta", 10000.0)),
+        deepstack_layers=tuple(deepstack),
+        image_token_id=hf.image_token_id,
+        video_token_id=hf.video_token_id,
+        vision_start_token_id=hf.vision_start_token_id,
+        vision_end_token_id=hf.vision_end_token_id,
+    )
+
+
+def load_vision_config(folder: str | Path) -> VisionConfig:
+    """The vision tower's configuration of a local Qwen3.5 multimodal or Qwen3-VL checkpoint folder."""
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    vision = vision_config_from_hf(hf)
+    if vision is None:
+        raise UnsupportedModelError(
+            f"model_type {hf.model_type!r} has no vision tower cothink runs ({sorted(_VISION_FAMILIES)})"
+        )
+    return vision
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     family: str
     vocab_size: int
@@ -60,7 +154,8 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float
     tie_word_embeddings: bool
-    attention_bias: bool
+    attention_bias: bool  # biases on the q/k/v projections
+    o_proj_bias: bool  # a bias on the attention output projection (Llama's attention_bias; never Qwen2)
     mlp_bias: bool
     layer_types: tuple[str, ...]
     qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3, Qwen3.5)
@@ -69,6 +164,7 @@ class ModelConfig:
     gdn: GDNConfig | None
     eos_token_ids: tuple[int, ...]
     hf_text_config: Any  # the transformers config object of the text decoder (RoPE init reads it)
+    vision: VisionConfig | None = None  # the vision tower of a multimodal checkpoint (models/vision.py)
 
     @property
     def attention_layers(self) -> list[int]:
@@ -97,7 +193,9 @@ def load_config(folder: str | Path) -> ModelConfig:
             f"model_type {hf.model_type!r} is not supported; cothink runs {sorted(set(_FAMILIES))}"
         )
     text = hf.get_text_config() if family == "qwen3_5" else hf
-    return config_from_hf(text, family, eos=_eos_ids(hf) or _eos_ids(text))
+    cfg = config_from_hf(text, family, eos=_eos_ids(hf) or _eos_ids(text))
+    vision = vision_config_from_hf(hf)
+    return cfg if vision is None else replace(cfg, vision=vision)
 
 
 def config_from_hf(text: Any, family: str, eos: tuple[int, ...] = ()) -> ModelConfig:
@@ -124,6 +222,8 @@ def config_from_hf(text: Any, family: str, eos: tuple[int, ...] = ()) -> ModelCo
             conv_kernel=text.linear_conv_kernel_dim,
         )
     qwen35 = family == "qwen3_5"
+    # Qwen2's config has no attention_bias: its q/k/v projections always carry one, its o_proj never
+    qkv_bias = family == "qwen2" or bool(getattr(text, "attention_bias", False))
     return ModelConfig(
         family=family,
         vocab_size=text.vocab_size,
@@ -135,7 +235,8 @@ def config_from_hf(text: Any, family: str, eos: tuple[int, ...] = ()) -> ModelCo
         head_dim=head_dim,
         rms_norm_eps=text.rms_norm_eps,
         tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
-        attention_bias=bool(getattr(text, "attention_bias", False)),
+        attention_bias=qkv_bias,
+        o_proj_bias=family != "qwen2" and qkv_bias,
         mlp_bias=bool(getattr(text, "mlp_bias", False)),
         layer_types=layer_types,
         qk_norm=family in ("qwen3", "qwen3_5"),

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from cothink.errors import UnsupportedModelError
-from cothink.models.config import ModelConfig
+from cothink.models.config import ModelConfig, VisionConfig
 from cothink.models.packing import pack_linears
 from cothink.models.quantize import check_quantize, quantize_int8
 from cothink.models.transformer import CausalLM
+from cothink.models.vision import VisionTower
 
 # Real Qwen3.5 checkpoints use the multimodal layout: the text decoder under model.language_model,
-# the vision tower under model.visual and a multi-token-prediction head under mtp.
+# the vision tower under model.visual and a multi-token-prediction head under mtp. The text decoder's
+# state skips the tower (load_vision_tower reads it) and the mtp head (never used).
 _RENAMES = (("model.language_model.", "model."),)
-_SKIPPED = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_VISION_PREFIXES = ("model.visual.", "visual.")
+_SKIPPED = (*_VISION_PREFIXES, "mtp.", "model.mtp.")
 
 
 def _checkpoint_name(name: str) -> str | None:
@@ -28,7 +32,10 @@ def _checkpoint_name(name: str) -> str | None:
     return name
 
 
-def read_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def read_state_dict(
+    folder: Path, dtype: torch.dtype, rename: Callable[[str], str | None] = _checkpoint_name
+) -> dict[str, torch.Tensor]:
+    """The tensors of every *.safetensors file of `folder` that `rename` keeps, under its names."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise UnsupportedModelError(f"no *.safetensors weights in {folder}")
@@ -36,10 +43,41 @@ def read_state_dict(folder: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
-                name = _checkpoint_name(key)
+                name = rename(key)
                 if name is not None:
                     state[name] = f.get_tensor(key).to(dtype)
     return state
+
+
+def _vision_name(name: str) -> str | None:
+    for prefix in _VISION_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
+    return None
+
+
+def load_vision_tower(
+    cfg: VisionConfig, folder: Path, dtype: torch.dtype, device: str | torch.device
+) -> VisionTower:
+    """Build the vision tower and fill it from the checkpoint's `model.visual.*` tensors (all present).
+
+    The patch embedding's Conv3d weight [hidden, C, tp, p, p] is stored flattened [hidden, C*tp*p*p]:
+    the tower applies it as a linear map of the flattened patch (models/vision.py)."""
+    with torch.device("meta"):
+        tower = VisionTower(cfg)
+    state = read_state_dict(folder, dtype, rename=_vision_name)
+    conv = state.get("patch_embed.proj.weight")
+    if conv is not None and conv.dim() == 5:
+        state["patch_embed.proj.weight"] = conv.reshape(conv.shape[0], -1)
+    expected = set(tower.state_dict())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise UnsupportedModelError(
+            f"vision tower in {folder} does not match the {cfg.family} layout: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    tower.load_state_dict(state, assign=True)
+    return tower.to(device).eval()
 
 
 def load_weights(

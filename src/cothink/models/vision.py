@@ -1,0 +1,243 @@
+"""The vision tower of Qwen3.5 multimodal and Qwen3-VL checkpoints in plain PyTorch.
+
+Pixels arrive as flattened patches (models/image_processing.py): one row of `C * tp * p * p` values per
+patch, patches of each 2x2 merge block consecutive, merge blocks row-major over the patch grid. The tower
+embeds every patch (the checkpoint's Conv3d with kernel = stride is a linear map of the flattened patch),
+adds the learned position table resampled bilinearly to the grid, runs pre-LayerNorm blocks whose
+attention is non-causal within each frame (temporal step) and rotates q/k by each patch's (row, col), and
+merges every 2x2 block of patches into one token of the text decoder's width. Qwen3-VL also returns the
+DeepStack features: the outputs of the listed blocks, merged by their own mergers.
+
+Every image and every frame group is independent of the others it is batched with: features are
+context-free, so an image can be encoded ahead of time and a stream group by group.
+
+Parameter names follow the checkpoint under `model.visual.` so the weights load by name
+(models/weights.py::load_vision_tower); the patch embedding's Conv3d weight is stored flattened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from cothink.errors import InvalidParameterError, UnsupportedModelError
+from cothink.models.config import VisionConfig
+
+_ACTIVATIONS = {
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+    "silu": F.silu,
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class PatchGrid:
+    """One image or one video's patch grid before the merge: `t` temporal steps of `h x w` patches."""
+
+    t: int  # temporal steps (1 for an image; frames / temporal_patch_size for a video)
+    h: int  # patch rows (a multiple of the merge size)
+    w: int  # patch columns (a multiple of the merge size)
+
+    @property
+    def patches(self) -> int:
+        return self.t * self.h * self.w
+
+    def tokens(self, merge: int) -> int:
+        """Tokens of the text decoder this grid becomes (t * h/merge * w/merge)."""
+        return self.t * (self.h // merge) * (self.w // merge)
+
+
+@dataclass(frozen=True)
+class VisionFeatures:
+    """The tower's output for a batch of grids, rows in the order of the grids and their tokens."""
+
+    merged: torch.Tensor  # [sum of tokens, out_hidden]: the embeddings that replace the placeholders
+    deepstack: tuple[torch.Tensor, ...]  # per DeepStack layer, [sum of tokens, out_hidden] (Qwen3-VL)
+
+    def split(self, grids: Sequence[PatchGrid], merge: int) -> list[VisionFeatures]:
+        """One VisionFeatures per grid."""
+        sizes = [g.tokens(merge) for g in grids]
+        merged = self.merged.split(sizes)
+        stacks = [d.split(sizes) for d in self.deepstack]
+        return [VisionFeatures(m, tuple(s[i] for s in stacks)) for i, m in enumerate(merged)]
+
+
+def rotary_frequencies(cfg: VisionConfig) -> torch.Tensor:
+    """The 2-D rotary's inverse frequencies [head_dim / 4] fp32: half the head rotates by the patch's row,
+    half by its column, each half in rotate_half pairs."""
+    spatial = cfg.head_dim // 2
+    return 1.0 / cfg.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class VisionMLP(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        if cfg.hidden_act not in _ACTIVATIONS:
+            raise UnsupportedModelError(f"vision activation {cfg.hidden_act!r} is not supported")
+        self.act = _ACTIVATIONS[cfg.hidden_act]
+        self.linear_fc1 = nn.Linear(cfg.hidden_size, cfg.intermediate_size)
+        self.linear_fc2 = nn.Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_fc2(self.act(self.linear_fc1(x)))
+
+
+class VisionAttention(nn.Module):
+    """Non-causal attention within each frame; q and k rotated by the patches' (row, col)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
+        self.qkv = nn.Linear(cfg.hidden_size, 3 * cfg.hidden_size)
+        self.proj = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: Sequence[tuple[int, int]]
+    ) -> torch.Tensor:
+        """x [N, hidden]; cos/sin [N, head_dim] fp32; frames: (count, length) runs of equal-length frames."""
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        # rotation in fp32, as the reference does for every dtype
+        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
+        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
+        out, start = [], 0
+        for count, length in frames:  # frames of one grid share a length: one batched call per grid
+            end = start + count * length
+
+            def heads(t: torch.Tensor) -> torch.Tensor:
+                return t[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
+
+            o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))  # [count, heads, length, D]
+            out.append(o.transpose(1, 2).reshape(count * length, -1))
+            start = end
+        return self.proj(torch.cat(out))
+
+
+class VisionBlock(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.norm2 = nn.LayerNorm(cfg.hidden_size, eps=1e-6)
+        self.attn = VisionAttention(cfg)
+        self.mlp = VisionMLP(cfg)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: Sequence[tuple[int, int]]
+    ) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), cos, sin, frames)
+        return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nn.Module):
+    """merge x merge patches -> one token: LayerNorm (per patch, or over the merged vector for the
+    DeepStack mergers), then fc1, GELU (erf), fc2."""
+
+    def __init__(self, cfg: VisionConfig, norm_after_merge: bool):
+        super().__init__()
+        self.merged_dim = cfg.hidden_size * cfg.merge_unit
+        self.norm_after_merge = norm_after_merge
+        self.norm = nn.LayerNorm(self.merged_dim if norm_after_merge else cfg.hidden_size, eps=1e-6)
+        self.linear_fc1 = nn.Linear(self.merged_dim, self.merged_dim)
+        self.linear_fc2 = nn.Linear(self.merged_dim, cfg.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm_after_merge:
+            x = self.norm(x.reshape(-1, self.merged_dim))
+        else:
+            x = self.norm(x).reshape(-1, self.merged_dim)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
+class PatchEmbed(nn.Module):
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        # the checkpoint's Conv3d (kernel = stride = (tp, p, p)) as a linear map of the flattened patch
+        self.proj = nn.Linear(cfg.patch_dim, cfg.hidden_size)
+
+    def forward(self, patches: torch.Tensor) -> torch.Tensor:
+        return self.proj(patches.to(self.proj.weight.dtype))
+
+
+class VisionTower(nn.Module):
+    """pixel patches [N, patch_dim] of a batch of grids -> VisionFeatures (merged tokens, DeepStack)."""
+
+    def __init__(self, cfg: VisionConfig):
+        super().__init__()
+        side = round(cfg.num_position_embeddings**0.5)
+        if side * side != cfg.num_position_embeddings:
+            raise UnsupportedModelError(
+                f"num_position_embeddings {cfg.num_position_embeddings} is not a square grid")
+        if cfg.head_dim % 4:
+            raise UnsupportedModelError(f"vision head_dim {cfg.head_dim} is not a multiple of 4 (2-D rotary)")
+        self.config, self.side = cfg, side
+        self.patch_embed = PatchEmbed(cfg)
+        self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
+        self.blocks = nn.ModuleList(VisionBlock(cfg) for _ in range(cfg.depth))
+        self.merger = PatchMerger(cfg, norm_after_merge=False)
+        self.deepstack_merger_list = nn.ModuleList(
+            PatchMerger(cfg, norm_after_merge=True) for _ in cfg.deepstack_layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.patch_embed.proj.weight.dtype
+
+    def forward(self, pixel_values: torch.Tensor, grids: Sequence[PatchGrid]) -> VisionFeatures:
+        cfg = self.config
+        grids = list(grids)
+        self._check(pixel_values, grids)
+        x = self.patch_embed(pixel_values)
+        x = x + torch.cat([self._position_embedding(g) for g in grids]).to(x.dtype)
+        cos, sin = self._rotary(grids, x.device)
+        frames = [(g.t, g.h * g.w) for g in grids]
+        deepstack = []
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, frames)
+            if i in cfg.deepstack_layers:
+                deepstack.append(self.deepstack_merger_list[cfg.deepstack_layers.index(i)](x))
+        return VisionFeatures(self.merger(x), tuple(deepstack))
+
+    def _check(self, pixel_values: torch.Tensor, grids: list[PatchGrid]) -> None:
+        m = self.config.spatial_merge_size
+        if any(g.t < 1 or g.h < m or g.w < m or g.h % m or g.w % m for g in grids):
+            raise InvalidParameterError(f"patch grids {grids} are not multiples of the merge size {m}",
+                                        param="image")
+        want = (sum(g.patches for g in grids), self.config.patch_dim)
+        if tuple(pixel_values.shape) != want:
+            raise InvalidParameterError(
+                f"pixel values of shape {tuple(pixel_values.shape)} do not match the grids ({want})",
+                param="image")
+
+    def _position_embedding(self, g: PatchGrid) -> torch.Tensor:
+        """The learned square table resampled bilinearly (corners aligned) to h x w, in merge-block order,
+        repeated for each temporal step: [t*h*w, hidden] fp32."""
+        m, side, hidden = self.config.spatial_merge_size, self.side, self.config.hidden_size
+        table = self.pos_embed.weight.float().view(side, side, hidden).permute(2, 0, 1)[None]
+        grid = F.interpolate(table, size=(g.h, g.w), mode="bilinear", align_corners=True)[0]
+        grid = grid.view(hidden, g.h // m, m, g.w // m, m).permute(1, 3, 2, 4, 0).reshape(g.h * g.w, hidden)
+        return grid.repeat(g.t, 1)
+
+    def _rotary(self, grids: list[PatchGrid], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [N, head_dim] fp32: frequencies [row * f, col * f], duplicated for rotate_half."""
+        m = self.config.spatial_merge_size
+        rows, cols = [], []
+        for g in grids:
+            r, c = torch.meshgrid(torch.arange(g.h, device=device), torch.arange(g.w, device=device),
+                                  indexing="ij")
+            blocks = (g.h // m, m, g.w // m, m)  # merge-block order, as the patches are laid out
+            rows.append(r.reshape(blocks).transpose(1, 2).flatten().repeat(g.t))
+            cols.append(c.reshape(blocks).transpose(1, 2).flatten().repeat(g.t))
+        inv_freq = rotary_frequencies(self.config).to(device)  # fp32 whatever the tower's dtype
+        freqs = torch.cat([torch.cat(rows)[:, None] * inv_freq, torch.cat(cols)[:, None] * inv_freq], dim=-1)
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos(), emb.sin()
