@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,8 @@ from typing import Any
 import pytest
 
 from cothink.experiments import harness
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class ToyConfig(harness.ExperimentConfig):
@@ -72,3 +76,57 @@ def test_figure_closes_and_saves_nothing_on_error(tmp_path):
         with harness.figure(tmp_path / "bad.png", 1):
             raise RuntimeError("drawing failed")
     assert not (tmp_path / "bad.png").exists() and len(plt.get_fignums()) == open_before
+
+
+def test_results_record_the_commit_cpu_and_torch(tmp_path):
+    """Every results.json names what it was measured on: the commit of the cothink that ran, the CPU
+    model and torch's version."""
+    import torch
+
+    from cothink.run_info import cpu_model
+
+    config = ToyConfig(experiment="toy", model="none", knob=1)
+    harness.begin(config)
+    FOLDER.save(tmp_path, config, [ToyRow(name="a", value=1.0)], final=False)
+    machine = json.loads((tmp_path / "results.json").read_text())["config"]["machine"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    expected = head.stdout.strip() if head.returncode == 0 else "unknown"
+    assert machine["commit"] == expected and isinstance(machine["dirty"], (bool, type(None)))
+    assert machine["cpu"] == cpu_model() and machine["cpu"] != ""
+    assert machine["torch"] == torch.__version__ and machine["started_at"].endswith("Z")
+    assert expected[:12] in harness.machine_line(machine)
+
+
+# The core install leaves out the `experiments` extra: with its packages unimportable, cothink, the
+# engine, the server and the command line still import and run, and an experiment that needs one says
+# which extra to install.
+WITHOUT_EXTRA = """
+import sys
+sys.modules["math_verify"] = None
+sys.modules["vizdoom"] = None
+import cothink
+import cothink.runtime.engine
+import cothink.server
+from cothink.cli import main
+for argv in (["--help"], ["experiment", "--help"], ["experiment", "vizdoom", "--help"]):
+    try:
+        main(argv)
+    except SystemExit as exit:
+        assert exit.code in (0, None), (argv, exit.code)
+from cothink.experiments import harness, math500_sharded, vizdoom_env
+for call in (lambda: math500_sharded.is_correct("1", "1"), vizdoom_env._vizdoom):
+    try:
+        call()
+    except harness.MissingExtraError as err:
+        assert "pip install 'cothink[experiments]'" in str(err), err
+        assert isinstance(err, ImportError)
+    else:
+        raise AssertionError("no MissingExtraError")
+print("core ok")
+"""
+
+
+def test_core_install_runs_without_the_experiments_extra():
+    done = subprocess.run([sys.executable, "-c", WITHOUT_EXTRA], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("core ok")

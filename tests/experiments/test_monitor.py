@@ -63,7 +63,7 @@ def test_every_anomaly_shows_and_nothing_is_left_behind():
     before_children, before_fds = _children(), _our_fds()
     # rates high enough to show within a few tenths of a second of writing: on a loaded 2-core machine
     # the workers (8 simulations, 32 processes) can start a second late against the sampler's clock
-    # (a disk fill at 4 MB/s had written 1.3 MB by the last sample once)
+    # (at 4 MB/s a disk fill can show as little as 1.3 MB by the last sample)
     scenarios = [MonitorScenario(id=f"t-{a}", anomaly=a, onset_s=0.3, duration_s=1.5,
                                  params={"memory_leak": {"rate_mb_s": 16}, "fd_leak": {"rate_per_s": 60},
                                          "thread_explosion": {"rate_per_s": 100},

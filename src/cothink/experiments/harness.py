@@ -24,21 +24,24 @@ What the harness gives every experiment:
 - :class:`ResultsFolder`: an experiment's summary, report and plot functions bound to its folder:
   ``save`` writes results.json and report.md after every unit (a run cut short keeps its rows) and the
   plot at the end; ``render`` redoes all three from a saved results.json;
-- :func:`begin`: stamps a config with its start time and the machine;
+- :func:`begin`: stamps a config with its start time, the commit and the machine;
 - :func:`write_report`: ``DIR/report.md`` from markdown text, with :func:`markdown_table` to build it;
 - :func:`plot_lines`: PNG line plots with matplotlib (Agg backend, headless), one or more panels;
   :func:`figure` for other plots (panels side by side, saved as PNG on exit);
 - :func:`progress`: a rich progress bar (silent when output is not a terminal unless forced);
-- :func:`machine_info`: CPU, cores, torch version and threads, for the report header.
+- :func:`optional_import`: a dependency of the ``experiments`` extra (vizdoom, math-verify), or
+  :class:`MissingExtraError` naming the extra to install; the core install (engine, server, ``cothink
+  --help``) never imports them;
+- :func:`machine_info`: the commit, CPU, cores, torch version and threads (``config.machine``, in every
+  results.json), for the report header.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
-import platform
 import time
+from types import ModuleType
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,14 +50,36 @@ from typing import Any, Generic, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
+from cothink.errors import CothinkError
+from cothink.run_info import now_utc, run_info
+
 # One line per experiment: the module must define EXPERIMENT (an Experiment).
 EXPERIMENT_MODULES: tuple[str, ...] = (
     "cothink.experiments.math500_sharded",
     "cothink.experiments.vizdoom",
     "cothink.experiments.monitor",
+    "cothink.experiments.stream_commentary",
 )
 
 DTYPES = ("float32", "bfloat16")
+
+
+EXTRA = "experiments"  # the optional dependencies the experiments need: pip install 'cothink[experiments]'
+
+
+class MissingExtraError(CothinkError, ImportError):
+    """An experiment needs a package of the ``experiments`` extra that is not installed."""
+
+
+def optional_import(module: str, needed_by: str) -> ModuleType:
+    """Import `module` (a dependency of the ``experiments`` extra) for `needed_by`, or raise
+    :class:`MissingExtraError` saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise MissingExtraError(
+            f"{needed_by} needs the {module!r} package: pip install 'cothink[{EXTRA}]'"
+        ) from exc
 
 
 # ------------------------------------------------------------------------------------------ records
@@ -263,27 +288,17 @@ def progress(total: int, description: str, *, enabled: bool | None = None) -> It
 
 
 def machine_info() -> dict[str, Any]:
-    import torch
-
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-    }
+    """The run's provenance (:func:`cothink.run_info.run_info`: commit, dirty flag, CPU model, cores,
+    torch version and threads, Python, start time), as ``config.machine`` records it."""
+    return run_info().as_dict()
 
 
-def now_utc() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+def machine_line(machine: dict[str, Any]) -> str:
+    """``config.machine`` for a report: the CPU, torch and the commit (a results.json written before the
+    commit was recorded lacks it)."""
+    commit = str(machine.get("commit", "unknown"))[:12]
+    dirty = " with uncommitted changes" if machine.get("dirty") else ""
+    return f"{machine.get('cpu', '?')}, torch {machine.get('torch', '?')}, commit {commit}{dirty}"
 
 
 # -------------------------------------------------------------------------------------------- models

@@ -249,13 +249,18 @@ def cued_answer(generated: str) -> str:
     return "".join(out).strip()
 
 
+def _math_verify() -> Any:
+    """The optional `math_verify` package (the ``experiments`` extra) that scores the answers."""
+    return harness.optional_import("math_verify", "MATH-500-Sharded scoring")
+
+
 def is_correct(answer: str | None, gold: str) -> bool:
     if not answer:
         return False
-    from math_verify import parse, verify
-
+    math_verify = _math_verify()
     try:
-        return bool(verify(parse(f"$\\boxed{{{gold}}}$"), parse(f"$\\boxed{{{answer}}}$")))
+        gold_parsed, answer_parsed = (math_verify.parse(f"$\\boxed{{{x}}}$") for x in (gold, answer))
+        return bool(math_verify.verify(gold_parsed, answer_parsed))
     except Exception:  # math-verify raises on latex it cannot parse: that answer is not verified
         return False
 
@@ -374,17 +379,13 @@ class _Case:
         """Generate into the thoughts block; returns True when it stopped at `until_step` (the generation
         is cancelled there), False when it finished (EOS or budget)."""
         gen = self.engine.generate(self.blocks, max_tokens=budget, name=self.name, seed=self.cfg.seed)
-        counted = 0
         async for piece in gen:
-            n = len(piece.token_ids)
-            counted += n
-            self.take(piece.text, n)
+            self.take(piece.text, len(piece.token_ids))
             if until_step is not None and self.counter.steps >= until_step:
                 gen.cancel()
                 self.th.finish = "cancelled"
                 return True
         assert gen.result is not None
-        self.th.tokens += len(gen.result.token_ids) - counted  # the token that ended it is in no piece
         self.th.finish = gen.result.finish_reason
         return False
 
@@ -402,12 +403,9 @@ class _Case:
             self.blocks, max_tokens=cfg.max_tokens + k * cfg.step_tokens, name=self.name, seed=cfg.seed
         )
         insert_live: asyncio.Task | None = None
-        counted = 0
         budget_end: int | None = None
         async for piece in gen:
-            n = len(piece.token_ids)
-            counted += n
-            self.take(piece.text, n)
+            self.take(piece.text, len(piece.token_ids))
             if insert_live is None and self.counter.steps >= k:
                 self.mark_supplement()
                 insert_live = asyncio.create_task(self.add_supplement())
@@ -416,7 +414,6 @@ class _Case:
                 gen.cancel()
                 break
         if gen.result is not None and gen.result.finish_reason != "cancelled":
-            self.th.tokens += len(gen.result.token_ids) - counted
             self.th.finish = gen.result.finish_reason
         else:
             self.th.finish = "length"
@@ -667,7 +664,8 @@ def report(results: Results[MathConfig, MathRow], plot_name: str = "math500_shar
         f"- thinking budget {cfg.max_tokens} tokens after the information arrives (step = a line or "
         f"{cfg.step_tokens} tokens), answer cue {cfg.answer_tokens} tokens, seed {cfg.seed}, "
         f"{cfg.concurrency} problems at a time",
-        f"- machine: {cfg.machine.get('cpu', '?')}, {cfg.machine.get('torch_threads', '?')} torch threads; "
+        f"- machine: {harness.machine_line(cfg.machine)}, "
+        f"{cfg.machine.get('torch_threads', '?')} torch threads; "
         f"run took {cfg.wall_s / 60:.1f} min, started {cfg.started_at}",
         f"- insertions mid-generation at exactly step k: {on_time} of {len(mid)} insert rows with k > 0 "
         "(the rest: the thinker finished before step k; the supplement came after)",
@@ -837,6 +835,7 @@ def run(args: argparse.Namespace) -> int:
         return _render_only(Path(args.out), console)
     if args.write_shards is not None:
         return _write_builtin_shards(args, console)
+    _math_verify()  # before any generation: a missing extra fails at once
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:

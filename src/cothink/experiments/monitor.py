@@ -377,7 +377,7 @@ def report(results: Results[MonitorConfig, MonitorRow]) -> str:
         f"Model: {c.model_description or c.model} ({c.dtype}); {len(c.scenarios)} scenarios; one observation "
         f"every {c.interval_s} s of scenario time, delivered every {c.passes_per_event} forward passes "
         f"(backlog {c.backlog}); thinker {c.think_tokens} tokens; threshold {c.threshold}. "
-        f"Machine: {c.machine.get('cpu', '?')}; wall {c.wall_s:.0f} s.",
+        f"Machine: {harness.machine_line(c.machine)}; wall {c.wall_s:.0f} s.",
         "",
         harness.markdown_table(
             [

@@ -17,7 +17,7 @@ Strategies (per episode, on a fresh engine over the shared weights):
   tells the strategist to replan from the newest frames (a plan it is writing from older ones is
   abandoned) and acts on its own judgement (an action probe without the plan). Before the first plan it
   acts on its own judgement. The actor never awaits the strategist.
-- `layout`: the coroutine layout the model designs from the scenario description (issue 9's layouts:
+- `layout`: the coroutine layout the model designs from the scenario description (`cothink.layouts`:
   parsed, validated, errors sent back once, fallback to the default strategist/actor layout).
 - `random`, `heuristic`: model-free baselines acting once per pass-equivalent with zero latency
   (`vizdoom_env.RandomPolicy`, `HeuristicPolicy`): the scale of the rewards.
@@ -441,7 +441,7 @@ def report(results: Results[VizdoomConfig, VizdoomRow], async_episodes: Sequence
         f"Model: {c.model_description or c.model} ({c.dtype}); {c.episodes} episodes per scenario and "
         f"strategy; {c.tics_per_pass} tic(s) per forward pass; max tics {c.max_tics or 'scenario default'}; "
         f"reason tokens {c.reason_tokens}, plan tokens {c.plan_tokens}; async: the actor exits a plan when "
-        f"P(plan fits) < {c.early_exit}. Machine: {c.machine.get('cpu', '?')}; wall {c.wall_s:.0f} s.",
+        f"P(plan fits) < {c.early_exit}. Machine: {harness.machine_line(c.machine)}; wall {c.wall_s:.0f} s.",
         "",
     ]
     for r in c.reruns:

@@ -41,22 +41,15 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from cothink.errors import CothinkError
+from cothink.experiments.harness import optional_import
 
 TICS_PER_SECOND = 35
 AHEAD_DEG = 5.0
 
 
-class GameUnavailableError(CothinkError, ImportError):
-    """The optional `vizdoom` package is missing (install `cothink[games]`)."""
-
-
 def _vizdoom() -> Any:
-    try:
-        import vizdoom
-    except ImportError as exc:  # an optional extra: say how to get it
-        raise GameUnavailableError("the ViZDoom experiment needs `pip install cothink[games]`") from exc
-    return vizdoom
+    """The optional `vizdoom` package (the ``experiments`` extra)."""
+    return optional_import("vizdoom", "the ViZDoom experiment")
 
 
 @dataclass(frozen=True)
