@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,6 +91,13 @@ def test_eval_all_quick_on_a_tiny_model(tmp_path):
         assert key in config
     assert {"torch", "transformers", "cothink"} <= set(config["versions"])
     assert config["models"][0]["name"] == "tiny"
+    # the commit, CPU model and torch version every results folder records
+    run = config["run"]
+    git = ["git", "rev-parse", "HEAD"]
+    head = subprocess.run(git, cwd=Path(__file__).parent, capture_output=True, text=True)
+    assert run["commit"] == (head.stdout.strip() if head.returncode == 0 else "unknown")
+    assert run["cpu"] == config["cpu_model"] != "" and run["torch"] == torch.__version__
+    assert f"at commit {run['commit'][:12]}" in text
     for suite in cli.SUITE_NAMES:
         assert (out / "raw" / f"{suite}-tiny.json").exists()
         assert (out / "raw" / f"{suite}-tiny.csv").exists()

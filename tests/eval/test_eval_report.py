@@ -41,6 +41,7 @@ def test_report_has_all_seven_sections_even_when_some_suites_did_not_run():
     results = [_result("sync-cost"), _result("faults", ok=False)]
     text = report.render(results, CONFIG, _suite_modules(), elapsed_s=12.0)
     assert [name for name, _ in report.SECTIONS] == list(SUITE_NAMES)
+    assert all(module.NAME == name for name, module in _suite_modules().items())  # registered by its name
     for name, title in report.SECTIONS:
         assert f"## {title} (`{name}`)" in text
     assert text.count("_Not run in this invocation._") == 5

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+from dataclasses import replace
 
 import pytest
 
 from cothink.eval import models
-from cothink.eval.common import PASS, SuiteContext
+from cothink.eval.common import PASS, WARN, SuiteContext
 from cothink.eval.suites import soak
 
 STREAM_CHECKS = (
@@ -18,9 +19,9 @@ STREAM_CHECKS = (
 )
 
 
-def _samples(rss, total_bytes, seconds: float = 60.0, every: float = 0.25) -> list[dict]:
+def _samples(rss, total_bytes, seconds: float = 60.0, every: float = 0.25) -> list[soak.Sample]:
     ts = [i * every for i in range(int(seconds / every) + 1)]
-    return [{"t": t, "rss_mb": rss(t), "total_bytes_used": total_bytes(t)} for t in ts]
+    return [soak.Sample(t, rss(t), 0, int(total_bytes(t)), 0, 0, 0, 0, 0, 0, 0) for t in ts]
 
 
 def test_flatness_check_passes_flat_and_bounded_series():
@@ -56,10 +57,11 @@ def test_flatness_check_fails_growing_series():
 
 
 def test_halves_and_during():
-    samples = [{"t": float(t), "x": float(t)} for t in range(11)]
-    m1, x1, m2, x2 = soak.halves(samples, "x")
+    ts = [float(t) for t in range(11)]
+    m1, x1, m2, x2 = soak.halves(ts, ts)
     assert (m1, x1, m2, x2) == (2.0, 4.0, 7.5, 10.0)
-    assert [s["t"] for s in soak.during(samples, {"duration_s": 6.0})] == [0, 1, 2, 3, 4, 5, 6]
+    samples = _samples(lambda t: 0.0, lambda t: 0, seconds=10.0, every=1.0)
+    assert [s.t for s in soak.during(samples, soak.SoakPlan(duration_s=6.0))] == [0, 1, 2, 3, 4, 5, 6]
 
 
 def test_stream_is_endless_deterministic_and_has_faults():
@@ -82,17 +84,16 @@ def tiny(request, tmp_path_factory):
 def test_quick_soak_runs_the_stream_workload(tiny, tmp_path):
     ctx = SuiteContext(tiny, True, tmp_path)
     # a small window so it turns over several times within seconds
-    p = {
-        **soak.plan(True, 2.5),
-        "sample_every_s": 0.05,
-        "stream_block_tokens": 64,
-        "stream_max_tokens": 256,
-    }
+    p = replace(soak.plan(True, 2.5), sample_every_s=0.05, stream_block_tokens=64, stream_max_tokens=256)
     res = asyncio.run(soak.run(ctx, p))
     checks = {c.name: c.status for c in res.checks}
     assert checks["total_bytes_used_mb bounded (growth over the second half <= 4)"] == PASS
-    for name in STREAM_CHECKS:
-        assert checks[name] == PASS
+    span_check, turnover_check = STREAM_CHECKS
+    assert checks[span_check] == PASS
+    # how often the window turns over in 2.5 s depends on the machine's speed and load: a run too short to
+    # turn it over twice is inconclusive (WARN), never a failure
+    turned_over = res.headline["stream_turnovers"] >= 2.0
+    assert checks[turnover_check] == (PASS if turned_over else WARN)
     assert checks["no block, page, work or hold left at the end"] == PASS
     assert {"t", "rss_mb", "total_bytes_used", "stream_span", "stream_lines"} <= set(res.records[0])
     assert max(r["total_bytes_used"] for r in res.records) > 0
@@ -108,17 +109,18 @@ def test_stream_without_eviction_is_caught_growing(tiny, tmp_path):
     """The same workload with a window that never turns over (nothing leaves the view): block memory
     grows with the stream, and the suite's flatness check on real samples says so."""
     ctx = SuiteContext(tiny, True, tmp_path)
-    p = {
-        **soak.plan(True, 2.5),
-        "sample_every_s": 0.05,
-        "kv_tokens": 1 << 16,  # room for the whole stream: a full pool would flatten the curve
-        "stream_block_tokens": 64,
-        "stream_max_tokens": 1 << 15,
-        "concurrency": 1,
-        "bytes_abs_tol_mb": 0.0,
-    }
+    p = replace(
+        soak.plan(True, 2.5),
+        sample_every_s=0.05,
+        kv_tokens=1 << 16,  # room for the whole stream: a full pool would flatten the curve
+        stream_block_tokens=64,
+        stream_max_tokens=1 << 15,
+        concurrency=1,
+        bytes_abs_tol_mb=0.0,
+    )
     run = asyncio.run(soak.soak(ctx, p))
     v = soak.verdicts(run, p)
-    assert run["stream"].dropped_blocks == 0 and run["stream"].appended_tokens > 200
-    assert v["trends"]["total_bytes_used_mb"].leaking
-    assert v["stream_turnovers"] < 2.0
+    assert run.stream is not None and v.stream is not None
+    assert run.stream.dropped_blocks == 0 and run.stream.appended_tokens > 200
+    assert v.trends["total_bytes_used_mb"].leaking
+    assert v.stream.turnovers < 2.0

@@ -30,7 +30,7 @@ def _checks(result):
 
 
 def test_sync_cost_baseline_really_reencodes(ctx):
-    p = {**sync_cost.plan(True), "contexts": [64, 128, 256, 512]}
+    p = dataclasses.replace(sync_cost.plan(True), contexts=(64, 128, 256, 512))
     res = asyncio.run(sync_cost.run(ctx, p))
     shared = [r for r in res.records if r.get("method") == "shared"]
     text = [r for r in res.records if r.get("method") == "text-passing"]
@@ -54,21 +54,24 @@ def test_sync_cost_baseline_really_reencodes(ctx):
 def test_soak_detects_an_injected_leak(ctx):
     # A pool large enough that the leak never fills it within the run, however fast the machine:
     # a full pool would stall the sessions and flatten the very curve the detector reads.
-    p = {**soak.plan(True, 2.0), "sample_every_s": 0.05, "kv_tokens": 1 << 16}
-    leaky = asyncio.run(soak.soak(ctx, p, leak_every=2))
-    v = soak.verdicts(leaky, p)
-    assert leaky["leaked_blocks"] > 0
-    assert not v["end_clean"]
-    assert v["trends"]["live_blocks"].leaking
+    # Every session leaks and two run at a time (the live-blocks bound is 2C+2): on a loaded machine few
+    # sessions finish within the run, and each of them must still move the fitted line.
+    p = dataclasses.replace(soak.plan(True, 2.0), sample_every_s=0.05, kv_tokens=1 << 16)
+    leaky_plan = dataclasses.replace(p, concurrency=2)
+    leaky = asyncio.run(soak.soak(ctx, leaky_plan, leak_every=1))
+    v = soak.verdicts(leaky, leaky_plan)
+    assert leaky.leaked_blocks > 0
+    assert not v.end_clean
+    assert v.trends["live_blocks"].leaking
     clean = asyncio.run(soak.soak(ctx, p))
     v = soak.verdicts(clean, p)
-    assert clean["counters"]["sessions"] > 10 and clean["counters"].get("interrupted", 0) > 0
-    assert v["end_clean"] and v["tasks_clean"]
-    assert not v["trends"]["live_blocks"].leaking and not v["trends"]["used_pages"].leaking
+    assert clean.counters["sessions"] > 10 and clean.counters.get("interrupted", 0) > 0
+    assert v.end_clean and v.tasks_clean
+    assert not v.trends["live_blocks"].leaking and not v.trends["used_pages"].leaking
 
 
 def test_soak_suite_reports(ctx):
-    res = asyncio.run(soak.run(ctx, {**soak.plan(True, 1.5), "sample_every_s": 0.05}))
+    res = asyncio.run(soak.run(ctx, dataclasses.replace(soak.plan(True, 1.5), sample_every_s=0.05)))
     checks = _checks(res)
     assert checks["no block, page, work or hold left at the end"] == PASS
     assert checks["no asyncio task left at the end"] == PASS
@@ -76,7 +79,7 @@ def test_soak_suite_reports(ctx):
 
 
 def test_consistency_thinker_unchanged_by_narrator(ctx):
-    p = {**consistency.plan(True), "problems": 2, "thinker_tokens": 24, "narrate_every": 6}
+    p = dataclasses.replace(consistency.plan(True), problems=2, thinker_tokens=24, narrate_every=6)
     res = asyncio.run(consistency.run(ctx, p))
     checks = _checks(res)
     assert checks["thinker tokens identical with and without the narrator (greedy)"] == PASS
@@ -137,7 +140,7 @@ def test_turn_server_serves_one_at_a_time_foreground_first():
 
 
 def test_latency_modes(ctx):
-    p = {**latency.plan(True), "background": [0, 2], "requests": 2, "fg_tokens": 4, "bg_tokens": 6}
+    p = dataclasses.replace(latency.plan(True), background=(0, 2), requests=2, fg_tokens=4, bg_tokens=6)
     res = asyncio.run(latency.run(ctx, p))
     modes = [(r["mode"], r["background"]) for r in res.records]
     assert modes == [("fair", 0), ("turn-based", 0), ("fair", 2), ("one-class", 2), ("turn-based", 2)]
@@ -148,7 +151,7 @@ def test_latency_modes(ctx):
 
 
 def test_faults_isolation(ctx):
-    p = {**faults.plan(True), "victim_tokens": 6}
+    p = dataclasses.replace(faults.plan(True), victim_tokens=6)
     res = asyncio.run(faults.run(ctx, p))
     names = [r["fault"] for r in res.records]
     for expected in (
@@ -167,7 +170,7 @@ def test_faults_isolation(ctx):
 
 
 def test_cost_modes(ctx):
-    res = asyncio.run(cost.run(ctx, {"coroutines": 3, "document": 64, "new_tokens": 4}))
+    res = asyncio.run(cost.run(ctx, cost.CostPlan(coroutines=3, document=64, new_tokens=4)))
     by = {r["mode"]: r for r in res.records}
     assert set(by) == {"text serial", "text concurrent", "shared serial", "shared concurrent"}
     checks = _checks(res)

@@ -23,15 +23,25 @@ if TYPE_CHECKING:
 
     from cothink.eval.common import SuiteResult
 
-SUITE_NAMES = ("sync-cost", "latency", "interrupts", "consistency", "soak", "faults", "cost")
+# One line per suite, in the report's order: its name and its module (NAME, TITLE, QUESTION, METHOD,
+# plan(quick, duration), estimate_s(plan, speed), async run(ctx, plan) -> SuiteResult).
+SUITE_MODULES = {
+    "sync-cost": "cothink.eval.suites.sync_cost",
+    "latency": "cothink.eval.suites.latency",
+    "interrupts": "cothink.eval.suites.interrupts",
+    "consistency": "cothink.eval.suites.consistency",
+    "soak": "cothink.eval.suites.soak",
+    "faults": "cothink.eval.suites.faults",
+    "cost": "cothink.eval.suites.cost",
+}
+SUITE_NAMES = tuple(SUITE_MODULES)
 DEFAULT_MODELS = "smollm2,qwen35-random"
 
 
 def _suite_modules() -> dict[str, Any]:
-    from cothink.eval.suites import consistency, cost, faults, interrupts, latency, soak, sync_cost
+    import importlib
 
-    mods = (sync_cost, latency, interrupts, consistency, soak, faults, cost)
-    return {m.NAME: m for m in mods}
+    return {name: importlib.import_module(module) for name, module in SUITE_MODULES.items()}
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -137,7 +147,7 @@ class _Invocation:
     suites: list[str]
     model_keys: list[str]
     out: Path
-    plans: dict[str, dict]
+    plans: dict[str, Any]  # each suite's plan: a frozen record of its knobs
 
 
 def run(args: argparse.Namespace) -> int:
@@ -163,11 +173,9 @@ def run(args: argparse.Namespace) -> int:
     config.update(
         quick=args.quick, suites=inv.suites, plans=inv.plans, seed=args.seed, expected_duration_s=expected
     )
-    results = _run_suites(inv, loaded)
+    # the folder is written after every suite, so a run cut short keeps what it finished
+    results = _run_suites(inv, loaded, lambda done: _write_results(inv, config, done, t_start))
     elapsed = time.perf_counter() - t_start
-    config["elapsed_s"] = elapsed
-    config["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    _write_results(inv, config, results, elapsed)
     _print_outcome(inv, loaded, results, elapsed)
     return 1 if any(r.status == "FAIL" for r in results) else 0
 
@@ -243,8 +251,11 @@ def _announce_expected_duration(inv: _Invocation, loaded: list[Any]) -> float:
     return expected
 
 
-def _run_suites(inv: _Invocation, loaded: list[Any]) -> list[SuiteResult]:
-    """Every suite on every model, in that order, under one progress bar."""
+def _run_suites(
+    inv: _Invocation, loaded: list[Any], save: Callable[[list[SuiteResult]], None]
+) -> list[SuiteResult]:
+    """Every suite on every model, in that order, under one progress bar; `save` gets the results so far
+    after each."""
     from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     results: list[SuiteResult] = []
@@ -270,6 +281,7 @@ def _run_suites(inv: _Invocation, loaded: list[Any]) -> list[SuiteResult]:
                     lambda msg, label=label: progress.update(overall, description=f"{label}: {msg}"),
                 )
                 results.append(result)
+                save(results)
                 progress.console.print(f"  {label}: [bold]{result.status}[/bold] in {result.elapsed_s:.0f} s")
                 progress.advance(overall)
     return results
@@ -279,25 +291,30 @@ def _run_suite(inv: _Invocation, model: Any, name: str, say: Callable[[str], Non
     """One suite on one model; a crash becomes a result carrying the error, so the other suites still run."""
     import asyncio
 
-    from cothink.eval.common import SuiteContext, SuiteResult
+    from cothink.eval.common import SuiteContext, SuiteResult, plan_params
 
     args = inv.args
     ctx = SuiteContext(model, args.quick, inv.out, args.duration, seed=args.seed, progress=say)
+    plan = inv.plans[name]
     t0 = time.perf_counter()
     try:
-        result = asyncio.run(inv.modules[name].run(ctx, dict(inv.plans[name])))
+        result = asyncio.run(inv.modules[name].run(ctx, plan))
     except Exception as exc:
-        result = SuiteResult(name, model.key, params=dict(inv.plans[name]))
+        result = SuiteResult(name, model.key, params=plan_params(plan))
         result.error = "".join(traceback.format_exception(exc)[-3:]).strip()
     result.elapsed_s = time.perf_counter() - t0
     return result
 
 
-def _write_results(inv: _Invocation, config: dict, results: list[SuiteResult], elapsed: float) -> None:
+def _write_results(inv: _Invocation, config: dict, results: list[SuiteResult], t_start: float) -> None:
+    """config.json, raw/ and report.md for the results so far (suites not run yet: "not run")."""
     import json
 
     from cothink.eval import report
 
+    elapsed = time.perf_counter() - t_start
+    config["elapsed_s"] = elapsed
+    config["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     out = inv.out
     (out / "config.json").write_text(json.dumps(report._jsonable(config), indent=1))
     report.write_raw(out, results)

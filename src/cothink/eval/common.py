@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -61,6 +62,11 @@ class SuiteResult:
         if any(c.status == WARN for c in self.checks):
             return WARN
         return PASS
+
+
+def plan_params(plan: Any) -> dict[str, Any]:
+    """A suite's plan (a frozen dataclass of its knobs) as the dict `SuiteResult.params` records."""
+    return dataclasses.asdict(plan)
 
 
 @dataclass

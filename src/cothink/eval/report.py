@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from cothink.eval.common import SuiteResult, Table
+from cothink.run_info import cpu_model, run_info
 
 # The seven sections, in the framework's order: (suite name, section title). Every report has all seven.
 SECTIONS = (
@@ -38,16 +39,6 @@ def _jsonable(x: Any) -> Any:
     if isinstance(x, (str, int, float, bool)) or x is None:
         return x
     return str(x)
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def environment(args_command: str, threads: int, thread_reason: str, dtype: str, models: list[Any]) -> dict:
@@ -89,6 +80,8 @@ def environment(args_command: str, threads: int, thread_reason: str, dtype: str,
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "machine": {"platform": platform.platform(), "machine": platform.machine(), "node": platform.node()},
         "load_average_at_start": list(load),
+        # the commit, CPU and versions every results folder records (cothink.run_info)
+        "run": run_info().as_dict(),
     }
 
 
@@ -140,6 +133,10 @@ def _md_table(t: Table) -> str:
     return "\n".join(lines)
 
 
+def _commit(run: dict[str, Any]) -> str:
+    return run["commit"][:12] + (" (uncommitted changes)" if run.get("dirty") else "")
+
+
 def render(
     results: list[SuiteResult],
     config: dict,
@@ -157,7 +154,9 @@ def render(
         f"{config['torch_threads']} ({config['torch_threads_reason']}). CPU: {config['cpu_model']} "
         f"({config['cpu_count']} logical CPUs, {config['memory_gib']} GiB). torch "
         f"{config['versions']['torch']}, "
-        f"transformers {config['versions']['transformers']}, cothink {config['versions']['cothink']}. "
+        f"transformers {config['versions']['transformers']}, cothink {config['versions']['cothink']}"
+        + (f" at commit {_commit(config['run'])}" if config.get("run") else "")
+        + ". "
         f"Load average at start: {', '.join(f'{x:.2f}' for x in config['load_average_at_start'])}"
         + (
             f"; at end: {', '.join(f'{x:.2f}' for x in config['load_average_at_end'])}"

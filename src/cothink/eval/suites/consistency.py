@@ -10,10 +10,11 @@ Every number a narration mentions is classified against the thinker's text.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import asyncio
 import time
 
-from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, numbers_in, within
+from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, numbers_in, plan_params, within
 from cothink.eval.plots import bars
 from cothink.eval.workload import problems
 
@@ -39,44 +40,45 @@ TIMEOUT = 600.0
 NARRATOR_QUESTION = "Which intermediate result has been computed so far? Reply with the number."
 
 
-def plan(quick: bool, duration: float | None = None) -> dict:
+@dataclass(frozen=True, slots=True)
+class ConsistencyPlan:
+    """The suite's knobs (written verbatim into config.json and the suite's params)."""
+
+    problems: int
+    thinker_tokens: int
+    narrate_every: int  # thinker tokens between narrations
+    narrations: int
+    narration_tokens: int
+
+
+def plan(quick: bool, duration: float | None = None) -> ConsistencyPlan:
     if quick:
-        return {
-            "problems": 3,
-            "thinker_tokens": 64,
-            "narrate_every": 12,
-            "narrations": 3,
-            "narration_tokens": 4,
-        }
-    return {
-        "problems": 12,
-        "thinker_tokens": 128,
-        "narrate_every": 12,
-        "narrations": 6,
-        "narration_tokens": 8,
-    }
-
-
-def _estimate_raw(p: dict, speed) -> float:
-    batch = 1 + 0.35 * (p["problems"] - 1)
-    run = p["thinker_tokens"] * speed.step_s * batch
-    replays = (
-        p["problems"] * p["narrations"] * (p["narration_tokens"] * speed.step_s + 120 / speed.prefill_tps)
+        return ConsistencyPlan(
+            problems=3, thinker_tokens=64, narrate_every=12, narrations=3, narration_tokens=4
+        )
+    return ConsistencyPlan(
+        problems=12, thinker_tokens=128, narrate_every=12, narrations=6, narration_tokens=8
     )
+
+
+def _estimate_raw(p: ConsistencyPlan, speed) -> float:
+    batch = 1 + 0.35 * (p.problems - 1)
+    run = p.thinker_tokens * speed.step_s * batch
+    replays = p.problems * p.narrations * (p.narration_tokens * speed.step_s + 120 / speed.prefill_tps)
     return 2.3 * run + replays
 
 
-def estimate_s(p: dict, speed) -> float:
+def estimate_s(p: ConsistencyPlan, speed) -> float:
     """Seconds, from the calibrated speed; the factor was fitted to measured quick runs on a 2-core CPU."""
     return 1.25 * _estimate_raw(p, speed)
 
 
-async def _solve(ctx: SuiteContext, engine, prompt: list[int], p: dict, narrate: bool, tag: str):
+async def _solve(ctx: SuiteContext, engine, prompt: list[int], p: ConsistencyPlan, narrate: bool, tag: str):
     m = ctx.model
     block = engine.block(f"thinker-{tag}")
     await within(engine.extend(block, token_ids=prompt, name=f"thinker-{tag}"), TIMEOUT, "thinker prompt")
     out: list[int] = []
-    gen = engine.generate(block, max_tokens=p["thinker_tokens"], name=f"thinker-{tag}", priority="background")
+    gen = engine.generate(block, max_tokens=p.thinker_tokens, name=f"thinker-{tag}", priority="background")
     narrations: list[dict] = []
     question = m.encode(
         "<|im_end|>\n<|im_start|>user\n" + NARRATOR_QUESTION + "<|im_end|>\n<|im_start|>assistant\n"
@@ -84,8 +86,8 @@ async def _solve(ctx: SuiteContext, engine, prompt: list[int], p: dict, narrate:
     )
 
     async def narrator() -> None:
-        next_at = p["narrate_every"]
-        while len(narrations) < p["narrations"] and not think_task.done():
+        next_at = p.narrate_every
+        while len(narrations) < p.narrations and not think_task.done():
             if len(out) < next_at:
                 await asyncio.sleep(0.002)
                 continue
@@ -99,7 +101,7 @@ async def _solve(ctx: SuiteContext, engine, prompt: list[int], p: dict, narrate:
                 )
                 res = await engine.generate(
                     [snap, narr],
-                    max_tokens=p["narration_tokens"],
+                    max_tokens=p.narration_tokens,
                     stop_at_eos=False,
                     name="narrator",
                     priority="interactive",
@@ -118,7 +120,7 @@ async def _solve(ctx: SuiteContext, engine, prompt: list[int], p: dict, narrate:
                     "thinker_len_after": len(block),
                 }
             )
-            next_at = len(out) + p["narrate_every"]
+            next_at = len(out) + p.narrate_every
 
     async def think() -> None:
         async for piece in gen:
@@ -156,13 +158,13 @@ def _classify(number: int, problem, prefix_text: str, later_text: str) -> str:
     return "elsewhere"
 
 
-async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
+async def run(ctx: SuiteContext, p: ConsistencyPlan) -> SuiteResult:
     m = ctx.model
-    res = SuiteResult(NAME, m.key, params=dict(p))
+    res = SuiteResult(NAME, m.key, params=plan_params(p))
     tok = m.tokenizer
     engine = m.engine(kv_tokens=8192)
     counts = {"problem": 0, "reached": 0, "ahead": 0, "elsewhere": 0}
-    probs = problems(ctx.seed, p["problems"])
+    probs = problems(ctx.seed, p.problems)
     prompts = [m.chat(prob.prompt) for prob in probs]
     async with engine:
         ctx.say(f"{len(probs)} problems without narrator")

@@ -8,10 +8,11 @@ block]) serially and concurrently. Outputs are greedy, so all four must produce 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import asyncio
 import time
 
-from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, within
+from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, plan_params, within
 from cothink.eval.plots import bars
 from cothink.eval.workload import document_tokens
 
@@ -33,14 +34,23 @@ METHOD = (
 TIMEOUT = 900.0
 
 
-def plan(quick: bool, duration: float | None = None) -> dict:
+@dataclass(frozen=True, slots=True)
+class CostPlan:
+    """The suite's knobs (written verbatim into config.json and the suite's params)."""
+
+    coroutines: int  # K
+    document: int  # D: tokens of the shared document
+    new_tokens: int  # G: greedy tokens each coroutine writes
+
+
+def plan(quick: bool, duration: float | None = None) -> CostPlan:
     if quick:
-        return {"coroutines": 4, "document": 256, "new_tokens": 12}
-    return {"coroutines": 8, "document": 1024, "new_tokens": 32}
+        return CostPlan(coroutines=4, document=256, new_tokens=12)
+    return CostPlan(coroutines=8, document=1024, new_tokens=32)
 
 
-def _estimate_raw(p: dict, speed) -> float:
-    k, d, g = p["coroutines"], p["document"], p["new_tokens"]
+def _estimate_raw(p: CostPlan, speed) -> float:
+    k, d, g = p.coroutines, p.document, p.new_tokens
     return (
         2 * k * d / speed.prefill_tps
         + d / speed.prefill_tps
@@ -50,17 +60,17 @@ def _estimate_raw(p: dict, speed) -> float:
     )
 
 
-def estimate_s(p: dict, speed) -> float:
+def estimate_s(p: CostPlan, speed) -> float:
     """Seconds, from the calibrated speed; the factor was fitted to measured quick runs on a 2-core CPU."""
     return 1.8 * _estimate_raw(p, speed)
 
 
-async def _mode(ctx: SuiteContext, p: dict, mode: str) -> dict:
+async def _mode(ctx: SuiteContext, p: CostPlan, mode: str) -> dict:
     m = ctx.model
-    k, g = p["coroutines"], p["new_tokens"]
-    doc = document_tokens(m, ctx.seed, p["document"])
+    k, g = p.coroutines, p.new_tokens
+    doc = document_tokens(m, ctx.seed, p.document)
     questions = [m.encode(f"\nQuestion {i + 1}: what did record {i + 1} report? Answer:") for i in range(k)]
-    engine = m.engine(kv_tokens=(k + 1) * (p["document"] + 128) + 256)
+    engine = m.engine(kv_tokens=(k + 1) * (p.document + 128) + 256)
     peak = {"kv": 0, "linear": 0, "pages": 0}
 
     def sample(_record) -> None:
@@ -125,13 +135,13 @@ async def _mode(ctx: SuiteContext, p: dict, mode: str) -> dict:
     }
 
 
-async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
-    res = SuiteResult(NAME, ctx.model.key, params=dict(p))
+async def run(ctx: SuiteContext, p: CostPlan) -> SuiteResult:
+    res = SuiteResult(NAME, ctx.model.key, params=plan_params(p))
     results = {}
     for mode in ("text serial", "text concurrent", "shared serial", "shared concurrent"):
         ctx.say(mode)
         results[mode] = await _mode(ctx, p, mode)
-    k = p["coroutines"]
+    k = p.coroutines
     rows = []
     for mode, r in results.items():
         out = r["output_tokens"]
@@ -164,7 +174,7 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
         )
     res.tables.append(
         Table(
-            f"{k} coroutines x {p['new_tokens']} new tokens over a {p['document']}-token document",
+            f"{k} coroutines x {p.new_tokens} new tokens over a {p.document}-token document",
             [
                 "mode",
                 "output tokens",
@@ -248,7 +258,7 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
     )
     res.plots.append(ctx.plot_path(NAME, "per-output").name)
     res.conditions += [
-        f"K={k} coroutines, D={p['document']}-token document, G={p['new_tokens']} greedy tokens each, "
+        f"K={k} coroutines, D={p.document}-token document, G={p.new_tokens} greedy tokens each, "
         "prompts of "
         "~15 tokens; one engine per mode, default scheduler limits",
         "text modes model a stack without prefix caching; with a prefix cache, text-concurrent would "

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import asdict, dataclass
 from textwrap import fill
+from typing import Any
 
 from cothink.errors import InputTooLongError, PoolExhaustedError
-from cothink.eval.common import SuiteContext, SuiteResult, Table, engine_idle_state, within
+from cothink.eval.common import SuiteContext, SuiteResult, Table, engine_idle_state, plan_params, within
 from cothink.eval.plots import bars
 
 NAME = "faults"
@@ -30,22 +32,51 @@ METHOD = (
 TIMEOUT = 300.0
 
 
-def plan(quick: bool, duration: float | None = None) -> dict:
-    return {
-        "victims": 3,
-        "victim_tokens": 10 if quick else 24,
-        "long_input": 480,
-        "max_input_tokens": 512,
-        "small_kv_tokens": 512,
-    }
+@dataclass(frozen=True, slots=True)
+class FaultsPlan:
+    """The suite's knobs (written verbatim into config.json and the suite's params)."""
+
+    victims: int
+    victim_tokens: int
+    long_input: int
+    max_input_tokens: int
+    small_kv_tokens: int
 
 
-def _estimate_raw(p: dict, speed) -> float:
-    per = p["victim_tokens"] * speed.step_s * (1 + 0.35 * p["victims"]) + 3 * 40 / speed.prefill_tps
-    return 8 * per + 3 * p["long_input"] / speed.prefill_tps
+@dataclass(frozen=True, slots=True)
+class FaultRow:
+    """One fault run: a row of raw/faults-<model>.csv."""
+
+    fault: str
+    victims_equal_clean: bool  # the other coroutines wrote exactly the clean run's tokens
+    memory_returned: bool  # the engine's idle state afterwards equals the one before
+    detail: str  # what happened, in words
+    outcome: dict[str, Any] | None = None  # what the fault's own function reported
+    victims_s: float | None = None  # the victims' wall time next to the fault
+    served_after: bool | None = None  # a new request was served afterwards (None: not asked)
+
+    @property
+    def isolated(self) -> bool:
+        """Others unaffected and memory returned."""
+        return self.victims_equal_clean is True and self.memory_returned
 
 
-def estimate_s(p: dict, speed) -> float:
+def plan(quick: bool, duration: float | None = None) -> FaultsPlan:
+    return FaultsPlan(
+        victims=3,
+        victim_tokens=10 if quick else 24,
+        long_input=480,
+        max_input_tokens=512,
+        small_kv_tokens=512,
+    )
+
+
+def _estimate_raw(p: FaultsPlan, speed) -> float:
+    per = p.victim_tokens * speed.step_s * (1 + 0.35 * p.victims) + 3 * 40 / speed.prefill_tps
+    return 8 * per + 3 * p.long_input / speed.prefill_tps
+
+
+def estimate_s(p: FaultsPlan, speed) -> float:
     """Seconds, from the calibrated speed; the factor was fitted to measured quick runs on a 2-core CPU."""
     return 1.2 * _estimate_raw(p, speed)
 
@@ -106,7 +137,7 @@ async def _fault_exception(engine, ctx, p, started):
 async def _fault_cancelled_extend(engine, ctx, p, started):
     block = engine.block("faulty")
     try:
-        doc = ctx.model.encode("word " * p["long_input"])[: p["long_input"]]
+        doc = ctx.model.encode("word " * p.long_input)[: p.long_input]
         task = asyncio.create_task(engine.extend(block, token_ids=doc, name="faulty"))
         t0 = time.perf_counter()
         while len(block) == 0 and not task.done() and time.perf_counter() - t0 < TIMEOUT:
@@ -135,7 +166,7 @@ async def _fault_overlong(engine, ctx, p, started):
         before = engine.memory().used_pages
         try:
             await engine.extend(
-                block, token_ids=ctx.model.encode("word " * (p["max_input_tokens"] + 50)), name="faulty"
+                block, token_ids=ctx.model.encode("word " * (p.max_input_tokens + 50)), name="faulty"
             )
             outcome["input over max_input_tokens"] = "accepted"
         except InputTooLongError:
@@ -156,7 +187,7 @@ async def _fault_overlong(engine, ctx, p, started):
             engine.release(b)
 
 
-async def _fault_bad_token(ctx, p, prompts, reference) -> dict:
+async def _fault_bad_token(ctx, p, prompts, reference) -> FaultRow:
     """Out-of-vocabulary token ids, on an engine of its own: the step loop must survive."""
     engine = ctx.model.engine(kv_tokens=4096)
     await engine.start()
@@ -168,7 +199,7 @@ async def _fault_bad_token(ctx, p, prompts, reference) -> dict:
             engine.extend(block, token_ids=[5, ctx.model.config.vocab_size + 10], name="faulty")
         )
         timing: list[float] = []
-        victims = asyncio.create_task(_victims(engine, prompts, p["victim_tokens"], timing=timing))
+        victims = asyncio.create_task(_victims(engine, prompts, p.victim_tokens, timing=timing))
         t0 = time.perf_counter()
         while not victims.done() and engine.running and time.perf_counter() - t0 < TIMEOUT:
             await asyncio.sleep(0.01)
@@ -200,14 +231,14 @@ async def _fault_bad_token(ctx, p, prompts, reference) -> dict:
         if isinstance(bad_outcome, asyncio.CancelledError)
         else type(bad_outcome).__name__
     )
-    return {
-        "fault": "out-of-vocabulary token id",
-        "victims_equal_clean": outs == reference,
-        "memory_returned": end == start,
-        "served_after": served_after,
-        "detail": f"faulty extend -> {bad_desc}; engine step loop {'alive' if loop_alive else 'DIED'}"
+    return FaultRow(
+        fault="out-of-vocabulary token id",
+        victims_equal_clean=outs == reference,
+        memory_returned=end == start,
+        served_after=served_after,
+        detail=f"faulty extend -> {bad_desc}; engine step loop {'alive' if loop_alive else 'DIED'}"
         + (f" (Engine.stop() re-raised {stop_error})" if stop_error else ""),
-    }
+    )
 
 
 async def _fault_release_mid_generation(engine, ctx, p, started):
@@ -236,8 +267,8 @@ FAULTS = {
 }
 
 
-async def _pool_exhaustion(ctx, p, prompts, reference, mode: str) -> dict:
-    engine = ctx.model.engine(kv_tokens=p["small_kv_tokens"], on_pool_full=mode, pool_wait_s=1.0)
+async def _pool_exhaustion(ctx, p, prompts, reference, mode: str) -> FaultRow:
+    engine = ctx.model.engine(kv_tokens=p.small_kv_tokens, on_pool_full=mode, pool_wait_s=1.0)
     async with engine:
         start = engine_idle_state(engine)
         started = asyncio.Event()
@@ -247,7 +278,7 @@ async def _pool_exhaustion(ctx, p, prompts, reference, mode: str) -> dict:
             try:
                 await engine.extend(
                     hog_block,
-                    token_ids=ctx.model.encode("word " * p["long_input"])[: p["long_input"]],
+                    token_ids=ctx.model.encode("word " * p.long_input)[: p.long_input],
                     name="hog",
                 )
                 return "accepted"
@@ -258,41 +289,42 @@ async def _pool_exhaustion(ctx, p, prompts, reference, mode: str) -> dict:
 
         timing: list[float] = []
         outs, hog_outcome = await within(
-            asyncio.gather(_victims(engine, prompts, p["victim_tokens"], started, timing), hog()),
+            asyncio.gather(_victims(engine, prompts, p.victim_tokens, started, timing), hog()),
             TIMEOUT,
             f"pool exhaustion ({mode})",
         )
         await asyncio.sleep(0)
         end = engine_idle_state(engine)
         after = await within(_victims(engine, prompts[:1], 2), TIMEOUT, "request after the fault")
-    return {
-        "fault": f"pool exhaustion (on_pool_full={mode!r}, {p['small_kv_tokens']}-token pool)",
-        "victims_equal_clean": outs == reference,
-        "memory_returned": end == start,
-        "served_after": bool(after[0]),
-        "detail": f"hog ({p['long_input']} tokens) -> {hog_outcome}",
-        "victims_s": timing[0] if timing else None,
-    }
+    return FaultRow(
+        fault=f"pool exhaustion (on_pool_full={mode!r}, {p.small_kv_tokens}-token pool)",
+        victims_equal_clean=outs == reference,
+        memory_returned=end == start,
+        served_after=bool(after[0]),
+        detail=f"hog ({p.long_input} tokens) -> {hog_outcome}",
+        victims_s=timing[0] if timing else None,
+    )
 
 
-async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
-    res = SuiteResult(NAME, ctx.model.key, params=dict(p))
-    prompts = _prompts(ctx, p["victims"])
-    engine = ctx.model.engine(kv_tokens=8192, max_input_tokens=p["max_input_tokens"], max_context=2048)
+async def run(ctx: SuiteContext, p: FaultsPlan) -> SuiteResult:
+    res = SuiteResult(NAME, ctx.model.key, params=plan_params(p))
+    prompts = _prompts(ctx, p.victims)
+    engine = ctx.model.engine(kv_tokens=8192, max_input_tokens=p.max_input_tokens, max_context=2048)
     async with engine:
         ctx.say("clean run")
         clean_s: list[float] = []
         reference = await within(
-            _victims(engine, prompts, p["victim_tokens"], timing=clean_s), TIMEOUT, "clean run"
+            _victims(engine, prompts, p.victim_tokens, timing=clean_s), TIMEOUT, "clean run"
         )
         start = engine_idle_state(engine)
+        rows: list[FaultRow] = []
         for name, fault in FAULTS.items():
             ctx.say(name)
             started = asyncio.Event()
             timing: list[float] = []
             victims, outcome = await within(
                 asyncio.gather(
-                    _victims(engine, prompts, p["victim_tokens"], started, timing),
+                    _victims(engine, prompts, p.victim_tokens, started, timing),
                     fault(engine, ctx, p, started),
                     return_exceptions=True,
                 ),
@@ -306,43 +338,44 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
                 if isinstance(outcome, BaseException)
                 else ", ".join(f"{k}={v}" for k, v in (outcome or {}).items())
             )
-            res.records.append(
-                {
-                    "fault": name,
-                    "victims_equal_clean": victims == reference,
-                    "memory_returned": end == start,
-                    "detail": detail,
-                    "outcome": outcome if isinstance(outcome, dict) else None,
-                    "victims_s": timing[0] if timing else None,
-                }
+            rows.append(
+                FaultRow(
+                    fault=name,
+                    victims_equal_clean=victims == reference,
+                    memory_returned=end == start,
+                    detail=detail,
+                    outcome=outcome if isinstance(outcome, dict) else None,
+                    victims_s=timing[0] if timing else None,
+                )
             )
         ctx.say("request after all faults")
         timing = []
         after = await within(
-            _victims(engine, prompts, p["victim_tokens"], timing=timing), TIMEOUT, "request after faults"
+            _victims(engine, prompts, p.victim_tokens, timing=timing), TIMEOUT, "request after faults"
         )
-        res.records.append(
-            {
-                "fault": "(none: a clean request after all faults)",
-                "victims_equal_clean": after == reference,
-                "memory_returned": engine_idle_state(engine) == start,
-                "detail": "",
-                "victims_s": timing[0],
-            }
+        rows.append(
+            FaultRow(
+                fault="(none: a clean request after all faults)",
+                victims_equal_clean=after == reference,
+                memory_returned=engine_idle_state(engine) == start,
+                detail="",
+                victims_s=timing[0],
+            )
         )
     for mode in ("error", "wait"):
         ctx.say(f"pool exhaustion ({mode})")
-        res.records.append(await _pool_exhaustion(ctx, p, prompts, reference, mode))
+        rows.append(await _pool_exhaustion(ctx, p, prompts, reference, mode))
     ctx.say("out-of-vocabulary token id")
-    res.records.append(await _fault_bad_token(ctx, p, prompts, reference))
+    rows.append(await _fault_bad_token(ctx, p, prompts, reference))
     res.headline["clean_victims_s"] = clean_s[0]
-    _analyse(ctx, res)
+    res.records = [asdict(r) for r in rows]
+    _analyse(ctx, res, rows)
     return res
 
 
-def _analyse(ctx: SuiteContext, res: SuiteResult) -> None:
-    labels = ["clean run"] + [r["fault"].split(" (")[0] for r in res.records]
-    values = [res.headline.get("clean_victims_s", 0.0)] + [r.get("victims_s") or 0.0 for r in res.records]
+def _analyse(ctx: SuiteContext, res: SuiteResult, rows: list[FaultRow]) -> None:
+    labels = ["clean run"] + [r.fault.split(" (")[0] for r in rows]
+    values = [res.headline.get("clean_victims_s", 0.0)] + [r.victims_s or 0.0 for r in rows]
     bars(
         ctx.plot_path(NAME, "victims"),
         f"{ctx.model.key}: victims' wall time next to each fault (0 = never finished)",
@@ -351,29 +384,25 @@ def _analyse(ctx: SuiteContext, res: SuiteResult) -> None:
         "seconds",
     )
     res.plots.append(ctx.plot_path(NAME, "victims").name)
-    rows = [
+    table = [
         [
-            r["fault"],
-            "yes" if r["victims_equal_clean"] else "NO",
-            "yes" if r["memory_returned"] else "NO",
-            r["detail"],
+            r.fault,
+            "yes" if r.victims_equal_clean else "NO",
+            "yes" if r.memory_returned else "NO",
+            r.detail,
         ]
-        for r in res.records
+        for r in rows
     ]
     res.tables.append(
         Table(
             "Faults",
             ["fault", "other coroutines' output == clean run", "memory back to start", "what happened"],
-            rows,
+            table,
         )
     )
-    for r in res.records:
-        res.check(
-            f"{r['fault']}: others unaffected and memory returned",
-            r["victims_equal_clean"] is True and r["memory_returned"],
-            r["detail"],
-        )
-    ce = next((r["outcome"] for r in res.records if r["fault"].startswith("cancelled extend")), None)
+    for r in rows:
+        res.check(f"{r.fault}: others unaffected and memory returned", r.isolated, r.detail)
+    ce = next((r.outcome for r in rows if r.fault.startswith("cancelled extend")), None)
     if ce:
         # Cancellation reaches the task at its next await, so one more step (one chunk) may land.
         stopped = ce["written_later"] - ce["written_at_cancel"] <= ce["chunk"]
@@ -384,7 +413,7 @@ def _analyse(ctx: SuiteContext, res: SuiteResult) -> None:
             f"{ce['written_later']} a few steps later (chunk {ce['chunk']})",
             soft=True,
         )
-    ol = next((r["outcome"] for r in res.records if r["fault"] == "over-long input"), None)
+    ol = next((r.outcome for r in rows if r.fault == "over-long input"), None)
     if ol:
         res.check(
             "over-long input and over-long views are refused with InputTooLongError, nothing written",
@@ -393,22 +422,21 @@ def _analyse(ctx: SuiteContext, res: SuiteResult) -> None:
             and ol["view over max_context"] == "InputTooLongError",
             str(ol),
         )
-    for r in res.records:
-        if "served_after" in r:
-            res.check(f"{r['fault']}: the engine still serves a new request afterwards", r["served_after"])
-    exh = [r for r in res.records if r["fault"].startswith("pool exhaustion")]
-    bad = [r["fault"] for r in res.records if not (r["victims_equal_clean"] is True and r["memory_returned"])]
+    for r in rows:
+        if r.served_after is not None:
+            res.check(f"{r.fault}: the engine still serves a new request afterwards", r.served_after)
+    exh = [r for r in rows if r.fault.startswith("pool exhaustion")]
+    bad = [r.fault for r in rows if not r.isolated]
     res.summary = (
-        f"{len(res.records) - 1} faults: others unaffected and memory returned in "
-        f"{len(res.records) - len(bad)}/{len(res.records)} runs"
-        + (f"; failing: {', '.join(bad)}" if bad else "")
+        f"{len(rows) - 1} faults: others unaffected and memory returned in "
+        f"{len(rows) - len(bad)}/{len(rows)} runs" + (f"; failing: {', '.join(bad)}" if bad else "")
     )
     res.headline.update(
         {
-            "faults": len(res.records) - 1,
-            "all_isolated": all(r["victims_equal_clean"] for r in res.records),
-            "all_memory_returned": all(r["memory_returned"] for r in res.records),
-            "pool_exhaustion": "; ".join(r["detail"] for r in exh),
+            "faults": len(rows) - 1,
+            "all_isolated": all(r.victims_equal_clean for r in rows),
+            "all_memory_returned": all(r.memory_returned for r in rows),
+            "pool_exhaustion": "; ".join(r.detail for r in exh),
         }
     )
     res.conditions += [

@@ -8,13 +8,23 @@ measures the time from interruption to the first reaction, and guards every wait
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import asyncio
 import time
 
 import torch
 
 from cothink.errors import BlockBusyError
-from cothink.eval.common import Deadlock, SuiteContext, SuiteResult, Table, engine_idle_state, fmt, within
+from cothink.eval.common import (
+    Deadlock,
+    SuiteContext,
+    SuiteResult,
+    Table,
+    engine_idle_state,
+    fmt,
+    plan_params,
+    within,
+)
 from cothink.eval.plots import bars
 
 NAME = "interrupts"
@@ -39,29 +49,41 @@ METHOD = (
 TIMEOUT = 300.0
 
 
-def plan(quick: bool, duration: float | None = None) -> dict:
+@dataclass(frozen=True, slots=True)
+class InterruptsPlan:
+    """The suite's knobs (written verbatim into config.json and the suite's params)."""
+
+    narration_tokens_before: int
+    reply_tokens: int
+    thinker_tokens: int
+    resume_at: int
+    resume_total: int
+    repeats: int
+
+
+def plan(quick: bool, duration: float | None = None) -> InterruptsPlan:
     if quick:
-        return {
-            "narration_tokens_before": 6,
-            "reply_tokens": 8,
-            "thinker_tokens": 24,
-            "resume_at": 8,
-            "resume_total": 20,
-            "repeats": 1,
-        }
-    return {
-        "narration_tokens_before": 12,
-        "reply_tokens": 24,
-        "thinker_tokens": 64,
-        "resume_at": 16,
-        "resume_total": 48,
-        "repeats": 3,
-    }
+        return InterruptsPlan(
+            narration_tokens_before=6,
+            reply_tokens=8,
+            thinker_tokens=24,
+            resume_at=8,
+            resume_total=20,
+            repeats=1,
+        )
+    return InterruptsPlan(
+        narration_tokens_before=12,
+        reply_tokens=24,
+        thinker_tokens=64,
+        resume_at=16,
+        resume_total=48,
+        repeats=3,
+    )
 
 
-def estimate_s(p: dict, speed) -> float:
-    steps = p["thinker_tokens"] + p["reply_tokens"] + 2 * p["resume_total"] + 20
-    return p["repeats"] * (steps * speed.step_s * 1.5 + 900 / speed.prefill_tps + 3 * 300 / speed.prefill_tps)
+def estimate_s(p: InterruptsPlan, speed) -> float:
+    steps = p.thinker_tokens + p.reply_tokens + 2 * p.resume_total + 20
+    return p.repeats * (steps * speed.step_s * 1.5 + 900 / speed.prefill_tps + 3 * 300 / speed.prefill_tps)
 
 
 def _logit_check(ctx: SuiteContext, engine, views: list[list], probe_token: int) -> dict:
@@ -117,7 +139,7 @@ async def _wait(cond, timeout: float, what: str) -> None:
         await asyncio.sleep(0.002)
 
 
-async def barge_in(ctx: SuiteContext, p: dict) -> dict:
+async def barge_in(ctx: SuiteContext, p: InterruptsPlan) -> dict:
     m = ctx.model
     engine = m.engine(kv_tokens=4096)
     async with engine:
@@ -158,7 +180,7 @@ async def barge_in(ctx: SuiteContext, p: dict) -> dict:
             _collect_into(
                 engine.generate(
                     [context, thinker],
-                    max_tokens=p["thinker_tokens"],
+                    max_tokens=p.thinker_tokens,
                     stop_at_eos=False,
                     name="thinker",
                     priority="background",
@@ -180,7 +202,7 @@ async def barge_in(ctx: SuiteContext, p: dict) -> dict:
                 narrated,
             )
         )
-        await _wait(lambda: len(narrated) >= p["narration_tokens_before"], TIMEOUT, "narration started")
+        await _wait(lambda: len(narrated) >= p.narration_tokens_before, TIMEOUT, "narration started")
         # --- the user barges in
         t_barge = time.perf_counter()
         thinker_at_barge = len(thinker_out)
@@ -216,7 +238,7 @@ async def barge_in(ctx: SuiteContext, p: dict) -> dict:
             _collect_into(
                 engine.generate(
                     [context, thinker, narr, user, reply_block],
-                    max_tokens=p["reply_tokens"],
+                    max_tokens=p.reply_tokens,
                     stop_at_eos=False,
                     name="reply",
                     priority="interactive",
@@ -252,7 +274,7 @@ async def barge_in(ctx: SuiteContext, p: dict) -> dict:
     }
 
 
-async def input_mid_reasoning(ctx: SuiteContext, p: dict) -> dict:
+async def input_mid_reasoning(ctx: SuiteContext, p: InterruptsPlan) -> dict:
     m = ctx.model
     engine = m.engine(kv_tokens=4096)
     async with engine:
@@ -278,10 +300,10 @@ async def input_mid_reasoning(ctx: SuiteContext, p: dict) -> dict:
         )
         first: list[int] = []
         gen = engine.generate(
-            [problem, think], max_tokens=p["thinker_tokens"], stop_at_eos=False, name="thinker"
+            [problem, think], max_tokens=p.thinker_tokens, stop_at_eos=False, name="thinker"
         )
         task = asyncio.create_task(_collect_into(gen, first))
-        await _wait(lambda: len(first) >= p["resume_at"], TIMEOUT, "reasoning started")
+        await _wait(lambda: len(first) >= p.resume_at, TIMEOUT, "reasoning started")
         supplement = m.encode(" (New information: the journey takes 3 hours.) ")
         t_input = time.perf_counter()
         try:
@@ -311,7 +333,7 @@ async def input_mid_reasoning(ctx: SuiteContext, p: dict) -> dict:
             _collect_into(
                 engine.generate(
                     [problem, think],
-                    max_tokens=p["reply_tokens"],
+                    max_tokens=p.reply_tokens,
                     stop_at_eos=False,
                     name="thinker",
                     priority="interactive",
@@ -342,10 +364,10 @@ async def input_mid_reasoning(ctx: SuiteContext, p: dict) -> dict:
     }
 
 
-async def cancel_resume(ctx: SuiteContext, p: dict) -> dict:
+async def cancel_resume(ctx: SuiteContext, p: InterruptsPlan) -> dict:
     m = ctx.model
     prompt = m.chat("List three facts about the moon.")
-    total, at = p["resume_total"], p["resume_at"]
+    total, at = p.resume_total, p.resume_at
     # uninterrupted reference
     engine = m.engine(kv_tokens=4096)
     async with engine:
@@ -415,12 +437,12 @@ async def cancel_resume(ctx: SuiteContext, p: dict) -> dict:
 SCENARIOS = (barge_in, input_mid_reasoning, cancel_resume)
 
 
-async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
-    res = SuiteResult(NAME, ctx.model.key, params=dict(p))
+async def run(ctx: SuiteContext, p: InterruptsPlan) -> SuiteResult:
+    res = SuiteResult(NAME, ctx.model.key, params=plan_params(p))
     deadlocks = []
-    for rep in range(p["repeats"]):
+    for rep in range(p.repeats):
         for scenario in SCENARIOS:
-            ctx.say(f"{scenario.__name__.replace('_', ' ')} ({rep + 1}/{p['repeats']})")
+            ctx.say(f"{scenario.__name__.replace('_', ' ')} ({rep + 1}/{p.repeats})")
             try:
                 rec = await scenario(ctx, p)
             except Deadlock as exc:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, percentile, within
+from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, percentile, plan_params, within
 from cothink.eval.plots import lines
 from cothink.eval.workload import filler_words
 
@@ -42,38 +42,40 @@ METHOD = (
 TIMEOUT = 900.0
 
 
-def plan(quick: bool, duration: float | None = None) -> dict:
+@dataclass(frozen=True, slots=True)
+class LatencyPlan:
+    """The suite's knobs (written verbatim into config.json and the suite's params)."""
+
+    background: tuple[int, ...]  # N: background jobs at each point of the sweep
+    requests: int  # foreground requests per point
+    fg_tokens: int
+    bg_prompt: int
+    bg_tokens: int
+    gap_s: float
+
+
+def plan(quick: bool, duration: float | None = None) -> LatencyPlan:
     if quick:
-        return {
-            "background": [0, 2, 8],
-            "requests": 3,
-            "fg_tokens": 8,
-            "bg_prompt": 48,
-            "bg_tokens": 16,
-            "gap_s": 0.05,
-        }
-    return {
-        "background": [0, 1, 2, 4, 8, 16, 32],
-        "requests": 8,
-        "fg_tokens": 16,
-        "bg_prompt": 96,
-        "bg_tokens": 32,
-        "gap_s": 0.1,
-    }
+        return LatencyPlan(
+            background=(0, 2, 8), requests=3, fg_tokens=8, bg_prompt=48, bg_tokens=16, gap_s=0.05
+        )
+    return LatencyPlan(
+        background=(0, 1, 2, 4, 8, 16, 32), requests=8, fg_tokens=16, bg_prompt=96, bg_tokens=32, gap_s=0.1
+    )
 
 
-def _estimate_raw(p: dict, speed) -> float:
+def _estimate_raw(p: LatencyPlan, speed) -> float:
     total = 0.0
-    per_req = 20 / speed.prefill_tps + p["fg_tokens"] * speed.step_s
-    bg_job = p["bg_prompt"] / speed.prefill_tps + p["bg_tokens"] * speed.step_s
-    for n in p["background"]:
-        conc = p["requests"] * (p["fg_tokens"] + 2) * speed.step_s * (1 + 0.35 * n)
+    per_req = 20 / speed.prefill_tps + p.fg_tokens * speed.step_s
+    bg_job = p.bg_prompt / speed.prefill_tps + p.bg_tokens * speed.step_s
+    for n in p.background:
+        conc = p.requests * (p.fg_tokens + 2) * speed.step_s * (1 + 0.35 * n)
         total += conc * (2 if n else 1)
-        total += p["requests"] * (per_req + (bg_job if n else 0)) + (bg_job if n else 0)
+        total += p.requests * (per_req + (bg_job if n else 0)) + (bg_job if n else 0)
     return total
 
 
-def estimate_s(p: dict, speed) -> float:
+def estimate_s(p: LatencyPlan, speed) -> float:
     """Seconds, from the calibrated speed; the factor was fitted to measured quick runs on a 2-core CPU."""
     return 2.0 * _estimate_raw(p, speed)
 
@@ -112,7 +114,7 @@ class _LatencyRun:
     concurrently (cothink) or one request at a time (server: the turn-based baseline)."""
 
     engine: Any
-    p: dict
+    p: LatencyPlan
     n_bg: int
     fg_priority: str
     bg_prompts: list[list[int]]
@@ -154,7 +156,7 @@ class _LatencyRun:
             if self.stop.is_set():
                 return
             prompt = self.bg_prompts[(i * 7 + j) % len(self.bg_prompts)]
-            await self.serve(1, prompt, self.p["bg_tokens"], f"bg{i}", "background")
+            await self.serve(1, prompt, self.p.bg_tokens, f"bg{i}", "background")
 
     async def wait_for_background(self) -> None:
         """Let the background get going: a token from each client, or two minutes."""
@@ -166,13 +168,13 @@ class _LatencyRun:
     async def foreground(self) -> None:
         """The closed loop: a request, its whole answer, a short gap, the next request."""
         p = self.p
-        for r in range(p["requests"]):
+        for r in range(p.requests):
             submitted = time.perf_counter()
             times = await within(
-                self.serve(0, self.fg_prompts[r], p["fg_tokens"], "fg", self.fg_priority), TIMEOUT, "fg"
+                self.serve(0, self.fg_prompts[r], p.fg_tokens, "fg", self.fg_priority), TIMEOUT, "fg"
             )
             self.requests.append(_ForegroundRequest(submitted, times))
-            await asyncio.sleep(p["gap_s"])
+            await asyncio.sleep(p.gap_s)
 
     async def run(self) -> tuple[float, float]:
         """Run the point in the (started) engine; returns the foreground's window (start, end)."""
@@ -190,20 +192,18 @@ class _LatencyRun:
         return window_start, window_end
 
 
-async def _measure(ctx: SuiteContext, p: dict, n_bg: int, mode: str) -> dict:
+async def _measure(ctx: SuiteContext, p: LatencyPlan, n_bg: int, mode: str) -> dict:
     m = ctx.model
-    engine = m.engine(kv_tokens=max(4096, (n_bg + 2) * (p["bg_prompt"] + p["bg_tokens"] + 64) * 2))
+    engine = m.engine(kv_tokens=max(4096, (n_bg + 2) * (p.bg_prompt + p.bg_tokens + 64) * 2))
     rng = random.Random(ctx.seed + n_bg)
     point = _LatencyRun(
         engine,
         p,
         n_bg,
         fg_priority="background" if mode == "one-class" else "interactive",
-        bg_prompts=[
-            m.encode("Log: " + filler_words(rng, p["bg_prompt"]))[: p["bg_prompt"]] for _ in range(16)
-        ],
+        bg_prompts=[m.encode("Log: " + filler_words(rng, p.bg_prompt))[: p.bg_prompt] for _ in range(16)],
         fg_prompts=[
-            m.chat(f"Reply in a few words: what is {i + 2} plus {i + 3}?") for i in range(p["requests"])
+            m.chat(f"Reply in a few words: what is {i + 2} plus {i + 3}?") for i in range(p.requests)
         ],
     )
     async with engine:
@@ -222,16 +222,16 @@ async def _measure(ctx: SuiteContext, p: dict, n_bg: int, mode: str) -> dict:
         "e2e": e2e,
         "itl": itl,
         "throughput_tok_s": in_window / window if window > 0 else float("nan"),
-        "fg_tok_s": p["requests"] * p["fg_tokens"] / sum(e2e),
+        "fg_tok_s": p.requests * p.fg_tokens / sum(e2e),
         "window_s": window,
         "engine_steps": engine.steps,
     }
 
 
-async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
-    res = SuiteResult(NAME, ctx.model.key, params=dict(p))
+async def run(ctx: SuiteContext, p: LatencyPlan) -> SuiteResult:
+    res = SuiteResult(NAME, ctx.model.key, params=plan_params(p))
     results: dict[tuple[str, int], dict] = {}
-    for n_bg in p["background"]:
+    for n_bg in p.background:
         for mode in MODES:
             if mode == "one-class" and n_bg == 0:
                 continue  # nothing to compete with: identical to 'fair'
@@ -258,12 +258,12 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
 MODES = ("fair", "one-class", "turn-based")
 
 
-def _analyse(ctx: SuiteContext, res: SuiteResult, results: dict, p: dict) -> None:
+def _analyse(ctx: SuiteContext, res: SuiteResult, results: dict, p: LatencyPlan) -> None:
     res.tables.append(_latency_table(res.records, p))
     _plot_sweep(ctx, res, results, p)
-    nmax = max(p["background"])
+    nmax = max(p.background)
     fair, turn = results[("fair", nmax)], results[("turn-based", nmax)]
-    solo = results[("fair", p["background"][0])]
+    solo = results[("fair", p.background[0])]
     _headline(res, results, nmax, fair, turn, solo)
     _checks(res, p, nmax, fair, turn, solo)
     res.summary = (
@@ -291,7 +291,7 @@ _LATENCY_COLUMNS = (
 )
 
 
-def _latency_table(records: list[dict], p: dict) -> Table:
+def _latency_table(records: list[dict], p: LatencyPlan) -> Table:
     return Table(
         "Foreground latency (seconds) and total throughput",
         [
@@ -309,15 +309,15 @@ def _latency_table(records: list[dict], p: dict) -> Table:
             "throughput tok/s",
         ],
         [[rec["mode"], rec["background"], *(fmt(rec[k]) for k in _LATENCY_COLUMNS)] for rec in records],
-        note=f"{p['requests']} foreground requests per point ({p['fg_tokens']} tokens each): with so "
+        note=f"{p.requests} foreground requests per point ({p.fg_tokens} tokens each): with so "
         "few samples "
         "p95/p99 are close to the maximum.",
     )
 
 
-def _plot_sweep(ctx: SuiteContext, res: SuiteResult, results: dict, p: dict) -> None:
+def _plot_sweep(ctx: SuiteContext, res: SuiteResult, results: dict, p: LatencyPlan) -> None:
     """p50 latencies and throughput against N, one line per mode that ran."""
-    series = {mode: [n for n in p["background"] if (mode, n) in results] for mode in MODES}
+    series = {mode: [n for n in p.background if (mode, n) in results] for mode in MODES}
     ran = [mode for mode in series if series[mode]]
 
     lines(
@@ -368,11 +368,11 @@ def _headline(res: SuiteResult, results: dict, nmax: int, fair: dict, turn: dict
     res.headline["solo_itl_p99"] = percentile(solo["itl"], 99)
 
 
-def _checks(res: SuiteResult, p: dict, nmax: int, fair: dict, turn: dict, solo: dict) -> None:
+def _checks(res: SuiteResult, p: LatencyPlan, nmax: int, fair: dict, turn: dict, solo: dict) -> None:
     res.check(
         "every foreground request completed (no starvation, no deadlock)",
         True,
-        f"{len(res.records)} configurations x {p['requests']} requests",
+        f"{len(res.records)} configurations x {p.requests} requests",
     )
     res.check(
         f"with N={nmax} background, cothink's foreground TTFT p50 beats turn-based",
@@ -405,10 +405,10 @@ def _checks(res: SuiteResult, p: dict, nmax: int, fair: dict, turn: dict, solo: 
     )
 
 
-def _conditions(p: dict) -> list[str]:
+def _conditions(p: LatencyPlan) -> list[str]:
     return [
-        f"N background in {p['background']}; foreground: {p['requests']} requests of {p['fg_tokens']} "
-        f"tokens after a chat prompt; background jobs: {p['bg_prompt']}-token prompt + {p['bg_tokens']} "
+        f"N background in {p.background}; foreground: {p.requests} requests of {p.fg_tokens} "
+        f"tokens after a chat prompt; background jobs: {p.bg_prompt}-token prompt + {p.bg_tokens} "
         "tokens, greedy",
         "CPU, forward passes in the engine's worker thread; default scheduler limits (256 tokens, 64 items "
         "per step, prefill chunks of 128, 16 tokens per step reserved for background work, steps capped at "

@@ -9,10 +9,11 @@ engine on the same weights, while the thinker keeps generating, at increasing co
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 import asyncio
 import time
 
-from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, linear_fit, within
+from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, linear_fit, plan_params, within
 from cothink.eval.plots import lines
 from cothink.eval.workload import document_tokens
 
@@ -38,26 +39,35 @@ FULL_CONTEXTS = [256, 512, 1024, 2048, 4096, 8192, 16384]
 TIMEOUT = 1800.0
 
 
-def plan(quick: bool, duration: float | None = None) -> dict:
-    return {
-        "contexts": QUICK_CONTEXTS if quick else FULL_CONTEXTS,
-        "syncs_per_context": 1 if quick else 3,
-        "thinker_tokens_between_syncs": 2,
-    }
+@dataclass(frozen=True, slots=True)
+class SyncCostPlan:
+    """The suite's knobs (written verbatim into config.json and the suite's params)."""
+
+    contexts: tuple[int, ...]  # context lengths the thinker grows through
+    syncs_per_context: int  # syncs measured at each length
+    thinker_tokens_between_syncs: int
 
 
-def _estimate_raw(p: dict, speed) -> float:
+def plan(quick: bool, duration: float | None = None) -> SyncCostPlan:
+    return SyncCostPlan(
+        contexts=tuple(QUICK_CONTEXTS if quick else FULL_CONTEXTS),
+        syncs_per_context=1 if quick else 3,
+        thinker_tokens_between_syncs=2,
+    )
+
+
+def _estimate_raw(p: SyncCostPlan, speed) -> float:
     total = 0.0
-    for L in p["contexts"]:
+    for L in p.contexts:
         # context growth + per sync a re-encode of ~L tokens (at lower speed for long contexts)
         slow = 1 + L / 4096
-        total += (L / 2) / speed.prefill_tps * slow + p["syncs_per_context"] * (
+        total += (L / 2) / speed.prefill_tps * slow + p.syncs_per_context * (
             L / speed.prefill_tps * slow + 6 * speed.step_s * 1.4
         )
     return total
 
 
-def estimate_s(p: dict, speed) -> float:
+def estimate_s(p: SyncCostPlan, speed) -> float:
     """Seconds, from the calibrated speed; the factor was fitted to measured quick runs on a 2-core CPU."""
     return 1.9 * _estimate_raw(p, speed)
 
@@ -72,10 +82,10 @@ async def _wait_length(block, n: int, task: asyncio.Task, timeout: float = 300.0
         await asyncio.sleep(0.005)
 
 
-async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
+async def run(ctx: SuiteContext, p: SyncCostPlan) -> SuiteResult:
     m = ctx.model
-    res = SuiteResult(NAME, m.key, params=dict(p))
-    contexts = p["contexts"]
+    res = SuiteResult(NAME, m.key, params=plan_params(p))
+    contexts = p.contexts
     lmax = max(contexts)
     engine = m.engine(kv_tokens=2 * lmax + 2048, max_context=lmax + 1024)
     doc = document_tokens(m, ctx.seed, lmax)
@@ -115,7 +125,7 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
 
             task = asyncio.create_task(think())
             await _wait_length(bg, len(thinker_prompt) + 2, task)
-            for s in range(p["syncs_per_context"]):
+            for s in range(p.syncs_per_context):
                 n = len(bg)
                 name = f"sync-shared-{L}-{s}"
                 t0 = time.perf_counter()
@@ -174,7 +184,7 @@ async def run(ctx: SuiteContext, p: dict) -> SuiteResult:
                 res.records[-1]["abs_diff_p"] = res.records[-2]["abs_diff_p"] = abs(
                     probs_shared[" yes"] - probs_text[" yes"]
                 )
-                await _wait_length(bg, len(bg) + p["thinker_tokens_between_syncs"], task)
+                await _wait_length(bg, len(bg) + p.thinker_tokens_between_syncs, task)
             gen.cancel()
             await within(task, 60, "thinker cancel")
             res.records.append(dict(method="thinker", context=L, thinker_tokens=len(produced)))
