@@ -25,6 +25,7 @@ _EXPORTS = {
     "ModelRunner": "cothink.execution.runner",
     "load_model": "cothink.execution.runner",
     "Priority": "cothink.scheduler.policy",
+    "Recorder": "cothink.runtime.recorder",
     "PriorityClass": "cothink.scheduler.policy",
     "SyncEngine": "cothink.runtime.sync",
 }
@@ -38,6 +39,7 @@ __all__ = [
     "Piece",
     "Priority",
     "PriorityClass",
+    "Recorder",
     "StepRecord",
     "SyncEngine",
     "load_model",
@@ -48,6 +50,7 @@ if TYPE_CHECKING:
     from cothink.execution.runner import ModelRunner, load_model
     from cothink.memory.block import Block
     from cothink.runtime.engine import Engine, Generation, StepRecord
+    from cothink.runtime.recorder import Recorder
     from cothink.runtime.sync import SyncEngine
     from cothink.runtime.engine import GenerationResult, Piece
     from cothink.scheduler.policy import Priority, PriorityClass

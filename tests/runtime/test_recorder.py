@@ -1,0 +1,202 @@
+"""Record and replay: a recorded multi-coroutine run re-runs identically on a fresh engine (fp32), and a
+changed sampling seed is reported at the first step it changes, with its coroutine.
+
+Two runs are recorded: the demo's coroutines (a thinker generating, a narrator probing and generating
+over its blocks, the user's correction extended into ctx mid-run) on a tiny chat model, and a scripted
+run on a tiny byte-level model with sampled generations (seeded), a probe, an extend into a block that
+a running generation reads, a pause, a resume and a cancel. Engines run one torch thread: torch's CPU
+kernels may round differently on another thread count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+import cothink
+from cothink import cli
+from cothink.errors import RecordingError, RecordingMismatchError
+from cothink.runtime.recorder import Recorder, load_recording, replay_async
+from support import ids, make_engine, running_server, tiny_chat_model_dir, tiny_engine, tiny_folder, until
+
+
+class _Quiet:
+    """A demo display that keeps nothing."""
+
+    def thinker(self, text: str) -> None: ...
+    def narrator(self, text: str) -> None: ...
+    def probe(self, sync: object) -> None: ...
+    def user(self, text: str) -> None: ...
+    def status(self, text: str) -> None: ...
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+async def _scripted_run(eng: Recorder) -> None:
+    """A thinker (sampled) and a dreamer (sampled; paused, resumed, cancelled) generate; a narrator
+    probes the thinker's live block, then writes and generates over its own; the user extends ctx
+    while both generations read it. The user's extend and the dreamer's cancel are made while a step
+    runs."""
+    ctx, thoughts, dream, notes = (eng.block(n) for n in ("ctx", "thoughts", "dream", "notes"))
+    await eng.extend(ctx, token_ids=ids(24, 1), name="user")
+    thinker = eng.generate([ctx, thoughts], max_tokens=40, temperature=1.0, seed=11, name="thinker")
+    dreamer = eng.generate([ctx, dream], max_tokens=200, temperature=0.7, seed=5, name="dreamer")
+
+    async def narrator() -> None:
+        seen = 0
+        async for piece in thinker:
+            seen += len(piece.token_ids)
+            if seen >= 8 and len(notes) == 0:
+                await eng.probe([ctx, thoughts], "Answer:", (" yes", " no"), name="narrator")
+                await eng.extend(notes, token_ids=ids(5, 2), view=[ctx, thoughts, notes], name="narrator")
+                await eng.generate([ctx, thoughts, notes], max_tokens=6, name="narrator").collect()
+
+    def running() -> bool:
+        return eng.occupancy().in_flight > 0
+
+    async def user() -> None:  # while a step runs: the extend is first planned in the step after it
+        await until(lambda: len(thoughts) >= 12 and running())
+        await eng.extend(ctx, token_ids=ids(6, 3), name="user")
+
+    async def dreaming() -> None:
+        await until(lambda: len(dream) >= 4)
+        dreamer.pause()
+        await until(lambda: len(thoughts) >= 24)
+        dreamer.resume()
+        await until(lambda: len(dream) >= 10 and running())
+        dreamer.cancel()  # while a step runs: the dreamer's items of that step are dropped
+
+    await asyncio.wait_for(asyncio.gather(narrator(), user(), dreaming()), 120)
+
+
+async def _record_scripted(path: Path) -> None:
+    async with Recorder(make_engine("llama", threads=1), path, model=tiny_folder("llama")) as eng:
+        await _scripted_run(eng)
+
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("recording") / "scripted.jsonl"
+    asyncio.run(_record_scripted(path))
+    return path
+
+
+def _with_seed(src: Path, dst: Path, coroutine: str, seed: int) -> None:
+    out = []
+    for r in _records(src):
+        if r["type"] == "call" and r["op"] == "generate" and r["args"]["name"] == coroutine:
+            r["args"]["seed"] = seed
+        out.append(json.dumps(r))
+    dst.write_text("\n".join(out) + "\n")
+
+
+def test_the_recording_holds_every_call_and_step(scripted):
+    rec = load_recording(scripted)
+    ops = [c["op"] for c in rec.calls]
+    for op in ("block", "extend", "generate", "probe", "pause", "resume", "cancel", "stop"):
+        assert op in ops, (op, ops)
+    assert [c["seq"] for c in rec.calls] == list(range(1, len(rec.calls) + 1))
+    points = [(c["step"], c["during"]) for c in rec.calls]
+    assert [s for s, _ in points] == sorted(s for s, _ in points), "calls are in step order"
+    user_extends = [c for c in rec.calls if c["op"] == "extend" and c["args"]["name"] == "user"]
+    assert user_extends[1]["step"] > 0 and user_extends[1]["during"], "the user's extend lands mid-step"
+    cancel = next(c for c in rec.calls if c["op"] == "cancel")
+    assert cancel["during"], "the dreamer is cancelled while a step runs"
+    assert sorted(rec.steps) == list(range(1, rec.last_step + 1))
+    writers = {w[1] for s in rec.steps.values() for w in s["writes"]}
+    assert {"thinker", "dreamer", "narrator", "user"} <= writers
+    assert len(rec.answers) == 1 and set(next(iter(rec.answers.values()))["answer"]) == {" yes", " no"}
+    header = rec.header
+    assert header["dtype"] == "float32" and header["model"]["family"] == "llama"
+
+
+async def test_a_recorded_run_replays_identically(scripted):
+    report = await replay_async(scripted)
+    assert report.identical, report.describe()
+    assert report.replayed_steps == report.recorded_steps == load_recording(scripted).last_step
+
+
+async def test_a_changed_seed_is_reported_at_its_first_step(scripted, tmp_path):
+    changed = tmp_path / "changed.jsonl"
+    _with_seed(scripted, changed, "thinker", 12)
+    rec = load_recording(scripted)
+    first_thinker_write = min(
+        s["index"] for s in rec.steps.values() if any(w[1] == "thinker" for w in s["writes"])
+    )
+    report = await replay_async(changed)
+    diff = report.first_difference
+    assert diff is not None, report.describe()
+    assert (diff.step, diff.coroutine, diff.what) == (first_thinker_write, "thinker", "tokens"), diff
+    assert diff.expected != diff.actual
+    assert f"step {first_thinker_write} (thinker)" in report.describe()
+
+
+def test_cothink_replay_exit_codes(scripted, tmp_path, capsys):
+    assert cli.main(["replay", str(scripted)]) == 0
+    assert "replayed identically" in capsys.readouterr().out
+    changed = tmp_path / "changed.jsonl"
+    _with_seed(scripted, changed, "dreamer", 6)
+    assert cli.main(["replay", str(changed)]) == 1
+    out = capsys.readouterr().out
+    assert "differs at step" in out and "(dreamer)" in out
+    junk = tmp_path / "junk.jsonl"
+    junk.write_text('{"type": "nothing"}\n')
+    assert cli.main(["replay", str(junk)]) == 1
+    assert "not a cothink recording" in capsys.readouterr().err
+
+
+async def test_a_recording_of_another_model_is_refused(scripted):
+    with pytest.raises(RecordingMismatchError, match="another model"):
+        await replay_async(scripted, make_engine("qwen3"))
+
+
+async def test_an_untracked_block_is_refused():
+    engine = make_engine("llama")
+    async with engine:
+        rec = Recorder(engine, None)
+        outside = engine.block("outside")
+        with pytest.raises(RecordingError, match="outside"):
+            await rec.extend(outside, token_ids=[1, 2])
+        rec.close()
+
+
+async def test_the_demo_replays_identically(tmp_path):
+    from cothink.agents.demo import run_demo
+
+    path = tmp_path / "demo.jsonl"
+    async with Recorder(tiny_engine(threads=1), path, model=tiny_chat_model_dir()) as eng:
+        await run_demo(eng, _Quiet(), max_tokens=24, narrate_every=6, interject_at=10, narration_tokens=6)
+    rec = load_recording(path)
+    names = {c["args"].get("name") for c in rec.calls if c["op"] in ("extend", "generate", "probe")}
+    assert any("thinker" in str(n) for n in names) and any("narrator" in str(n) for n in names), names
+    assert rec.answers, "the narrator probed"
+    report = await replay_async(path)
+    assert report.identical, report.describe()
+    assert report.replayed_steps == rec.last_step > 0
+
+
+def test_a_server_run_with_record_replays(tmp_path):
+    path = tmp_path / "server.jsonl"
+    engine = Recorder(tiny_engine(threads=1), path, model=tiny_chat_model_dir())
+    with running_server(engine) as server:
+        with httpx.Client(base_url=server.url, timeout=60) as client:
+            for seed in (1, 2):
+                r = client.post("/v1/completions", json={
+                    "model": "tiny", "prompt": "Count: one two", "max_tokens": 8,
+                    "temperature": 0.9, "seed": seed})
+                assert r.status_code == 200, r.text
+    rec = load_recording(path)
+    assert [c["op"] for c in rec.calls].count("generate") == 2
+    assert rec.calls[-1]["op"] == "stop"
+    report = asyncio.run(replay_async(path))
+    assert report.identical, report.describe()
+
+
+def test_recorder_is_exported():
+    assert cothink.Recorder is Recorder
