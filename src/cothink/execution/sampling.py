@@ -50,7 +50,8 @@ class TokenConstraint(Protocol):
         """Boolean mask [vocab_size] of the tokens allowed next, or None when any token is."""
 
     def advance(self, token_id: int) -> None:
-        """Called once a sampled token is accepted."""
+        """Called once a sampled token is accepted; raises a CothinkError when the constraint
+        cannot go on (the generation then fails with it, without that token)."""
 
     def done(self) -> bool:
         """True when the constrained output is complete (the generation then stops)."""

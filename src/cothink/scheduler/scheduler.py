@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cothink.errors import BlockBusyError, DeadlineExceededError, InputTooLongError
+from cothink.errors import BlockBusyError, CothinkError, DeadlineExceededError, InputTooLongError
 from cothink.execution.runner import ForwardResult, ModelRunner
 from cothink.execution.sampling import sample
 from cothink.execution.step import StepItem, ViewBatch
@@ -342,7 +342,10 @@ class Scheduler:
         logits = rows[0][None] if len(rows) == 1 else torch.stack(rows)  # one row: a view, no copy
         picked = sample(logits, [w.sampler for w in ready])
         for work, token in zip(ready, picked):
-            work.accept(token)
+            try:
+                work.accept(token)
+            except CothinkError as exc:  # its constraint cannot go on (GrammarError): it fails alone
+                self.fail(work, exc)
 
     def _items(self, work: Work, n: int) -> list[StepItem] | None:
         """The work's step items, checked against the context; None if the work ends here."""

@@ -274,10 +274,11 @@ class GenerateWork(Work):
         self.next_logits = logits[0][-1]
 
     def accept(self, sampled: Sampled) -> None:
-        """The batched sampling stage picked the next token."""
-        self.pending, self._logprob, self.next_logits = sampled.token_id, sampled.logprob, None
+        """The batched sampling stage picked the next token. A constraint that cannot follow it
+        raises (CothinkError) before the token is pending, so it is never written."""
         if self.sampler.constraint is not None:
             self.sampler.constraint.advance(sampled.token_id)
+        self.pending, self._logprob, self.next_logits = sampled.token_id, sampled.logprob, None
 
     def _emit(self, token: int) -> None:
         out = self.out

@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -198,15 +199,33 @@ class BodyLimitMiddleware:
             if not message.get("more_body"):
                 break
         replayed = False
+        body = b"".join(chunks)
+        if b"json" in dict(scope.get("headers") or []).get(b"content-type", b""):
+            body = escape_invalid_utf8(body)
 
         async def replay():
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         return await self.app(scope, replay, send)
+
+
+_STRAY_BYTE = re.compile("[\udc80-\udcff]")
+
+
+def escape_invalid_utf8(body: bytes) -> bytes:
+    """A JSON body with each byte that is not UTF-8 written as the JSON escape of a lone surrogate
+    (\\udcXX). Inside a string the body then parses, and the request models' Unicode check answers
+    400 naming that field; anywhere else the body is not JSON (400 `invalid_json`)."""
+    try:
+        body.decode("utf-8")
+        return body
+    except UnicodeDecodeError:
+        text = body.decode("utf-8", "surrogateescape")
+        return _STRAY_BYTE.sub(lambda m: f"\\u{ord(m.group()):04x}", text).encode("utf-8")
 
 
 class ObserveMiddleware:
@@ -232,10 +251,14 @@ class ObserveMiddleware:
 
         try:
             if self.state.draining and scope.get("path") not in OPEN_PATHS and scope["type"] == "http":
-                await _send_error(
-                    send_wrapped,
-                    APIError(503, "the server is shutting down", "server_overloaded", "shutting_down"),
+                shutting = APIError(
+                    503,
+                    "the server is shutting down",
+                    "server_overloaded",
+                    "shutting_down",
+                    headers={"Connection": "close"},  # the connection ends with this answer
                 )
+                await _send_error(send_wrapped, shutting)
             else:
                 await self.app(scope, receive, send_wrapped)
         finally:

@@ -20,7 +20,7 @@ from cothink.server.sessions import Session
 from cothink.server.state import ServerState, get_state
 from cothink.server.streaming import abort_on_disconnect
 
-router = APIRouter()
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 
 @router.post(

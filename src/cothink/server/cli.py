@@ -126,6 +126,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=d.key_max_snapshots,
         help=f"snapshots one API key may keep (default {d.key_max_snapshots})",
     )
+    p.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=d.header_timeout_s,
+        help=f"close a connection whose request head takes longer (default {d.header_timeout_s:g})",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=d.body_timeout_s,
+        help=f"close a connection whose request body takes longer (default {d.body_timeout_s:g})",
+    )
+    p.add_argument(
+        "--max-pending-connections",
+        type=_positive,
+        default=d.max_pending_connections,
+        help="connections that may wait for a request head at once; one more closes the oldest "
+        f"(default {d.max_pending_connections})",
+    )
+    p.add_argument(
+        "--record",
+        default=None,
+        metavar="FILE",
+        help="record every engine call and step to FILE, for `cothink replay FILE` (docs/runtime.md)",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -158,6 +183,9 @@ def settings_from_args(args: argparse.Namespace):
         block_idle_s=args.block_idle_s or None,
         snapshot_dir=args.snapshot_dir,
         key_max_snapshots=args.key_max_snapshots,
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        max_pending_connections=args.max_pending_connections,
     )
 
 
@@ -189,6 +217,10 @@ def run(args: argparse.Namespace) -> int:
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     log.info("loading model %s", args.model)
     engine = Engine.from_pretrained(args.model, device=args.device, dtype=dtype, **limits)
+    if args.record:
+        from cothink.runtime.recorder import Recorder
+
+        engine = Recorder(engine, args.record, model=args.model, quantize=args.quantize)
     app = create_app(engine, settings)
     try:
         serve(app, args.host, args.port, log_level=args.log_level)

@@ -24,7 +24,7 @@ from cothink.server.sessions import Session
 from cothink.server.state import ServerState, get_state
 from cothink.server.streaming import EventStream, abort_on_disconnect, cancel_on_disconnect, sse
 
-router = APIRouter()
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 
 def event_stream(state: ServerState, running: Running) -> EventStream:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from cothink import errors as ce
+from cothink.structured.grammar import GrammarError
 
 log = logging.getLogger("cothink.server")
 
@@ -86,6 +87,7 @@ _MAP: list[tuple[type[BaseException], int, str, str]] = [
     (ce.SnapshotMismatchError, 409, "conflict_error", "snapshot_mismatch"),  # saved from another model
     (ce.SnapshotError, 400, "invalid_request_error", "snapshot_invalid"),  # not a (readable) snapshot
     (ce.InvalidTokenIdError, 400, "invalid_request_error", "invalid_token_id"),
+    (GrammarError, 400, "invalid_request_error", "grammar_error"),  # a schema beyond the matcher's limits
     (ce.InvalidParameterError, 400, "invalid_request_error", "invalid_value"),  # param names the field
 ]
 
@@ -165,7 +167,8 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kinds = {401: "authentication_error", 404: "not_found_error", 405: "invalid_request_error"}
-        codes = {404: "not_found", 405: "method_not_allowed"}
+        # 400 here: a body the framework could not parse (bytes that are not JSON, nesting too deep)
+        codes = {400: "invalid_body", 404: "not_found", 405: "method_not_allowed"}
         err = APIError(
             exc.status_code,
             str(exc.detail),

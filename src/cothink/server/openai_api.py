@@ -176,6 +176,7 @@ class Run:
         self.prompt_tokens = 0
         self.cached_tokens = 0  # prompt tokens reused from the prefix cache
         self.hold: Hold | None = None
+        self.structured = Structured()  # how each choice's output is constrained and checked
         self.span = state.tracer.start_span(
             "cothink.openai.request", attributes={"cothink.request": request_id}
         )
@@ -187,6 +188,7 @@ class Run:
 
     async def start(self, prompts: list[list[int]], p: Params, stop_ids: set[int]) -> None:
         state = self.state
+        self.structured = p.structured
         if len(prompts) * p.n > state.settings.max_choices:
             raise APIError(
                 400,
@@ -267,6 +269,7 @@ class Run:
             gen = self.gens[0]
             async for piece in gen:
                 yield 0, piece
+            self.structured.check(gen.result)
             yield 0, gen.result
             return
         queue: asyncio.Queue = asyncio.Queue()
@@ -275,6 +278,7 @@ class Run:
             try:
                 async for piece in gen:
                     queue.put_nowait((i, piece))
+                self.structured.check(gen.result)
                 queue.put_nowait((i, gen.result))
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 queue.put_nowait((i, exc))
@@ -302,6 +306,7 @@ class Run:
             logprobs = []
             async for piece in gen:
                 logprobs.extend(piece.logprobs or ())
+            self.structured.check(gen.result)
             return Outcome(gen.result, logprobs)
 
         try:

@@ -22,6 +22,7 @@ from cothink.server.errors import APIError
 
 if TYPE_CHECKING:
     from cothink.execution.sampling import TokenConstraint, TokenLogprob
+    from cothink.runtime.engine import GenerationResult
     from cothink.server.state import ServerState
 
 
@@ -31,6 +32,21 @@ class Structured:
 
     make_constraint: Callable[[], TokenConstraint] | None = None
     tool_calls: str = "never"  # never | maybe (auto: text or a call) | always (required / named)
+    param: str | None = None  # the field whose schema every "stop" output must parse as (None: free text)
+
+    def check(self, result: GenerationResult) -> None:
+        """A "stop" output of a schema-constrained choice is JSON; any other is a failed grammar
+        (GrammarError), never a "stop" with output that does not parse."""
+        if self.param is None or result.finish_reason != "stop":
+            return
+        from cothink.structured import GrammarError
+
+        try:
+            json.loads(result.text)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(
+                f"the output ended before the schema was complete ({exc.msg} at {exc.pos})", param=self.param
+            ) from None
 
 
 def _compiler(state: ServerState):
@@ -129,7 +145,7 @@ def structured_for(state: ServerState, response_format, tools, tool_choice) -> S
         schema = tool_call_schema(callable_tools)
         if mode == "required":
             grammar = compiler.json_grammar(schema, "tools")
-            return Structured(lambda: compiler.constraint(grammar, "tools"), "always")
+            return Structured(lambda: compiler.constraint(grammar, "tools"), "always", "tools")
         compiler.text_or_json(schema, "tools")  # compile once now, so a bad schema is a 400 up front
         return Structured(lambda: compiler.text_or_json(schema, "tools"), "maybe")
     schema = response_format_schema(response_format)
@@ -137,7 +153,7 @@ def structured_for(state: ServerState, response_format, tools, tool_choice) -> S
         return Structured()
     compiler = _compiler(state)
     grammar = compiler.json_grammar(schema, "response_format")
-    return Structured(lambda: compiler.constraint(grammar, "response_format"))
+    return Structured(lambda: compiler.constraint(grammar, "response_format"), param="response_format")
 
 
 def parse_tool_call(text: str, mode: str) -> dict[str, Any] | None:

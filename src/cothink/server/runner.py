@@ -1,7 +1,8 @@
 """Running the app with uvicorn: a blocking `serve` for the CLI and a `BackgroundServer` for tests.
 
 Both use `Server`, a uvicorn.Server that ends running generations (finish reason 'cancelled') and stops
-the engine *before* uvicorn waits for open connections, so a shutdown never waits on a long stream.
+the engine *before* uvicorn waits for open connections, so a shutdown never waits on a long stream, and
+that answers new requests with 503 while the requests in flight finish (`Server._finish_requests`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+
+from cothink.server.connections import ConnectionLimits, guarded_h11
 
 
 class Server(uvicorn.Server):
@@ -42,16 +45,35 @@ class Server(uvicorn.Server):
         state = getattr(self.cothink_app.state, "cothink", None)
         if state is not None:
             await state.drain()
+            await self._finish_requests()
         await super().shutdown(sockets)
+
+    async def _finish_requests(self) -> None:
+        """Keep listening while the requests that began before the shutdown finish (at most
+        `timeout_graceful_shutdown`): a new request meanwhile gets 503 `shutting_down` and its
+        connection closes after that answer. Idle keep-alive connections close now. Then uvicorn
+        stops listening, and later connection attempts are refused."""
+        for connection in list(self.server_state.connections):
+            connection.shutdown()
+        limit = self.config.timeout_graceful_shutdown
+        deadline = time.monotonic() + (limit if limit is not None else float("inf"))
+        while self.server_state.tasks and not self.force_exit and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
 
 def make_config(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, **kwargs: Any) -> uvicorn.Config:
+    """uvicorn's options for `app`: h11 with the connection limits of the app's ServerSettings
+    (cothink.server.connections), idle keep-alive connections closed after `timeout_keep_alive`."""
+    state = getattr(app.state, "cothink", None)
+    limits = state.settings.connection_limits() if state is not None else ConnectionLimits()
     options: dict[str, Any] = dict(
         host=host,
         port=port,
         log_config=None,
         lifespan="on",
+        http=guarded_h11(limits),
         ws="websockets-sansio",
+        timeout_keep_alive=5,
         timeout_graceful_shutdown=10,
         access_log=True,
         server_header=False,

@@ -26,7 +26,7 @@ class InvalidText(ValueError):
     """A string holding a lone surrogate (e.g. JSON "\\ud800"): not Unicode text; `param` is its field."""
 
     def __init__(self, param: str):
-        super().__init__("the text holds a lone surrogate (not valid Unicode)")
+        super().__init__("the text is not valid Unicode (a lone surrogate, or bytes that are not UTF-8)")
         self.param = param
 
 

@@ -12,6 +12,8 @@ from fastapi import APIRouter
 
 from cothink.server import block_routes, coroutine_routes, session_routes, snapshot_routes, socket_routes
 
+# each part's router carries the /v1/sessions prefix itself, so the route a request matched (which
+# the request metrics label by) names the whole path
 router = APIRouter()
 for part in (session_routes, block_routes, coroutine_routes, snapshot_routes, socket_routes):
-    router.include_router(part.router, prefix="/v1/sessions", tags=["sessions"])
+    router.include_router(part.router)

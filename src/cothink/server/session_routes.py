@@ -14,7 +14,7 @@ from cothink.server.sessions import Session
 from cothink.server.state import ServerState, get_state, principal
 
 log = logging.getLogger("cothink.server")
-router = APIRouter()
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 
 @router.post(

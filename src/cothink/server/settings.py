@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cothink.server.connections import ConnectionLimits
+
 
 @dataclass
 class ServerSettings:
@@ -30,6 +32,9 @@ class ServerSettings:
     allowed_origins: tuple[str, ...] = ()  # browser Origins allowed (CORS); others get 403
     admin_keys: tuple[str, ...] = ()  # keys that also see every coroutine in /v1/timeline (also valid keys)
     list_sessions_without_key: bool = False  # without keys, GET /v1/sessions is refused unless this is set
+    header_timeout_s: float = 10.0  # a request's head must arrive within this, or the connection is closed
+    body_timeout_s: float = 30.0  # a request's body must arrive within this of its head
+    max_pending_connections: int = 64  # connections waiting for a request head; one more closes the oldest
     # ---- memory quotas, counted in KV pages (a block costs at least one page) ----
     key_memory_share: float | None = None  # share of the KV pool one key may hold; None: 1 key -> 1, else 1/2
     key_max_sessions: int | None = None  # live sessions per key; None: max_sessions / number of keys
@@ -47,6 +52,9 @@ class ServerSettings:
     def keys(self) -> tuple[str, ...]:
         """Every accepted key (admin keys included)."""
         return tuple(dict.fromkeys((*self.api_keys, *self.admin_keys)))
+
+    def connection_limits(self) -> ConnectionLimits:
+        return ConnectionLimits(self.header_timeout_s, self.body_timeout_s, self.max_pending_connections)
 
     def memory_share(self) -> float:
         if self.key_memory_share is not None:

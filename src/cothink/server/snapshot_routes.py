@@ -28,7 +28,7 @@ from cothink.server.state import ServerState, get_state, principal
 from cothink.server.streaming import abort_on_disconnect
 
 log = logging.getLogger("cothink.server")
-router = APIRouter()
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 
 SnapshotIdPath = Path(..., min_length=1, max_length=64, description="Snapshot id")
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
@@ -16,7 +17,8 @@ from cothink.server.schemas import WsCancel, WsExtend, WsGenerate, WsMessage, Ws
 from cothink.server.sessions import Session
 from cothink.server.state import ServerState, get_ws_state, principal
 
-router = APIRouter()
+router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
+log = logging.getLogger("cothink.server")
 
 _WS_MESSAGE = TypeAdapter(WsMessage)
 _WS_TYPES = ("generate", "extend", "probe", "cancel")
@@ -105,6 +107,10 @@ class _SessionSocket:
             await self.send({"type": "error", **err.body()}, None)
         except ValidationError as exc:
             await self.send({"type": "error", **ws_validation_error(exc).body()}, None)
+        except RecursionError:  # arrays or objects nested about a thousand deep; the socket stays open
+            log.warning("refused a WebSocket message nested too deep", extra={"session": self.session.id})
+            err = APIError(400, "the message nests arrays or objects too deep", code="too_deep")
+            await self.send({"type": "error", **err.body()}, None)
         return None
 
     async def send(self, event: dict, ref: str | None) -> None:

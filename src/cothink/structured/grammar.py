@@ -20,34 +20,60 @@ class InvalidSchemaError(InvalidParameterError):
     """A JSON schema or grammar that the constraint compiler rejects (`param` names the field)."""
 
 
+class GrammarError(InvalidSchemaError):
+    """A grammar that compiled but cannot go on during generation: the schema is beyond the matcher's
+    limits (an `anyOf` of thousands of options, a `$ref` that refers only to itself). The
+    generation fails with this error; it never ends as "stop" with output the grammar did not accept."""
+
+
+# The matcher's message ends with a dump of its internal state after a "<state>" line: not for clients.
+_STATE_DUMP = "<state>"
+
+
+def grammar_problem(message: str) -> str:
+    """The first lines of a matcher error, without the state dump that follows them."""
+    head = message.split(_STATE_DUMP, 1)[0].strip()
+    return head.splitlines()[0][:300] if head else "the grammar cannot continue"
+
+
 class GrammarConstraint:
     """One generation's grammar state: `allowed()` masks the next token, `advance()` consumes one."""
 
-    def __init__(self, matcher: Any, vocab_size: int, tokenizer_vocab: int):
+    def __init__(self, matcher: Any, vocab_size: int, tokenizer_vocab: int, param: str = "response_format"):
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.tokenizer_vocab = min(tokenizer_vocab, vocab_size)
+        self.param = param
         self.ended = False
+        self.dead_end = False  # the last mask allowed no token: the next `advance` fails
 
     def allowed(self) -> torch.Tensor | None:
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         words = np.unpackbits(bits, bitorder="little")[: self.tokenizer_vocab].astype(bool)
         mask = torch.zeros(self.vocab_size, dtype=torch.bool)
         mask[: len(words)] = torch.from_numpy(words)
-        if not bool(mask.any()):  # a dead end cannot happen with sampled-from-mask tokens; be safe
-            return None
-        return mask
+        # A matcher in error allows nothing. The batched sampler still needs a row, so any token
+        # is drawn, and `advance` then fails the generation before that token is written.
+        self.dead_end = self.matcher.is_error() or not bool(mask.any())
+        return None if self.dead_end else mask
 
     def advance(self, token_id: int) -> None:
-        if self.matcher.is_stopped():
+        """Consume a sampled token; GrammarError when the matcher cannot go on (its limits, a
+        grammar with no way forward)."""
+        if not self.dead_end and self.matcher.is_stopped() and not self.matcher.is_error():
             self.ended = True  # the end-of-sequence token the grammar allows once it is complete
-        else:
+            return
+        if not self.dead_end:
             self.matcher.consume_token(int(token_id))
+        if self.dead_end or self.matcher.is_error():
+            problem = grammar_problem(self.matcher.get_error() or "no token can continue the output")
+            raise GrammarError(f"the schema cannot be followed: {problem}", param=self.param)
 
     def done(self) -> bool:
         # The engine ends the generation after the token that completed the grammar (that token is
         # part of the text); an end-of-sequence token the grammar allows once complete also ends it.
-        return self.ended or self.matcher.is_stopped()
+        # A matcher in error is stopped too, but not complete: `advance` raised for it.
+        return self.ended or (self.matcher.is_stopped() and not self.matcher.is_error())
 
     @property
     def error(self) -> str | None:
@@ -81,8 +107,10 @@ class GrammarCompiler:
         tok = self._tok()
         matcher = llguidance.LLMatcher(tok, grammar, log_level=0)
         if matcher.is_error():
-            raise InvalidSchemaError(f"the grammar is invalid: {matcher.get_error()}", param=param)
-        return GrammarConstraint(matcher, self.vocab_size, tok.vocab_size)
+            raise InvalidSchemaError(
+                f"the grammar is invalid: {grammar_problem(matcher.get_error())}", param=param
+            )
+        return GrammarConstraint(matcher, self.vocab_size, tok.vocab_size, param)
 
     def json_schema(self, schema: dict[str, Any] | bool, param: str = "response_format") -> GrammarConstraint:
         return self.constraint(self.json_grammar(schema, param), param)
