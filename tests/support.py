@@ -50,10 +50,12 @@ if TYPE_CHECKING:  # the engine is imported where used: lower-layer tests do not
 
 __all__ = [
     "ATOL", "FULL", "LINEAR", "LINEAR_ONLY_GENERATE_BROKEN", "NO", "TINY_SPECS", "VOCAB", "WORDS", "YES",
-    "Recorder", "Replay", "Spec", "TinyModel", "Zoo", "ZOO", "check_greedy", "fresh_runner", "ids",
-    "load_runner", "make_engine", "make_tokenizer", "max_err", "one_torch_thread", "perturb", "random_ids",
-    "record_error", "replay", "running_server", "smollm2_dir", "smollm2_runner", "snapshot", "sse_events",
-    "tiny_chat_model_dir", "tiny_engine", "tiny_folder", "tiny_model", "until",
+    "Recorder", "Replay", "Spec", "TinyModel", "Zoo", "ZOO", "check_greedy", "count_fused_decode_rows",
+    "fast_and_eager", "fresh_runner", "ids", "load_runner", "make_engine", "make_tokenizer", "max_err",
+    "one_torch_thread", "perturb", "prefill_then_decode", "random_ids", "record_error", "replay",
+    "running_server", "smollm2_dir", "smollm2_runner", "snapshot", "sse_events", "tiny_chat_model_dir",
+    "tiny_engine", "tiny_folder", "tiny_hybrid_moe", "tiny_kimi_config", "tiny_model", "until",
+    "write_blocks_with_random_views",
 ]
 
 VOCAB = 300
@@ -331,6 +333,58 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+# ---- tiny configs of the layer-level tests (MoE, KDA, MLA) --------------------------------------------
+def tiny_kimi_config(**overrides: Any):
+    """A tiny transformers KimiLinearConfig (hidden 32): layer 0 KDA, layer 1 MLA with a sparse MLP."""
+    import transformers as tf
+
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        layer_types=[LINEAR, FULL],
+        mlp_layer_types=["dense", "sparse"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=12,
+        v_head_dim=10,
+        linear_head_dim=8,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=4,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_local_experts=8,
+        num_experts_per_tok=4,
+        rms_norm_eps=1e-5,
+    )
+    return tf.KimiLinearConfig(**(base | overrides))
+
+
+def tiny_hybrid_moe(**overrides: Any) -> dict[str, Any]:
+    """Keywords of a tiny Qwen3.5-MoE / Qwen3-Next text config (hidden 32, 16 experts): a GDN layer then a
+    full-attention one."""
+    base = dict(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        layer_types=[LINEAR, FULL],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=20,
+        num_experts=16,
+    )
+    return base | overrides
+
+
 # ---- runners and engines over the zoo ------------------------------------------------------------------
 def tiny_folder(kind: str) -> Path:
     """A saved tiny checkpoint (with the byte-level tokenizer) of TINY_SPECS[kind]; built once per process."""
@@ -380,6 +434,60 @@ async def until(predicate, timeout: float = 30.0) -> None:
             await asyncio.sleep(0)
 
     await asyncio.wait_for(wait(), timeout)
+
+
+def fast_and_eager(
+    zoo: Zoo, name: str, kernels: str, monkeypatch: pytest.MonkeyPatch
+) -> tuple[TinyModel, ModelRunner, ModelRunner]:
+    """(tiny model, fast-path runner, eager runner with torch attention) for `name`, with cothink's C kernels
+    on (kernels "native"; the test is skipped where they did not build) or off ("torch")."""
+    from cothink.ops import native
+
+    if kernels == "native" and not native.available():
+        pytest.skip("cothink's C kernels did not build here")
+    monkeypatch.setattr(native, "ENABLED", kernels == "native")
+    tm = zoo(name)
+    return tm, tm.runner(), tm.runner(fast=False, attention_backend="torch")
+
+
+def prefill_then_decode(runner: ModelRunner, ids: list[int], prefill: int) -> torch.Tensor:
+    """Logits of `ids` written into a fresh block: ids[:prefill] in one step, then one token per step."""
+    block = runner.new_block()
+    first = runner.extend(block, ids[:prefill])
+    return torch.cat([first, *(runner.extend(block, [t]) for t in ids[prefill:])])
+
+
+def write_blocks_with_random_views(
+    runner: ModelRunner, rng: random.Random, lengths: list[int]
+) -> list[Block]:
+    """Blocks of `lengths` tokens written one by one, each reading a random permutation of some earlier
+    blocks; blocks of 10 tokens or more in two steps, each with its own view."""
+    blocks = []
+    for i, n in enumerate(lengths):
+        block = runner.new_block(f"blk{i}")
+        ids = random_ids(n, rng)
+        cut = [0, n] if n < 10 else [0, n // 3, n]
+        for a, b in zip(cut, cut[1:]):
+            earlier = rng.sample(blocks, rng.randint(0, min(4, len(blocks))))
+            runner.extend(block, ids[a:b], view=earlier + [block])
+        blocks.append(block)
+    return blocks
+
+
+def count_fused_decode_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Wrap the fused decode step (the real kernel still runs); the returned list gets the rows of every
+    call."""
+    from cothink.ops import native
+
+    calls: list[int] = []
+    real = native.decode_layers
+
+    def counting(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(native, "decode_layers", counting)
+    return calls
 
 
 # ---- recording an engine's steps and replaying them one item at a time --------------------------------

@@ -149,6 +149,14 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from cothink.runtime.recorder import replay
+
+    report = replay(args.file, model=args.model, device=args.device)
+    print(report.describe())
+    return 0 if report.identical else 1
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -215,6 +223,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser(
+        "replay",
+        help="re-run a recorded engine run (cothink.Recorder, serve --record) and check it",
+        description="Re-run FILE on a fresh engine of the recorded model, making every call at the step "
+        "it was made, and compare every step's tokens and every probe's answer. Prints the first step "
+        "that differs (coroutine, recorded and replayed values); exits 0 when the replay is identical, "
+        "1 when it differs.",
+    )
+    p.add_argument("file", metavar="FILE", help="a recording (JSON lines)")
+    p.add_argument("--model", default=None, help="model name or folder (default: the one recorded)")
+    p.add_argument("--device", default="cpu", help="device (default: cpu)")
+    p.set_defaults(func=_cmd_replay)
 
     from cothink.agents import demo
     from cothink.server import cli as server_cli

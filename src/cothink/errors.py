@@ -23,6 +23,8 @@ __all__ = [
     "BlockSealedError",
     "SnapshotError",
     "SnapshotMismatchError",
+    "RecordingError",
+    "RecordingMismatchError",
     "DeadlineExceededError",
     "NativeKernelError",
     "ModelIntegrityError",
@@ -99,6 +101,15 @@ class SnapshotError(CothinkError, ValueError):
 
 class SnapshotMismatchError(SnapshotError):
     """Raised when a snapshot was saved from a different model or dtype than the engine's."""
+
+
+class RecordingError(CothinkError, ValueError):
+    """Raised when a recording (cothink.Recorder) cannot be written or read, is not a cothink recording,
+    or holds a call a replay cannot repeat."""
+
+
+class RecordingMismatchError(RecordingError):
+    """Raised when a recording is replayed on an engine of a different model or dtype."""
 
 
 class DeadlineExceededError(CothinkError, TimeoutError):

@@ -278,6 +278,29 @@ def test_monitor_bounded_window_and_findings(hybrid_dir):
     assert thinking.thinker_forward_passes > 0
 
 
+def test_monitor_sequential_reasons_over_every_observation(hybrid_dir):
+    """The sequential baseline writes reasoning about each observation, in turn, before its probe."""
+    log = [f"12:00:{i:02d} worker rss={100 + 7 * i}MB" for i in range(9)]
+    produced: list[str] = []
+
+    async def source():
+        for line in log:
+            produced.append(line)
+            yield line
+
+    async def main():
+        async with _engine(hybrid_dir) as engine:
+            mon = Monitor(engine, task="Watch the worker log.", kinds=["memory leak", "crash loop"],
+                          threshold=1.01, mode="sequential", think_tokens=2, name="seq")
+            return await mon.run(source()), await live_blocks(engine)
+
+    result, live = run(main())
+    assert result.observations == len(produced) == len(log) and result.reasoned == len(produced)
+    kinds = [e.kind for e in result.events if e.kind in ("input", "thought", "probe")]
+    assert kinds == ["input", "thought", "probe"] * len(log)  # each observation: read, reasoned over, probed
+    assert result.thinker_forward_passes == 0 and live == 0
+
+
 def test_observation_window_bound(hybrid_dir):
     async def main():
         async with _engine(hybrid_dir) as engine:

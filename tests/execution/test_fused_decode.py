@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support import ids
+from support import count_fused_decode_rows, ids
 
 from cothink.execution.step import StepItem
 from cothink.models import packing
@@ -18,15 +18,7 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="cothink's C kern
 @pytest.fixture
 def fused_calls(monkeypatch) -> list[int]:
     """Rows of every fused decode call (the real kernel runs)."""
-    calls: list[int] = []
-    real = native.decode_layers
-
-    def counting(x, *args, **kwargs):
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(native, "decode_layers", counting)
-    return calls
+    return count_fused_decode_rows(monkeypatch)
 
 
 @pytest.fixture

@@ -11,25 +11,12 @@ import random
 
 import pytest
 from reference import ATOL, max_err, random_ids, reference_logits
+from support import write_blocks_with_random_views
 
 from cothink.execution.step import StepItem
 
 MODELS = ["llama", "qwen35", "qwen35_mm"]
 LENGTHS = [1, 2, 3, 5, 17, 70, 4, 2]
-
-
-def _write_blocks_with_random_views(runner, rng: random.Random):
-    """Blocks written one by one, each reading a random permutation of some earlier blocks."""
-    blocks = []
-    for i, n in enumerate(LENGTHS):
-        block = runner.new_block(f"blk{i}")
-        ids = random_ids(n, rng)
-        cut = [0, n] if n < 10 else [0, n // 3, n]  # long blocks in two steps, each with its own view
-        for a, b in zip(cut, cut[1:]):
-            earlier = rng.sample(blocks, rng.randint(0, min(4, len(blocks))))
-            runner.extend(block, ids[a:b], view=earlier + [block])
-        blocks.append(block)
-    return blocks
 
 
 CASES = [("llama", None)] + [(name, dense) for name in ("qwen35", "qwen35_mm") for dense in (None, 8)]
@@ -39,7 +26,7 @@ CASES = [("llama", None)] + [(name, dense) for name in ("qwen35", "qwen35_mm") f
 def test_random_views_match_reference(tiny_model, record_error, name, dense):
     runner = tiny_model(name).runner(dense_summary_min_tokens=dense, page_size=5)  # odd page boundaries
     rng = random.Random(20)
-    blocks = _write_blocks_with_random_views(runner, rng)
+    blocks = write_blocks_with_random_views(runner, rng, LENGTHS)
     worst = 0.0
     for trial in range(8):
         d = runner.new_block(f"D{trial}")
@@ -65,7 +52,7 @@ def test_one_step_many_items(tiny_model, record_error, name):
     new tokens, whoever shares the batch (docs/runtime.md, "Semantics")."""
     runner = tiny_model(name).runner()
     rng = random.Random(21)
-    blocks = _write_blocks_with_random_views(runner, rng)
+    blocks = write_blocks_with_random_views(runner, rng, LENGTHS)
     a, b, c = runner.new_block("A"), runner.new_block("B"), blocks[4]
     runner.extend(a, random_ids(6, rng), view=blocks[:2] + [a])
     items = [
@@ -89,7 +76,7 @@ def test_one_step_many_items(tiny_model, record_error, name):
     for k in range(len(items)):
         solo = tiny_model(name).runner()
         rng2 = random.Random(21)
-        blocks2 = _write_blocks_with_random_views(solo, rng2)
+        blocks2 = write_blocks_with_random_views(solo, rng2, LENGTHS)
         a2, b2 = solo.new_block("A"), solo.new_block("B")
         solo.extend(a2, random_ids(6, rng2), view=blocks2[:2] + [a2])
         mapping = {id(x): y for x, y in zip(blocks + [a, b], blocks2 + [a2, b2])}

@@ -239,18 +239,24 @@ def test_quick_run_rows(tiny, tmp_path):
     assert (out / "report.md").exists() and (out / "monitor.png").stat().st_size > 1000
     assert (out / "traces.jsonl").exists()
     probes = [json.loads(line) for line in (out / "probes.jsonl").read_text().splitlines()]
-    assert {p["condition"] for p in probes} == {"focus-on", "focus-off", "turn-based"}
+    # every model condition probes; the rule engine has no model to probe
+    assert {p["condition"] for p in probes} == {"focus-on", "focus-off", "sequential", "turn-based"}
     assert all(0.0 <= p["p_yes"] <= 1.0 and p["t"] >= 0 for p in probes)
     rows = raw["rows"]
-    assert len(rows) == 2 * 3
+    assert len(rows) == 2 * 5
+    assert {r["condition"] for r in rows} == {"focus-on", "focus-off", "sequential", "turn-based", "rules"}
     for row in rows:
         assert set(row) == {"scenario", "anomaly", "condition", "predicted", "correct", "forward_passes",
                             "tokens_encoded", "events_seen", "events_processed", "detect_seconds"}
         assert row["predicted"] in ANOMALIES and row["correct"] == (row["predicted"] == row["anomaly"])
         assert 0 < row["events_processed"] <= row["events_seen"] <= 6
-        assert row["forward_passes"] > 0 and row["tokens_encoded"] > 0
+        if row["condition"] == "rules":  # no model: no pass, no token, never late
+            assert row["forward_passes"] == row["tokens_encoded"] == 0
+            assert row["events_processed"] == row["events_seen"]
+        else:
+            assert row["forward_passes"] > 0 and row["tokens_encoded"] > 0
     summary = raw["summary"]
-    assert {"focus-on", "focus-off", "turn-based"} <= set(summary)
+    assert {"focus-on", "focus-off", "sequential", "turn-based", "rules"} <= set(summary)
     assert {"accuracy", "forward_passes", "processed_share"} <= set(summary["turn-based"])
     assert [r.model_dump() for r in mon.render(out).rows] == rows
     assert _children() == before
@@ -270,5 +276,51 @@ def test_replayed_traces_subset_and_truncation(tmp_path):
     scenarios, traces = mon.load_inputs(args)
     assert [s.id for s in scenarios] == ["fake"] and len(traces[0].observations) == 3
     assert traces[0].observations[2].text().splitlines()[0] == "t=2s"
-    assert mon._conditions(parser.parse_args(["experiment", "monitor", "--focus", "on"])) == ["focus-on",
-                                                                                             "turn-based"]
+    assert mon._conditions(parser.parse_args(["experiment", "monitor", "--focus", "on"])) == [
+        "focus-on", "sequential", "turn-based", "rules"]
+
+
+# ------------------------------------------------------------------------------------ the baselines
+
+RECORDED = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "monitor" / "traces.jsonl"
+
+
+def test_rule_engine_on_recorded_simulator_traces():
+    """Deterministic thresholds over the simulator's recorded streams: every fault scenario gets a
+    finding of its own type, after its onset; the healthy scenarios get none."""
+    from cothink.experiments.monitor_rules import RuleEngine
+    from cothink.experiments.monitor_sim import load_traces
+
+    traces = load_traces(RECORDED)
+    assert {t.scenario.anomaly for t in traces} == set(ANOMALIES)
+    for trace in traces:
+        rules = RuleEngine()
+        findings = [f for f in (rules.observe(o.text()) for o in trace.observations) if f is not None]
+        sc = trace.scenario
+        if sc.anomaly == "none":
+            assert findings == [], sc.id
+            continue
+        assert findings, sc.id
+        first = findings[0]
+        service = f"{sc.service}[{trace.pids[sc.service]}]"
+        assert first.anomaly == sc.anomaly and first.subject in (service, "disk"), (sc.id, first)
+        assert trace.observations[first.observation].t > sc.onset_s, (sc.id, first)
+
+
+def test_rule_engine_ignores_single_odd_samples():
+    from cothink.experiments.monitor_rules import RuleEngine, parse_observation
+
+    def obs(i: int, rss: float = 11, fds: int = 3, cpu: float = 0, ops: float = 0, disk: float = 0.1) -> str:
+        return Observation(i, float(i), (ProcessSample("api", 7, rss, fds, 1, cpu, 0, 0, ops),), disk).text()
+
+    parsed = parse_observation(obs(0, rss=12, fds=5, cpu=3, ops=40, disk=2.5))
+    assert parsed.processes == {"api[7]": {"rss": 12, "fds": 5, "thr": 1, "cpu": 3, "wr": 0, "ops": 40}}
+    assert parsed.disk_mb == 2.5
+    # a start-up burst of IO, a one-off jump of memory, an fd opened for a moment: no finding
+    quiet = [obs(0, ops=90), obs(1), obs(2, rss=15), obs(3, rss=15), obs(4, fds=4), obs(5), obs(6)]
+    rules = RuleEngine()
+    assert [rules.observe(t) for t in quiet] == [None] * len(quiet) and rules.seen == len(quiet)
+    # sustained: the same engine fires on the third sample of a steady IO storm
+    storm = RuleEngine()
+    fired = [storm.observe(t) for t in [obs(0), obs(1, ops=50), obs(2, ops=60), obs(3, ops=55)]]
+    assert fired[:3] == [None] * 3 and fired[3] is not None and fired[3].anomaly == "io_slow"

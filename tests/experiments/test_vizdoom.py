@@ -97,6 +97,8 @@ def test_quick_run_rows_latency_in_passes(tiny, tmp_path):
         assert (out / f"layout_{sc}.json").exists()
         lay = rows[(sc, "layout")]
         assert lay.forward_passes > 0 and lay.actions >= 1 and lay.mean_latency_passes >= 1
+    report = (out / "report.md").read_text()
+    assert f"Model-designed layouts that ran: 0 of {len(SCENARIOS)} scenarios" in report
     for sc in SCENARIOS:
         actor, seq = rows[(sc, "actor")], rows[(sc, "sequential")]
         # the game advanced 2 tics per pass and the episode is 40 tics (quick): at most 20 passes

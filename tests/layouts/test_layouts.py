@@ -11,10 +11,21 @@ import pytest
 
 import cothink
 from cothink.cli import main as cli_main
-from cothink.layouts.design import SHIPPED, design_layout, engine_proposer, shipped_layout, shipped_text
+from cothink.layouts.design import (
+    SHIPPED,
+    ProposalBounds,
+    design_layout,
+    design_prompt,
+    engine_proposer,
+    extract_json,
+    max_chars,
+    proposal_schema,
+    shipped_layout,
+    shipped_text,
+)
 from cothink.layouts.model import Layout
 from cothink.layouts.runner import InvalidLayoutError, LayoutRunner
-from cothink.layouts.validate import check_text
+from cothink.layouts.validate import check_text, parse, validate
 
 BASE = json.loads(shipped_text("think-narrate"))
 
@@ -218,8 +229,8 @@ def test_design_invalid_twice_falls_back():
     assert len(outcome.attempts) == 2 and all(a.issues for a in outcome.attempts)
 
 
-def test_design_with_the_model(hybrid_dir):
-    """The engine proposer end to end: a random model writes no valid layout, so the default is used."""
+def test_design_with_the_model_cut_short_falls_back(hybrid_dir):
+    """A budget below the schema's worst case can cut a proposal: cut twice, the default is used."""
 
     async def main():
         async with cothink.Engine.from_pretrained(hybrid_dir, kv_tokens=16384) as engine:
@@ -229,6 +240,53 @@ def test_design_with_the_model(hybrid_dir):
     assert (
         outcome.source == "fallback" and outcome.layout.name == "think-narrate" and len(outcome.attempts) == 2
     )
+    assert not outcome.designed and all("not valid JSON" in str(a.issues[0]) for a in outcome.attempts)
+
+
+# small bounds keep a random model's proposals short (it fills every string to its bound)
+SMALL = ProposalBounds(name_chars=6, text_chars=12, stop_chars=2, items=2, blocks=2, coroutines=2, max_int=64)
+
+
+def test_proposal_schema_bounds_and_shipped_layouts():
+    schema = proposal_schema()
+    assert max_chars(schema) > max_chars(proposal_schema(SMALL)) > 0
+    # every trigger names its kind (the tag pydantic needs); no oneOf is left for the grammar compiler
+    text = json.dumps(schema)
+    assert "oneOf" not in text and "discriminator" not in text
+    assert all("kind" in schema["$defs"][t]["required"] for t in ("StartTrigger", "ProbeTrigger"))
+    import jsonschema
+
+    for name in SHIPPED:  # the shipped layouts (the prompt's example among them) are valid proposals
+        data = json.loads(shipped_text(name))
+        jsonschema.validate(data, schema)
+        assert len(json.dumps(data)) <= max_chars(schema)
+    with pytest.raises(jsonschema.ValidationError):  # a trigger without its kind is not
+        jsonschema.validate({**data, "coroutines": [{"name": "x", "role": "rule", "triggers": [{}]}]}, schema)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_designed_layouts_always_parse(hybrid_dir, seed):
+    """Constrained by the layout's schema, a random model's proposals always parse into a Layout (its
+    unconstrained answer is not even JSON); the outcome is a valid layout, the model's or the default."""
+
+    async def main():
+        async with cothink.Engine.from_pretrained(hybrid_dir, kv_tokens=16384) as engine:
+            block = engine.block("free")
+            await engine.extend(block, design_prompt(ENV))
+            free = await engine.generate([block], max_tokens=48, temperature=1.0, seed=seed).collect()
+            engine.release(block)
+            proposer = engine_proposer(engine, bounds=SMALL, temperature=1.0, seed=seed)
+            return free.text, await design_layout(ENV, proposer)
+
+    free, outcome = asyncio.run(main())
+    assert parse(extract_json(free))[0] is None  # garbage without the constraint
+    assert outcome.attempts
+    for attempt in outcome.attempts:
+        layout, issues = parse(extract_json(attempt.text))
+        assert layout is not None and issues == [], (attempt.text, issues)
+        assert len(attempt.text.encode()) <= max_chars(proposal_schema(SMALL))
+    assert validate(outcome.layout) == []
+    assert outcome.designed == (outcome.source != "fallback")
 
 
 def test_runner_timer_and_done_triggers(hybrid_dir):

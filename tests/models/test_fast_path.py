@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import max_err, random_ids
+from support import fast_and_eager, prefill_then_decode
 
 import cothink
 from cothink.errors import InvalidParameterError, UnsupportedModelError
 from cothink.execution.threads import SPIN_COUNT, ThreadChooser
 from cothink.models.quantize import Int8Linear
-from cothink.ops import native
 from cothink.ops.rope import Rotary
 
 EXACT = 1e-4  # fp32 logits: fast path vs eager path vs transformers
@@ -24,22 +24,13 @@ def test_fast_path_fp32_logits_match_eager_and_transformers(tiny_model, record_e
                                                             monkeypatch):
     """With cothink's fused C kernels (norms, SiLU x up, key stores, decode attention) and with
     them switched off (COTHINK_NATIVE=0: the torch fast path). The eager path is plain torch."""
-    if kernels == "native" and not native.available():
-        pytest.skip("cothink's C kernels did not build here")
-    monkeypatch.setattr(native, "ENABLED", kernels == "native")
-    tm = tiny_model(name)
+    tm, fast, eager = fast_and_eager(tiny_model, name, kernels, monkeypatch)
     ids = random_ids(40, seed=5)
-    fast, eager = tm.runner(), tm.runner(fast=False, attention_backend="torch")
     assert fast.backend.name == kernels
     assert fast.model.model.layers[0].mlp.gate_up_proj is not None
     assert eager.model.model.layers[0].mlp.gate_up_proj is None
     want = tm.logits(ids)
-    logits = {}
-    for label, runner in (("fast", fast), ("eager", eager)):
-        block = runner.new_block()
-        prefill = runner.extend(block, ids[:32])
-        decode = torch.cat([runner.extend(block, [t]) for t in ids[32:]])
-        logits[label] = torch.cat([prefill, decode])
+    logits = {"fast": prefill_then_decode(fast, ids, 32), "eager": prefill_then_decode(eager, ids, 32)}
     assert record_error(f"fast ({kernels}) vs eager", name, max_err(logits["fast"], logits["eager"])) < EXACT
     assert record_error(f"fast ({kernels}) vs transformers", name, max_err(logits["fast"], want)) < EXACT
 
@@ -157,11 +148,8 @@ def test_bf16_fast_linears_match_the_eager_bf16_path(tiny_model, record_error, n
     packed = can_pack(torch.bfloat16, "cpu")
     assert isinstance(fast.model.lm_head, PackedLinear if packed else CpuLinear)
     ids = random_ids(48, seed=11)
-    got = {}
-    for label, runner in (("fast", fast), ("eager", eager)):
-        block = runner.new_block()
-        prefill = runner.extend(block, ids[:40])  # 40 rows: CpuLinear widens
-        got[label] = torch.cat([prefill, *(runner.extend(block, [t]) for t in ids[40:])])
+    # a 40-row prefill: CpuLinear widens
+    got = {"fast": prefill_then_decode(fast, ids, 40), "eager": prefill_then_decode(eager, ids, 40)}
     err = max_err(got["fast"], got["eager"])
     record_error("bf16 packed vs eager" if packed else "bf16 CpuLinear vs eager", name, err)
     bound = 0.02 * got["eager"].abs().max().item()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
+from support import tiny_kimi_config
 
 from cothink.models.mla import MultiLatentAttention, causal_attend
 from cothink.models.moe_config import MlaConfig, family_config_from_hf
@@ -15,31 +16,7 @@ HIDDEN = 32
 
 
 def _config(**kw):
-    base = dict(
-        vocab_size=64,
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse"],
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=16,
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=12,
-        v_head_dim=10,
-        linear_head_dim=8,
-        linear_num_heads=4,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_local_experts=8,
-        num_experts_per_tok=4,
-        rms_norm_eps=1e-5,
-        pad_token_id=0,
-        bos_token_id=2,
-        eos_token_id=1,
-    )
-    cfg = tf.KimiLinearConfig(**(base | kw))
+    cfg = tiny_kimi_config(**(dict(pad_token_id=0, bos_token_id=2, eos_token_id=1) | kw))
     cfg._attn_implementation = "eager"
     return cfg
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers as tf
+from support import tiny_hybrid_moe, tiny_kimi_config
 
 from cothink.errors import UnsupportedModelError
 from cothink.models.moe import (
@@ -20,69 +21,22 @@ H = 32
 
 
 def _qwen35(**kw):
-    base = dict(
-        vocab_size=64,
-        hidden_size=H,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=20,
-        num_experts=16,
-        num_experts_per_tok=8,
-    )
-    return tf.Qwen3_5MoeTextConfig(**(base | kw))
+    return tf.Qwen3_5MoeTextConfig(**tiny_hybrid_moe(**(dict(num_experts_per_tok=8) | kw)))
 
 
 def _next(**kw):
-    base = dict(
-        vocab_size=64,
-        hidden_size=H,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
+    extra = dict(
         intermediate_size=24,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=20,
-        num_experts=16,
         num_experts_per_tok=6,
         decoder_sparse_step=1,
         mlp_only_layers=[],
         norm_topk_prob=True,
     )
-    return tf.Qwen3NextConfig(**(base | kw))
+    return tf.Qwen3NextConfig(**tiny_hybrid_moe(**(extra | kw)))
 
 
 def _kimi(**kw):
-    base = dict(
-        vocab_size=64,
-        hidden_size=H,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse"],
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=16,
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=12,
-        v_head_dim=10,
-        linear_head_dim=8,
-        linear_num_heads=4,
-        intermediate_size=48,
-        moe_intermediate_size=16,
+    extra = dict(
         num_local_experts=16,
         num_experts_per_tok=5,
         n_shared_experts=2,
@@ -90,7 +44,7 @@ def _kimi(**kw):
         topk_group=1,
         routed_scaling_factor=2.446,
     )
-    return tf.KimiLinearConfig(**(base | kw))
+    return tiny_kimi_config(**(extra | kw))
 
 
 def _reference_block(hf_cfg, implementation: str):

@@ -12,6 +12,7 @@ import pytest
 import torch
 import transformers as tf
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeGatedDeltaNet
+from support import tiny_hybrid_moe
 from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
 from cothink.errors import UnsupportedModelError
@@ -21,22 +22,8 @@ from cothink.models.moe_config import family_config_from_hf, load_family_config
 
 L, F = "linear_attention", "full_attention"
 
-QWEN35_TEXT = dict(
-    vocab_size=64,
-    hidden_size=32,
-    num_hidden_layers=3,
-    layer_types=[L, F, L],
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    linear_num_key_heads=2,
-    linear_num_value_heads=4,
-    linear_key_head_dim=8,
-    linear_value_head_dim=8,
-    moe_intermediate_size=16,
-    shared_expert_intermediate_size=24,
-    num_experts=16,
-    num_experts_per_tok=8,
+QWEN35_TEXT = tiny_hybrid_moe(
+    num_hidden_layers=3, layer_types=[L, F, L], shared_expert_intermediate_size=24, num_experts_per_tok=8
 )
 
 KIMI_RAW = {

@@ -9,6 +9,12 @@ import random
 import pytest
 import torch
 from reference import ATOL, max_err, random_ids, reference_logits
+from support import (
+    count_fused_decode_rows,
+    fast_and_eager,
+    prefill_then_decode,
+    write_blocks_with_random_views,
+)
 
 import cothink
 from cothink.execution.step import StepItem
@@ -51,25 +57,15 @@ def test_the_biases_change_the_logits(tiny_model):
     assert err > 100 * ATOL
 
 
-def _write_blocks_with_random_views(runner, rng: random.Random) -> list:
-    """Blocks written one by one, each reading a random permutation of some earlier blocks."""
-    blocks = []
-    for i, n in enumerate([1, 2, 3, 5, 17, 40, 4]):
-        block = runner.new_block(f"blk{i}")
-        ids = random_ids(n, rng)
-        cut = [0, n] if n < 10 else [0, n // 3, n]  # long blocks in two steps, each with its own view
-        for a, b in zip(cut, cut[1:]):
-            earlier = rng.sample(blocks, rng.randint(0, min(4, len(blocks))))
-            runner.extend(block, ids[a:b], view=earlier + [block])
-        blocks.append(block)
-    return blocks
+# lengths of the blocks written with random views: partial pages, multi-page blocks, two-step blocks
+LENGTHS = [1, 2, 3, 5, 17, 40, 4]
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_random_views_match_reference(tiny_model, record_error, name):
     runner = tiny_model(name).runner(page_size=5)  # odd page boundaries
     rng = random.Random(30)
-    blocks = _write_blocks_with_random_views(runner, rng)
+    blocks = write_blocks_with_random_views(runner, rng, LENGTHS)
     worst = 0.0
     for trial in range(6):
         reader = runner.new_block(f"D{trial}")
@@ -88,7 +84,7 @@ def test_random_views_match_reference(tiny_model, record_error, name):
 def test_one_step_many_items_reads_the_view_at_step_start(tiny_model, record_error):
     runner = tiny_model("qwen2").runner()
     rng = random.Random(31)
-    blocks = _write_blocks_with_random_views(runner, rng)
+    blocks = write_blocks_with_random_views(runner, rng, LENGTHS)
     a, b = runner.new_block("A"), runner.new_block("B")
     runner.extend(a, random_ids(6, rng), view=blocks[:2] + [a])
     items = [
@@ -105,20 +101,11 @@ def test_one_step_many_items_reads_the_view_at_step_start(tiny_model, record_err
 @pytest.mark.parametrize("kernels", ["native", "torch"])
 @pytest.mark.parametrize("name", NAMES)
 def test_fast_path_fp32_matches_eager_and_transformers(tiny_model, record_error, name, kernels, monkeypatch):
-    if kernels == "native" and not native.available():
-        pytest.skip("cothink's C kernels did not build here")
-    monkeypatch.setattr(native, "ENABLED", kernels == "native")
-    tm = tiny_model(name)
+    tm, fast, eager = fast_and_eager(tiny_model, name, kernels, monkeypatch)
     ids = random_ids(40, seed=5)
-    fast, eager = tm.runner(), tm.runner(fast=False, attention_backend="torch")
     qkv = fast.model.model.layers[0].self_attn.qkv_proj
     assert qkv is not None and qkv.bias is not None  # the fused projection carries the q/k/v biases
-    logits = {}
-    for label, runner in (("fast", fast), ("eager", eager)):
-        block = runner.new_block()
-        prefill = runner.extend(block, ids[:32])
-        decode = torch.cat([runner.extend(block, [t]) for t in ids[32:]])
-        logits[label] = torch.cat([prefill, decode])
+    logits = {"fast": prefill_then_decode(fast, ids, 32), "eager": prefill_then_decode(eager, ids, 32)}
     assert record_error(f"fast ({kernels}) vs eager", name, max_err(logits["fast"], logits["eager"])) < EXACT
     err = max_err(logits["fast"], tm.logits(ids))
     assert record_error(f"fast ({kernels}) vs transformers", name, err) < EXACT
@@ -129,11 +116,7 @@ def test_bf16_fast_linears_match_the_eager_bf16_path(tiny_model, record_error, n
     tm = tiny_model(name)
     fast, eager = tm.runner(dtype=torch.bfloat16), tm.runner(dtype=torch.bfloat16, fast=False)
     ids = random_ids(48, seed=11)
-    got = {}
-    for label, runner in (("fast", fast), ("eager", eager)):
-        block = runner.new_block()
-        prefill = runner.extend(block, ids[:40])
-        got[label] = torch.cat([prefill, *(runner.extend(block, [t]) for t in ids[40:])])
+    got = {"fast": prefill_then_decode(fast, ids, 40), "eager": prefill_then_decode(eager, ids, 40)}
     err = max_err(got["fast"], got["eager"])
     record_error("bf16 fast vs eager", name, err)
     assert err < 0.02 * got["eager"].abs().max().item()
@@ -195,14 +178,7 @@ def _decode_conversation(runner) -> list[torch.Tensor]:
     [("qwen2", torch.float32, None), ("qwen2", torch.bfloat16, "int8"), ("qwen2", torch.float32, "int8")],
 )
 def test_fused_decode_step_is_the_module_path_to_the_bit(tiny_model, monkeypatch, name, dtype, quantize):
-    calls: list[int] = []
-    real = native.decode_layers
-
-    def counting(x, *args, **kwargs):
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(native, "decode_layers", counting)
+    calls = count_fused_decode_rows(monkeypatch)
     fused = tiny_model(name).runner(dtype=dtype, quantize=quantize)
     modules = tiny_model(name).runner(dtype=dtype, quantize=quantize)
     assert fused.fused_decode is not None

@@ -9,7 +9,7 @@ import random
 
 import pytest
 import torch
-import transformers as tf
+from support import tiny_kimi_config
 
 from cothink.errors import UnsupportedModelError
 from cothink.models.kda import KimiDeltaAttention, fuse_kda_convs, run_tokens
@@ -165,36 +165,11 @@ def test_forget_gate_softplus_matches_transformers_form():
 HIDDEN = 32
 
 
-def _kimi_config():
-    return tf.KimiLinearConfig(
-        vocab_size=64,
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        mlp_layer_types=["dense", "sparse"],
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        kv_lora_rank=16,
-        q_lora_rank=None,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=12,
-        v_head_dim=10,
-        linear_head_dim=8,
-        linear_num_heads=4,
-        linear_conv_kernel_dim=4,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_local_experts=8,
-        num_experts_per_tok=4,
-        rms_norm_eps=1e-5,
-    )
-
-
 def _layers(seed: int = 0):
     """transformers' KDA layer with every parameter random (mild decays), and ours with its weights."""
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
 
-    hf_cfg = _kimi_config()
+    hf_cfg = tiny_kimi_config()
     ref = KimiLinearDeltaAttention(hf_cfg, 0).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():

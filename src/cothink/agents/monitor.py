@@ -10,7 +10,9 @@ Coroutines (engine names ``<name>.watcher`` / ``<name>.thinker``):
 - **thinker** (optional, ``think_tokens > 0``; background): keeps writing notes about the stream in its own
   bounded block, reading the window live; the watcher's probes read the notes too.
 - ``mode="sequential"`` (baseline): no background thinker; after each check-worthy observation the
-  watcher writes ``think_tokens`` of reasoning before probing (turn-based reasoning per observation).
+  watcher writes ``think_tokens`` of reasoning before probing (turn-based reasoning per observation;
+  with ``check_every=1`` it reasons over every observation in turn, counted in
+  ``MonitorResult.reasoned``).
 
 ``focus`` (optional) is added to the task: the paper reports that without a focus prompt the model
 overthinks. The stream is any async iterator of strings; ``stop_on_finding`` ends the run at the first
@@ -56,6 +58,7 @@ class MonitorResult:
     watcher_forward_passes: int = 0
     thinker_forward_passes: int = 0
     observations_dropped: int = 0  # dropped from a full intake queue (only with max_pending)
+    reasoned: int = 0  # observations the watcher wrote reasoning about before its probe (sequential mode)
 
 
 class Monitor(Agent):
@@ -105,6 +108,7 @@ class Monitor(Agent):
         self.stop_on_finding = stop_on_finding
         self.max_pending = None if max_pending is None else max(1, max_pending)
         self.observations_dropped = 0
+        self.reasoned = 0
         self.system = system or "You watch a live stream of observations and report anomalies."
         self.seed = seed
 
@@ -127,6 +131,7 @@ class Monitor(Agent):
         findings: list[Finding] = []
         checks = count = 0
         self.observations_dropped = 0
+        self.reasoned = 0
         try:
             async with aclosing(self._intake(observations)) as intake:
                 async for obs in intake:
@@ -172,6 +177,7 @@ class Monitor(Agent):
             self.forward_passes("watcher"),
             self.forward_passes("thinker"),
             self.observations_dropped,
+            self.reasoned,
         )
 
     async def _intake(self, observations: AsyncIterable[str]) -> AsyncIterator[str]:
@@ -230,6 +236,7 @@ class Monitor(Agent):
                 res = await engine.generate(
                     view, max_tokens=self.think_tokens, name=watcher, priority="interactive", seed=self.seed
                 ).collect()
+                self.reasoned += 1
                 self.emit("thought", "watcher", res.text.strip(), tokens=len(res.token_ids))
             p = await self.probe_yes(view, self.question, "watcher")
             self.emit("probe", "watcher", self.question, value=p)

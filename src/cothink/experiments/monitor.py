@@ -16,8 +16,13 @@ Conditions:
   (`--think-tokens`) reading the bounded observation window live, and an anomaly probe after every
   observation (P(yes) >= `--threshold` raises a finding; a second probe over the anomaly kinds names
   it); with or without the focus prompt (`FOCUS`).
+- `sequential`: the paper's baseline: the same Monitor with the focus prompt and no background thinker
+  (`mode="sequential"`): at every observation the watcher first writes `--think-tokens` of reasoning
+  about the window, then probes; it reasons over every observation it reads, in turn.
 - `turn-based`: text passing: at every observation the whole observation log so far is encoded again
   in a fresh context (system + task + log), then the same two probes decide.
+- `rules`: no model: fixed thresholds on the same psutil signals, read from the same observation texts
+  (`monitor_rules.RuleEngine`); it never uses the engine, so it never falls behind.
 
 The agent reports the first finding's type (the run stops there), or `none` when the stream ends.
 
@@ -39,7 +44,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from cothink.experiments import harness
 from cothink.experiments.harness import ExperimentConfig, Results, Row
@@ -56,7 +61,8 @@ from cothink.experiments.monitor_sim import (
 
 NAME = "monitor"
 log = logging.getLogger("cothink.experiments.monitor")
-CONDITIONS = ("focus-on", "focus-off", "turn-based")
+CONDITIONS = ("focus-on", "focus-off", "sequential", "turn-based", "rules")
+FOCUS_CONDITIONS = ("focus-on", "focus-off")  # the ones `--focus` selects among
 KINDS = tuple(a for a in ANOMALIES if a != "none")
 SYSTEM = "You are a site reliability engineer watching a live stream of process resource samples."
 TASK = (
@@ -199,7 +205,10 @@ class ProbeLog:
 async def run_monitor_pattern(
     engine: Any, stream: PacedStream, focus: bool, config: MonitorConfig, seed: int,
     on_probe: Callable[[float], None] = lambda p: None,
+    mode: Literal["async", "sequential"] = "async",
 ) -> Report:
+    """The Monitor pattern: a background thinker beside the probes (`async`), or reasoning written
+    before the probe at every observation (`sequential`)."""
     from cothink.agents.monitor import Monitor
 
     agent = Monitor(
@@ -212,7 +221,7 @@ async def run_monitor_pattern(
         window_tokens=config.window_tokens,
         chunk_tokens=min(256, config.window_tokens),
         think_tokens=config.think_tokens,
-        mode="async",
+        mode=mode,
         stop_on_finding=True,
         system=SYSTEM,
         seed=seed,
@@ -261,6 +270,18 @@ async def run_turn_based(
     return Report("none", None)
 
 
+async def run_rules(stream: PacedStream) -> Report:
+    """The rule engine over the same observation texts (no model: the stream's clock never moves)."""
+    from cothink.experiments.monitor_rules import RuleEngine
+
+    rules = RuleEngine()
+    async for text in stream:
+        finding = rules.observe(text)
+        if finding is not None:
+            return Report(finding.anomaly, stream.clock)
+    return Report("none", None)
+
+
 async def run_condition(
     handle: Any, trace: Trace, condition: str, config: MonitorConfig, seed: int,
     probes: ProbeLog | None = None,
@@ -276,6 +297,10 @@ async def run_condition(
 
         if condition == "turn-based":
             report = await run_turn_based(engine, stream, config, on_probe)
+        elif condition == "rules":
+            report = await run_rules(stream)
+        elif condition == "sequential":
+            report = await run_monitor_pattern(engine, stream, True, config, seed, on_probe, "sequential")
         else:
             focus = condition == "focus-on"
             report = await run_monitor_pattern(engine, stream, focus, config, seed, on_probe)
@@ -347,6 +372,10 @@ def summarize(rows: Sequence[MonitorRow]) -> dict[str, Any]:
     return out
 
 
+COLORS = {"focus-on": "tab:blue", "focus-off": "tab:orange", "sequential": "tab:green",
+          "turn-based": "tab:gray", "rules": "tab:purple"}
+
+
 def plot(path: Path, summary: dict[str, Any]) -> Path:
     """Accuracy, forward passes per task and share of events processed, a bar per condition."""
     conds = [c for c in summary if c != "by_anomaly"]
@@ -360,7 +389,7 @@ def plot(path: Path, summary: dict[str, Any]) -> Path:
             ax.bar(
                 conds,
                 [summary[c][key] for c in conds],
-                color=["tab:blue", "tab:orange", "tab:gray"][: len(conds)],
+                color=[COLORS.get(c, "tab:gray") for c in conds],
             )
             ax.set_title(label)
             ax.grid(alpha=0.3, axis="y")
@@ -426,7 +455,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--focus",
         choices=("on", "off", "both"),
         default="both",
-        help="which focus conditions to run (the turn-based baseline runs unless --conditions says)",
+        help="which focus conditions to run (the baselines run unless --conditions says)",
     )
     p.add_argument(
         "--scenarios",
@@ -457,7 +486,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--backlog", type=int, default=2, help="observations kept when the agent is late (default 2)"
     )
     p.add_argument(
-        "--think-tokens", type=int, default=64, help="background thinker's bounded notes (default 64)"
+        "--think-tokens",
+        type=int,
+        default=64,
+        help="background thinker's bounded notes; sequential: reasoning per observation (default 64)",
     )
     p.add_argument(
         "--threshold", type=float, default=0.7, help="P(anomaly) that raises a finding (default 0.7)"
@@ -467,7 +499,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def _conditions(args: argparse.Namespace) -> list[str]:
     wanted = {"on": {"focus-on"}, "off": {"focus-off"}, "both": {"focus-on", "focus-off"}}[args.focus]
-    return [c for c in args.conditions if c == "turn-based" or c in wanted]
+    return [c for c in args.conditions if c not in FOCUS_CONDITIONS or c in wanted]
 
 
 def load_inputs(args: argparse.Namespace) -> tuple[list[MonitorScenario], list[Trace] | None]:
@@ -581,7 +613,7 @@ def run(args: argparse.Namespace) -> int:
 
 EXPERIMENT = harness.Experiment(
     name=NAME,
-    help="system monitoring: name the anomaly in a live process stream (focus on/off vs turn-based)",
+    help="system monitoring: name the anomaly in a live process stream (async monitor vs baselines)",
     description=__doc__.split("\n\n")[0] if __doc__ else "",
     configure=configure,
     run=run,

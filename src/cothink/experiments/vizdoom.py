@@ -241,7 +241,7 @@ async def design(handle: Any, scenario: Scenario, config: VizdoomConfig) -> Any:
     async with engine:
         outcome = await design_layout(
             environment_description(scenario),
-            engine_proposer(engine, max_tokens=config.design_tokens),
+            engine_proposer(engine, max_tokens=config.design_tokens or None),
             fallback="strategist-actor",
         )
     if outcome.source == "fallback":
@@ -495,6 +495,12 @@ def report(results: Results[VizdoomConfig, VizdoomRow], async_episodes: Sequence
             ),
             "",
         ]
+    if c.layout_designs:
+        ran = sum(d["source"] != "fallback" for d in c.layout_designs.values())
+        lines.append(
+            f"Model-designed layouts that ran: {ran} of {len(c.layout_designs)} scenarios (the others ran "
+            "the fallback layout)."
+        )
     for sc, d in c.layout_designs.items():
         lines.append(
             f"Layout for {sc}: `{d['layout']}` from the model's {d['source']} after {d['attempts']} "
@@ -528,7 +534,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--design-tokens",
         type=int,
         default=400,
-        help="layout: most tokens per layout proposal the model writes (default 400)",
+        help="layout: most tokens per layout proposal the model writes (default 400; 0: the layout "
+        "schema's worst case, so every proposal completes)",
     )
     p.add_argument(
         "--early-exit",
@@ -565,7 +572,7 @@ def build_config(args: argparse.Namespace) -> VizdoomConfig:
         reason_tokens=min(args.reason_tokens, 4) if quick else args.reason_tokens,
         plan_tokens=min(args.plan_tokens, 6) if quick else args.plan_tokens,
         early_exit=args.early_exit,
-        design_tokens=min(args.design_tokens, 48) if quick else args.design_tokens,
+        design_tokens=min(args.design_tokens or 48, 48) if quick else args.design_tokens,
     )
 
 

@@ -323,8 +323,8 @@ def patchify(frames: np.ndarray, patch_size: int, merge_size: int) -> np.ndarray
 
 
 @dataclass(frozen=True)
-class ImagePixels:
-    """One image, ready for the tower."""
+class _GridPixels:
+    """Patches of one grid of t = 1, ready for the tower: what an image and a frame group share."""
 
     pixel_values: torch.Tensor  # [grid.patches, C * tp * p * p] float32
     grid: PatchGrid  # t = 1
@@ -350,30 +350,15 @@ class ImagePixels:
 
 
 @dataclass(frozen=True)
-class FrameGroup:
+class ImagePixels(_GridPixels):
+    """One image, ready for the tower."""
+
+
+@dataclass(frozen=True)
+class FrameGroup(_GridPixels):
     """`temporal_patch_size` consecutive frames of a video or stream, encoded as one grid of t = 1."""
 
-    pixel_values: torch.Tensor  # [grid.patches, C * tp * p * p] float32
-    grid: PatchGrid  # t = 1
-    merge_size: int
     timestamp: float  # seconds: the mean time of the group's first and last frame
-
-    @property
-    def tokens(self) -> int:
-        return self.grid.tokens(self.merge_size)
-
-    @property
-    def merged_rows(self) -> int:
-        return self.grid.h // self.merge_size
-
-    @property
-    def merged_cols(self) -> int:
-        return self.grid.w // self.merge_size
-
-    @property
-    def vision_run(self) -> VisionRun:
-        """The placeholder run's geometry for the span rule (models/mrope.py)."""
-        return VisionRun(self.merged_rows, self.merged_cols)
 
     @property
     def text(self) -> str:

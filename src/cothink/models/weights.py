@@ -56,6 +56,17 @@ def _vision_name(name: str) -> str | None:
     return None
 
 
+def _check_layout(module: torch.nn.Module, state: dict[str, torch.Tensor], what: str, family: str) -> None:
+    """UnsupportedModelError (naming `what`) unless `state` has exactly the tensors of `module`."""
+    expected = set(module.state_dict())
+    missing, unexpected = expected - set(state), set(state) - expected
+    if missing or unexpected:
+        raise UnsupportedModelError(
+            f"{what} does not match the {family} layout: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+
+
 def load_vision_tower(
     cfg: VisionConfig, folder: Path, dtype: torch.dtype, device: str | torch.device
 ) -> VisionTower:
@@ -69,13 +80,7 @@ def load_vision_tower(
     conv = state.get("patch_embed.proj.weight")
     if conv is not None and conv.dim() == 5:
         state["patch_embed.proj.weight"] = conv.reshape(conv.shape[0], -1)
-    expected = set(tower.state_dict())
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        raise UnsupportedModelError(
-            f"vision tower in {folder} does not match the {cfg.family} layout: "
-            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-        )
+    _check_layout(tower, state, f"vision tower in {folder}", cfg.family)
     tower.load_state_dict(state, assign=True)
     return tower.to(device).eval()
 
@@ -100,13 +105,7 @@ def load_weights(
     state = read_state_dict(folder, dtype)
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
-    expected = set(model.state_dict())
-    missing, unexpected = expected - set(state), set(state) - expected
-    if missing or unexpected:
-        raise UnsupportedModelError(
-            f"checkpoint in {folder} does not match the {cfg.family} layout: "
-            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
-        )
+    _check_layout(model, state, f"checkpoint in {folder}", cfg.family)
     model.load_state_dict(state, assign=True)
     model = model.to(device).eval()
     if fuse:

@@ -49,15 +49,31 @@ def delta_rule(
     v: [n, H, V]; g (log decay), beta: [n, H]; state: [H, K, V]. Returns (out [n, H, V], new state).
     Short runs use the token recurrence, longer ones the chunked (WY) form; both are exact.
     """
+    return gated_delta_rule(q, k, v, g[..., None], beta, state, CHUNK)
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The delta rule for a log decay g of shape [n, H, 1] (one per head, Gated DeltaNet) or [n, H, K]
+    (one per key channel, KDA); the other arguments and the result are those of `delta_rule`.
+    Runs of up to 4 tokens use `recurrent`, longer ones `chunked` with chunks of `chunk` tokens."""
     if q.shape[0] <= 4:
-        return _recurrent(q, k, v, g, beta, state)
-    return _chunked(q, k, v, g, beta, state)
+        return recurrent(q, k, v, g, beta, state)
+    return chunked(q, k, v, g, beta, state, chunk)
 
 
-def _recurrent(q, k, v, g, beta, state):
+def recurrent(q, k, v, g, beta, state):
+    """The token-by-token form of `gated_delta_rule` (g [n, H, 1] or [n, H, K])."""
     outs = []
     for t in range(q.shape[0]):
-        state = state * g[t].exp()[:, None, None]
+        state = state * g[t].exp()[:, :, None]  # Diag(exp g) scales the K rows
         kv_mem = torch.einsum("hk,hkv->hv", k[t], state)
         delta = (v[t] - kv_mem) * beta[t][:, None]
         state = state + k[t][:, :, None] * delta[:, None, :]
@@ -65,49 +81,79 @@ def _recurrent(q, k, v, g, beta, state):
     return torch.stack(outs), state
 
 
-def _by_chunk(x: torch.Tensor, n_chunks: int) -> torch.Tensor:
-    """[n, H, *] (n padded to n_chunks * CHUNK) -> [H, n_chunks, CHUNK, *]."""
-    return x.reshape(n_chunks, CHUNK, *x.shape[1:]).movedim(2, 0)
+def _by_chunk(x: torch.Tensor, n_chunks: int, chunk: int) -> torch.Tensor:
+    """[n, H, *] (n padded to n_chunks * chunk) -> [H, n_chunks, chunk, *]."""
+    return x.reshape(n_chunks, chunk, *x.shape[1:]).movedim(2, 0)
 
 
-def _chunked(q, k, v, g, beta, state):
-    # Chunks of CHUNK tokens, heads first: [H, N, C, *]. What a chunk computes from its own tokens
-    # (the WY system and its solves, the decays, the intra-chunk scores) is done for all chunks at
-    # once; only the state's pass from chunk to chunk loops. The last chunk is padded with tokens of
-    # zero k, beta and log decay: they leave the state as it is, and their outputs are dropped.
+def _intra_chunk(
+    q: torch.Tensor, k: torch.Tensor, k_beta: torch.Tensor, cum: torch.Tensor, causal: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The strictly lower WY system (beta_i k_i . k_j) exp(G_i - G_j) and the scores (q_i . k_j)
+    exp(G_i - G_j), j <= i, [H, N, C, C] each, for a per-head (cum [H, N, C, 1]) or per-key-channel
+    (cum [H, N, C, K]) cumulative log decay. The per-head decay factors out of the dot products; the
+    per-channel one goes inside them as an [H, N, C, C, K] tensor."""
+    if cum.shape[-1] == 1:
+        per_head = cum[..., 0]
+        decay = (per_head[..., :, None] - per_head[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+        return (k_beta @ k.transpose(-1, -2)) * decay, (q @ k.transpose(-1, -2)) * decay
+    # masked before exp: above the diagonal it would grow
+    diff = (cum[:, :, :, None, :] - cum[:, :, None, :, :]).masked_fill(~causal[:, :, None], float("-inf"))
+    decay = diff.exp()  # [H, N, C, C, K]
+    system = torch.einsum("hnik,hnjk,hnijk->hnij", k_beta, k, decay)
+    return system, torch.einsum("hnik,hnjk,hnijk->hnij", q, k, decay)
+
+
+def chunked(q, k, v, g, beta, state, chunk: int):
+    """The chunked (WY) form of `gated_delta_rule` (g [n, H, 1] or [n, H, K]).
+
+    Per chunk, with G_i = g_1 + ... + g_i (restarting each chunk; exp(G_i - G_j) per key channel):
+        L_ij = beta_i sum_c k_ic k_jc exp(G_ic - G_jc)  (i > j),  T = (I + L)^-1
+        W = T (beta k exp G),  U = T (beta v),  v_new = U - W S
+        out_i = (q_i exp G_i) S + sum_{j<=i} (sum_c q_ic k_jc exp(G_ic - G_jc)) v_new_j
+        S' = Diag(exp G_n) S + (k exp(G_n - G))^T v_new
+    Heads first: [H, N, C, *]. What a chunk computes from its own tokens (the WY system and its solves,
+    the decays, the intra-chunk scores) is done for all chunks at once; only the state's pass from
+    chunk to chunk loops. The last chunk is padded with tokens of zero k, beta and log decay: they
+    leave the state as it is, and their outputs are dropped.
+    """
     n = q.shape[0]
-    n_chunks = -(-n // CHUNK)
-    pad = n_chunks * CHUNK - n
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
     if pad:
-        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
-    q, k, v = (_by_chunk(x, n_chunks) for x in (q, k, v))
-    g, beta = (_by_chunk(x, n_chunks) for x in (g, beta))  # [H, N, C]
-    cum = g.cumsum(dim=-1)
-    causal = torch.ones(CHUNK, CHUNK, dtype=torch.bool, device=q.device).tril()
-    # exp(G_i - G_j) for j <= i
-    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+        q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = F.pad(beta, (0, 0, 0, pad))
+    q, k, v, g = (_by_chunk(x, n_chunks, chunk) for x in (q, k, v, g))  # [H, N, C, *]
+    beta = _by_chunk(beta, n_chunks, chunk)  # [H, N, C]
+    cum = g.cumsum(dim=2)  # [H, N, C, 1 or K]
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     k_beta = k * beta[..., None]
-    system = (k_beta @ k.transpose(-1, -2)) * decay  # unit diagonal is implied by solve_triangular below
-    system = system.tril(-1) + torch.eye(CHUNK, dtype=q.dtype, device=q.device)
+    system, scores = _intra_chunk(q, k, k_beta, cum, causal)  # scores are zero above the diagonal
+    system = system.tril(-1) + torch.eye(chunk, dtype=q.dtype, device=q.device)
     u = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False, unitriangular=True)
-    gain = cum.exp()[..., None]  # exp(G_i): token i's decay since the chunk's start
+    gain = cum.exp()  # exp(G_i): token i's decay since the chunk's start
     w = torch.linalg.solve_triangular(system, k_beta * gain, upper=False, unitriangular=True)
     q_decayed = q * gain
-    scores = (q @ k.transpose(-1, -2)) * decay
-    k_tail = (k * (cum[..., -1:] - cum).exp()[..., None]).transpose(-1, -2)  # [H, N, K, C]
-    chunk_decay = cum[..., -1].exp()[..., None, None]  # [H, N, 1, 1]
+    k_tail = (k * (cum[:, :, -1:] - cum).exp()).transpose(-1, -2)  # [H, N, K, C]
+    chunk_decay = cum[:, :, -1].exp()[..., None]  # [H, N, 1 or K, 1]
     outs = []
     for c in range(n_chunks):
         v_new = u[:, c] - w[:, c] @ state  # [H, C, V]
         outs.append(q_decayed[:, c] @ state + scores[:, c] @ v_new)
         state = state * chunk_decay[:, c] + k_tail[:, c] @ v_new
-    out = torch.stack(outs, dim=1).reshape(q.shape[0], n_chunks * CHUNK, -1)  # [H, N * C, V]
+    out = torch.stack(outs, dim=1).reshape(q.shape[0], n_chunks * chunk, -1)  # [H, N * C, V]
     return out.transpose(0, 1)[:n], state
 
 
 def affine_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """The map S -> A S + B of a run of tokens, returned packed as [H, K, V + K] = [B | A].
+    """The map S -> A S + B of a run of tokens (g, beta [n, H]), packed as [H, K, V + K] = [B | A]."""
+    return gated_summary(k, v, g[..., None], beta, CHUNK)
+
+
+def gated_summary(
+    k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, chunk: int
+) -> torch.Tensor:
+    """`affine_summary` for a log decay g [n, H, 1] or [n, H, K] (as `gated_delta_rule`).
 
     Augmented-value trick: the recurrence acts on each column of S independently, so running it with
     values [v | 0] from the state [0 | I] yields [B | A] exactly.
@@ -118,7 +164,7 @@ def affine_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torc
         (v.new_zeros(h, kd, v.shape[-1]), torch.eye(kd, dtype=v.dtype, device=v.device).expand(h, kd, kd)),
         dim=-1,
     )
-    _, packed = delta_rule(k, k, aug_v, g, beta, start)  # the query is irrelevant; reuse k
+    _, packed = gated_delta_rule(k, k, aug_v, g, beta, start, chunk)  # the query is irrelevant; reuse k
     return packed
 
 

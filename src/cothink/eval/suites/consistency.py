@@ -10,13 +10,13 @@ Every number a narration mentions is classified against the thinker's text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import asyncio
 import time
+from dataclasses import asdict, dataclass
 
 from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, numbers_in, plan_params, within
 from cothink.eval.plots import bars
-from cothink.eval.workload import problems
+from cothink.eval.workload import Problem, problems
 
 NAME = "consistency"
 TITLE = "Output consistency under interleaving"
@@ -51,6 +51,59 @@ class ConsistencyPlan:
     narration_tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Narration:
+    """What one narration read and wrote, as the narrator saw it (checked afterwards)."""
+
+    prefix_len: int  # tokens of the thinker's block in the snapshot (the prompt included)
+    prefix_tokens: list[int]  # the snapshot's tokens
+    tokens: list[int]  # the narration's tokens
+    text: str
+    seconds: float  # the narration's prefill and generation
+    thinker_len_after: int  # tokens of the thinker's block when the narration was done (prompt included)
+
+
+@dataclass(frozen=True, slots=True)
+class Solved:
+    """One thinker run on one problem, with or without a narrator."""
+
+    out: list[int]  # the tokens the thinker generated
+    tokens: list[int]  # its whole block at the end (prompt, reasoning)
+    narrations: list[Narration]
+    question: list[int]  # the narrator's question tokens
+
+
+@dataclass(frozen=True, slots=True)
+class NarrationRow:
+    """One narration, checked: an entry of its problem's `narrations` column."""
+
+    read_prefix_tokens: int  # thinker tokens (after the prompt) the narration read
+    text: str
+    replay_identical: bool  # equal to a greedy recomputation from its prefix on a fresh engine
+    numbers: list[int]  # the numbers the narration mentions
+    classes: list[str]  # per number: problem, reached, ahead or elsewhere
+    seconds: float  # the narration's prefill and generation
+    thinker_len_after: int  # thinker tokens (after the prompt) when the narration was done
+
+
+@dataclass(frozen=True, slots=True)
+class ProblemRow:
+    """One problem, solved alone and with a narrator: a row of raw/consistency-<model>.csv."""
+
+    problem: str  # the expression, ((a+b)*c)-d
+    answer: int
+    solo_text: str  # the thinker's text alone
+    narrated_text: str  # and with the narrator
+    identical_tokens: bool  # the thinker wrote the same tokens in both runs
+    solo_tokens: int
+    narrated_run_tokens: int
+    final_number: int | None  # the last number of the narrated run's text
+    correct: bool  # final_number equals the answer
+    solo_correct: bool  # the same for the run alone
+    mentions_steps: list[bool]  # per intermediate result: does the narrated run's text contain it
+    narrations: list[NarrationRow]
+
+
 def plan(quick: bool, duration: float | None = None) -> ConsistencyPlan:
     if quick:
         return ConsistencyPlan(
@@ -73,13 +126,15 @@ def estimate_s(p: ConsistencyPlan, speed) -> float:
     return 1.25 * _estimate_raw(p, speed)
 
 
-async def _solve(ctx: SuiteContext, engine, prompt: list[int], p: ConsistencyPlan, narrate: bool, tag: str):
+async def _solve(
+    ctx: SuiteContext, engine, prompt: list[int], p: ConsistencyPlan, narrate: bool, tag: str
+) -> Solved:
     m = ctx.model
     block = engine.block(f"thinker-{tag}")
     await within(engine.extend(block, token_ids=prompt, name=f"thinker-{tag}"), TIMEOUT, "thinker prompt")
     out: list[int] = []
     gen = engine.generate(block, max_tokens=p.thinker_tokens, name=f"thinker-{tag}", priority="background")
-    narrations: list[dict] = []
+    narrations: list[Narration] = []
     question = m.encode(
         "<|im_end|>\n<|im_start|>user\n" + NARRATOR_QUESTION + "<|im_end|>\n<|im_start|>assistant\n"
         "So far the result is"
@@ -111,14 +166,14 @@ async def _solve(ctx: SuiteContext, engine, prompt: list[int], p: ConsistencyPla
                 engine.release(narr)
                 engine.release(snap)
             narrations.append(
-                {
-                    "prefix_len": prefix,
-                    "prefix_tokens": prefix_tokens,
-                    "tokens": res.token_ids,
-                    "text": res.text,
-                    "seconds": time.perf_counter() - t0,
-                    "thinker_len_after": len(block),
-                }
+                Narration(
+                    prefix_len=prefix,
+                    prefix_tokens=prefix_tokens,
+                    tokens=res.token_ids,
+                    text=res.text,
+                    seconds=time.perf_counter() - t0,
+                    thinker_len_after=len(block),
+                )
             )
             next_at = len(out) + p.narrate_every
 
@@ -131,7 +186,7 @@ async def _solve(ctx: SuiteContext, engine, prompt: list[int], p: ConsistencyPla
     await within(asyncio.gather(*tasks), TIMEOUT, "thinker and narrator")
     tokens = list(block.tokens)
     engine.release(block)
-    return out, tokens, narrations, question
+    return Solved(out, tokens, narrations, question)
 
 
 def _replay_narration(ctx: SuiteContext, prefix: list[int], question: list[int], n: int) -> list[int]:
@@ -161,7 +216,6 @@ def _classify(number: int, problem, prefix_text: str, later_text: str) -> str:
 async def run(ctx: SuiteContext, p: ConsistencyPlan) -> SuiteResult:
     m = ctx.model
     res = SuiteResult(NAME, m.key, params=plan_params(p))
-    tok = m.tokenizer
     engine = m.engine(kv_tokens=8192)
     counts = {"problem": 0, "reached": 0, "ahead": 0, "elsewhere": 0}
     probs = problems(ctx.seed, p.problems)
@@ -175,63 +229,80 @@ async def run(ctx: SuiteContext, p: ConsistencyPlan) -> SuiteResult:
         narrated = await asyncio.gather(
             *[_solve(ctx, engine, prompt, p, True, f"{i}-narrated") for i, prompt in enumerate(prompts)]
         )
-        for i, (prob, prompt, (solo, _, _, _), (inter, inter_tokens, narrations, question)) in enumerate(
-            zip(probs, prompts, solos, narrated)
-        ):
-            text = tok.decode(inter, skip_special_tokens=True)
-            solo_text = tok.decode(solo, skip_special_tokens=True)
-            nums = numbers_in(text)
-            rec = {
-                "problem": prob.expression,
-                "answer": prob.answer,
-                "solo_text": solo_text,
-                "narrated_text": text,
-                "identical_tokens": solo == inter,
-                "solo_tokens": len(solo),
-                "narrated_run_tokens": len(inter),
-                "final_number": nums[-1] if nums else None,
-                "correct": bool(nums) and nums[-1] == prob.answer,
-                "solo_correct": bool(numbers_in(solo_text)) and numbers_in(solo_text)[-1] == prob.answer,
-                "mentions_steps": [s in nums for s in prob.steps],
-                "narrations": [],
-            }
-            for n in narrations:
-                ctx.say(f"problem {i + 1}: replaying narration at {n['prefix_len']} tokens")
-                replay = _replay_narration(ctx, n["prefix_tokens"], question, len(n["tokens"]))
-                prefix_text = tok.decode(n["prefix_tokens"][len(prompt) :], skip_special_tokens=True)
-                later_text = tok.decode(inter_tokens[n["prefix_len"] :], skip_special_tokens=True)
-                classes = [_classify(x, prob, prefix_text, later_text) for x in numbers_in(n["text"])]
-                for c in classes:
-                    counts[c] += 1
-                rec["narrations"].append(
-                    {
-                        "read_prefix_tokens": n["prefix_len"] - len(prompt),
-                        "text": n["text"],
-                        "replay_identical": replay == n["tokens"],
-                        "numbers": numbers_in(n["text"]),
-                        "classes": classes,
-                        "seconds": n["seconds"],
-                        "thinker_len_after": n["thinker_len_after"] - len(prompt),
-                    }
-                )
-            res.records.append(rec)
-    _analyse(ctx, res, counts)
+        rows = [
+            _check_problem(ctx, i, prob, prompt, solo, narrated_run, counts)
+            for i, (prob, prompt, solo, narrated_run) in enumerate(zip(probs, prompts, solos, narrated))
+        ]
+    res.records = [asdict(r) for r in rows]
+    _analyse(ctx, res, rows, counts)
     return res
 
 
-def _analyse(ctx: SuiteContext, res: SuiteResult, counts: dict) -> None:
+def _check_problem(
+    ctx: SuiteContext,
+    i: int,
+    prob: Problem,
+    prompt: list[int],
+    solo_run: Solved,
+    narrated_run: Solved,
+    counts: dict[str, int],
+) -> ProblemRow:
+    """Compare the two runs of one problem, replay each narration from its prefix and classify the
+    numbers it mentions (adding them to counts)."""
+    tok = ctx.model.tokenizer
+    solo, inter, inter_tokens = solo_run.out, narrated_run.out, narrated_run.tokens
+    text = tok.decode(inter, skip_special_tokens=True)
+    solo_text = tok.decode(solo, skip_special_tokens=True)
+    nums = numbers_in(text)
+    checked = []
+    for n in narrated_run.narrations:
+        ctx.say(f"problem {i + 1}: replaying narration at {n.prefix_len} tokens")
+        replay = _replay_narration(ctx, n.prefix_tokens, narrated_run.question, len(n.tokens))
+        prefix_text = tok.decode(n.prefix_tokens[len(prompt) :], skip_special_tokens=True)
+        later_text = tok.decode(inter_tokens[n.prefix_len :], skip_special_tokens=True)
+        classes = [_classify(x, prob, prefix_text, later_text) for x in numbers_in(n.text)]
+        for c in classes:
+            counts[c] += 1
+        checked.append(
+            NarrationRow(
+                read_prefix_tokens=n.prefix_len - len(prompt),
+                text=n.text,
+                replay_identical=replay == n.tokens,
+                numbers=numbers_in(n.text),
+                classes=classes,
+                seconds=n.seconds,
+                thinker_len_after=n.thinker_len_after - len(prompt),
+            )
+        )
+    return ProblemRow(
+        problem=prob.expression,
+        answer=prob.answer,
+        solo_text=solo_text,
+        narrated_text=text,
+        identical_tokens=solo == inter,
+        solo_tokens=len(solo),
+        narrated_run_tokens=len(inter),
+        final_number=nums[-1] if nums else None,
+        correct=bool(nums) and nums[-1] == prob.answer,
+        solo_correct=bool(numbers_in(solo_text)) and numbers_in(solo_text)[-1] == prob.answer,
+        mentions_steps=[s in nums for s in prob.steps],
+        narrations=checked,
+    )
+
+
+def _analyse(ctx: SuiteContext, res: SuiteResult, records: list[ProblemRow], counts: dict[str, int]) -> None:
     rows = []
-    for r in res.records:
-        snippet = r["narrated_text"].replace("\n", " ")
+    for r in records:
+        snippet = r.narrated_text.replace("\n", " ")
         rows.append(
             [
-                r["problem"],
-                r["answer"],
-                fmt(r["final_number"]),
-                fmt(r["solo_correct"]),
-                fmt(r["correct"]),
-                fmt(r["identical_tokens"]),
-                len(r["narrations"]),
+                r.problem,
+                r.answer,
+                fmt(r.final_number),
+                fmt(r.solo_correct),
+                fmt(r.correct),
+                fmt(r.identical_tokens),
+                len(r.narrations),
                 snippet[:70] + ("..." if len(snippet) > 70 else ""),
             ]
         )
@@ -252,17 +323,17 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, counts: dict) -> None:
         )
     )
     nrows = []
-    for r in res.records:
-        for n in r["narrations"]:
-            t = n["text"].replace("\n", " ")
+    for r in records:
+        for n in r.narrations:
+            t = n.text.replace("\n", " ")
             nrows.append(
                 [
-                    r["problem"],
-                    n["read_prefix_tokens"],
-                    n["thinker_len_after"],
-                    fmt(n["replay_identical"]),
+                    r.problem,
+                    n.read_prefix_tokens,
+                    n.thinker_len_after,
+                    fmt(n.replay_identical),
                     t[:60] + ("..." if len(t) > 60 else ""),
-                    ", ".join(f"{x}:{c}" for x, c in zip(n["numbers"], n["classes"])) or "-",
+                    ", ".join(f"{x}:{c}" for x, c in zip(n.numbers, n.classes)) or "-",
                 ]
             )
     res.tables.append(
@@ -279,11 +350,11 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, counts: dict) -> None:
             nrows,
         )
     )
-    n = len(res.records)
-    solo_acc = sum(r["solo_correct"] for r in res.records) / n if n else float("nan")
-    acc = sum(r["correct"] for r in res.records) / n if n else float("nan")
-    identical = all(r["identical_tokens"] for r in res.records)
-    replays = [x["replay_identical"] for r in res.records for x in r["narrations"]]
+    n = len(records)
+    solo_acc = sum(r.solo_correct for r in records) / n if n else float("nan")
+    acc = sum(r.correct for r in records) / n if n else float("nan")
+    identical = all(r.identical_tokens for r in records)
+    replays = [x.replay_identical for r in records for x in r.narrations]
     res.headline.update(
         {
             "accuracy_alone": solo_acc,
@@ -295,14 +366,14 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, counts: dict) -> None:
         }
     )
     res.summary = (
-        f"thinker tokens identical with/without narrator: {sum(r['identical_tokens'] for r in res.records)}"
+        f"thinker tokens identical with/without narrator: {sum(r.identical_tokens for r in records)}"
         f"/{n}; narrations equal to replay from their prefix: {sum(replays)}/{len(replays)}; accuracy "
         f"{solo_acc:.0%} alone, {acc:.0%} with narrator; numbers {counts}"
     )
     res.check(
         "thinker tokens identical with and without the narrator (greedy)",
         identical,
-        f"{sum(r['identical_tokens'] for r in res.records)}/{n} problems",
+        f"{sum(r.identical_tokens for r in records)}/{n} problems",
     )
     res.check(
         "every narration equals a fresh recomputation from the prefix it read (nothing leaked from later)",

@@ -8,9 +8,9 @@ block]) serially and concurrently. Outputs are greedy, so all four must produce 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import asyncio
 import time
+from dataclasses import asdict, dataclass
 
 from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, plan_params, within
 from cothink.eval.plots import bars
@@ -43,6 +43,36 @@ class CostPlan:
     new_tokens: int  # G: greedy tokens each coroutine writes
 
 
+@dataclass(frozen=True, slots=True)
+class CostRow:
+    """One mode's run: a row of raw/cost-<model>.csv."""
+
+    mode: str  # "text serial", "text concurrent", "shared serial" or "shared concurrent"
+    wall_s: float  # seconds for the whole mode, the shared document's prefill included
+    tokens_processed: int  # tokens run through the model, all coroutines (engine accounting)
+    tokens_read: int  # view positions read, all coroutines (engine accounting)
+    forward_passes: int  # engine steps
+    output_tokens: int  # tokens generated, all coroutines
+    peak_kv_bytes: int  # peak KV bytes in use, sampled after every step
+    peak_linear_bytes: int  # peak Gated DeltaNet bytes (records and summaries)
+    peak_pages: int  # peak KV pages in use
+    page_bytes: int  # bytes of one KV page (16 tokens)
+    doc_kv_bytes: int  # KV bytes of the shared document once encoded (0 in text modes)
+    doc_linear_bytes: int  # Gated DeltaNet bytes of the shared document (0 in text modes)
+    memory_per_coroutine_bytes: float  # peak minus the document, per coroutine alive at the peak
+    tokens_per_output: float  # tokens_processed / output_tokens
+    passes_per_output: float  # forward_passes / output_tokens
+    seconds_per_output: float  # wall_s / output_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ModeRun:
+    """One mode's row and the tokens each coroutine wrote (compared across modes, not written out)."""
+
+    row: CostRow
+    outputs: list[list[int] | None]  # per coroutine
+
+
 def plan(quick: bool, duration: float | None = None) -> CostPlan:
     if quick:
         return CostPlan(coroutines=4, document=256, new_tokens=12)
@@ -65,7 +95,7 @@ def estimate_s(p: CostPlan, speed) -> float:
     return 1.8 * _estimate_raw(p, speed)
 
 
-async def _mode(ctx: SuiteContext, p: CostPlan, mode: str) -> dict:
+async def _mode(ctx: SuiteContext, p: CostPlan, mode: str) -> ModeRun:
     m = ctx.model
     k, g = p.coroutines, p.new_tokens
     doc = document_tokens(m, ctx.seed, p.document)
@@ -118,60 +148,58 @@ async def _mode(ctx: SuiteContext, p: CostPlan, mode: str) -> dict:
     reads = sum(s.tokens_read for s in engine.stats.values())
     out_tokens = sum(len(o or []) for o in outputs)
     page_bytes = engine.memory().page_bytes
-    return {
-        "mode": mode,
-        "wall_s": wall,
-        "tokens_processed": tokens,
-        "tokens_read": reads,
-        "forward_passes": engine.steps,
-        "output_tokens": out_tokens,
-        "peak_kv_bytes": peak["kv"],
-        "peak_linear_bytes": peak["linear"],
-        "peak_pages": peak["pages"],
-        "page_bytes": page_bytes,
-        "doc_kv_bytes": doc_mem.kv_bytes_used if shared else 0,
-        "doc_linear_bytes": doc_mem.linear_bytes if shared else 0,
-        "outputs": outputs,
-    }
+    mem = peak["kv"] + peak["linear"]
+    doc_kv = doc_mem.kv_bytes_used if shared else 0
+    doc_linear = doc_mem.linear_bytes if shared else 0
+    if mode.endswith("serial"):
+        per = mem - doc_kv - doc_linear  # one coroutine alive at a time
+    else:
+        per = (mem - doc_kv - doc_linear) / k
+    row = CostRow(
+        mode=mode,
+        wall_s=wall,
+        tokens_processed=tokens,
+        tokens_read=reads,
+        forward_passes=engine.steps,
+        output_tokens=out_tokens,
+        peak_kv_bytes=peak["kv"],
+        peak_linear_bytes=peak["linear"],
+        peak_pages=peak["pages"],
+        page_bytes=page_bytes,
+        doc_kv_bytes=doc_kv,
+        doc_linear_bytes=doc_linear,
+        memory_per_coroutine_bytes=per,
+        tokens_per_output=tokens / out_tokens,
+        passes_per_output=engine.steps / out_tokens,
+        seconds_per_output=wall / out_tokens,
+    )
+    return ModeRun(row, outputs)
 
 
 async def run(ctx: SuiteContext, p: CostPlan) -> SuiteResult:
     res = SuiteResult(NAME, ctx.model.key, params=plan_params(p))
-    results = {}
+    runs: dict[str, ModeRun] = {}
     for mode in ("text serial", "text concurrent", "shared serial", "shared concurrent"):
         ctx.say(mode)
-        results[mode] = await _mode(ctx, p, mode)
+        runs[mode] = await _mode(ctx, p, mode)
     k = p.coroutines
-    rows = []
-    for mode, r in results.items():
-        out = r["output_tokens"]
-        mem = r["peak_kv_bytes"] + r["peak_linear_bytes"]
-        if mode.endswith("serial"):
-            per = mem - r["doc_kv_bytes"] - r["doc_linear_bytes"]  # one coroutine alive at a time
-        else:
-            per = (mem - r["doc_kv_bytes"] - r["doc_linear_bytes"]) / k
-        r["memory_per_coroutine_bytes"] = per
-        rec = {key: v for key, v in r.items() if key != "outputs"}
-        rec.update(
-            tokens_per_output=r["tokens_processed"] / out,
-            passes_per_output=r["forward_passes"] / out,
-            seconds_per_output=r["wall_s"] / out,
-        )
-        res.records.append(rec)
-        rows.append(
-            [
-                mode,
-                out,
-                r["tokens_processed"],
-                fmt(rec["tokens_per_output"], 2),
-                r["forward_passes"],
-                fmt(rec["passes_per_output"], 3),
-                fmt(r["wall_s"]),
-                fmt(rec["seconds_per_output"], 3),
-                fmt(mem / 2**20, 3),
-                fmt(per / 2**20, 3),
-            ]
-        )
+    results = {mode: r.row for mode, r in runs.items()}
+    res.records = [asdict(r) for r in results.values()]
+    rows = [
+        [
+            r.mode,
+            r.output_tokens,
+            r.tokens_processed,
+            fmt(r.tokens_per_output, 2),
+            r.forward_passes,
+            fmt(r.passes_per_output, 3),
+            fmt(r.wall_s),
+            fmt(r.seconds_per_output, 3),
+            fmt((r.peak_kv_bytes + r.peak_linear_bytes) / 2**20, 3),
+            fmt(r.memory_per_coroutine_bytes / 2**20, 3),
+        ]
+        for r in results.values()
+    ]
     res.tables.append(
         Table(
             f"{k} coroutines x {p.new_tokens} new tokens over a {p.document}-token document",
@@ -193,49 +221,48 @@ async def run(ctx: SuiteContext, p: CostPlan) -> SuiteResult:
             "(1 when serial); pages are 16 tokens, so small blocks round up",
         )
     )
-    ref = results["text serial"]["outputs"]
-    same = all(r["outputs"] == ref for r in results.values())
+    ref = runs["text serial"].outputs
+    same = all(r.outputs == ref for r in runs.values())
     res.check("all four modes produce the same tokens (greedy)", same)
     tc, sc = results["text concurrent"], results["shared concurrent"]
     ts = results["text serial"]
     res.check(
         "shared concurrent processes fewer tokens per output token than text serial",
-        sc["tokens_processed"] < ts["tokens_processed"],
-        f"{sc['tokens_processed']} vs {ts['tokens_processed']}",
+        sc.tokens_processed < ts.tokens_processed,
+        f"{sc.tokens_processed} vs {ts.tokens_processed}",
     )
     res.check(
         "shared concurrent needs fewer forward passes than serial",
-        sc["forward_passes"] < ts["forward_passes"],
-        f"{sc['forward_passes']} vs {ts['forward_passes']}",
+        sc.forward_passes < ts.forward_passes,
+        f"{sc.forward_passes} vs {ts.forward_passes}",
     )
     res.check(
         "per-coroutine memory is smaller when the document is shared",
-        sc["memory_per_coroutine_bytes"] < tc["memory_per_coroutine_bytes"],
-        f"{sc['memory_per_coroutine_bytes'] / 2**20:.2f} vs {tc['memory_per_coroutine_bytes'] / 2**20:.2f} "
-        "MiB",
+        sc.memory_per_coroutine_bytes < tc.memory_per_coroutine_bytes,
+        f"{sc.memory_per_coroutine_bytes / 2**20:.2f} vs {tc.memory_per_coroutine_bytes / 2**20:.2f} MiB",
     )
     res.headline.update(
         {
-            "tokens_per_output_text_serial": ts["tokens_processed"] / ts["output_tokens"],
-            "tokens_per_output_shared_concurrent": sc["tokens_processed"] / sc["output_tokens"],
-            "passes_per_output_text_serial": ts["forward_passes"] / ts["output_tokens"],
-            "passes_per_output_shared_concurrent": sc["forward_passes"] / sc["output_tokens"],
-            "s_per_output_text_serial": ts["wall_s"] / ts["output_tokens"],
-            "s_per_output_shared_concurrent": sc["wall_s"] / sc["output_tokens"],
-            "mib_per_coroutine_text": tc["memory_per_coroutine_bytes"] / 2**20,
-            "mib_per_coroutine_shared": sc["memory_per_coroutine_bytes"] / 2**20,
-            "kv_bytes_per_token": results["text serial"]["page_bytes"] / 16,
+            "tokens_per_output_text_serial": ts.tokens_per_output,
+            "tokens_per_output_shared_concurrent": sc.tokens_per_output,
+            "passes_per_output_text_serial": ts.passes_per_output,
+            "passes_per_output_shared_concurrent": sc.passes_per_output,
+            "s_per_output_text_serial": ts.seconds_per_output,
+            "s_per_output_shared_concurrent": sc.seconds_per_output,
+            "mib_per_coroutine_text": tc.memory_per_coroutine_bytes / 2**20,
+            "mib_per_coroutine_shared": sc.memory_per_coroutine_bytes / 2**20,
+            "kv_bytes_per_token": results["text serial"].page_bytes / 16,
         }
     )
     res.summary = (
-        f"per output token: text serial {ts['tokens_processed'] / ts['output_tokens']:.1f} tokens, "
-        f"{ts['forward_passes'] / ts['output_tokens']:.2f} passes, "
-        f"{1000 * ts['wall_s'] / ts['output_tokens']:.0f} ms; "
-        f"shared concurrent {sc['tokens_processed'] / sc['output_tokens']:.1f} tokens, "
-        f"{sc['forward_passes'] / sc['output_tokens']:.2f} passes, "
-        f"{1000 * sc['wall_s'] / sc['output_tokens']:.0f} ms; "
-        f"memory per coroutine {tc['memory_per_coroutine_bytes'] / 2**20:.2f} MiB (own copy) vs "
-        f"{sc['memory_per_coroutine_bytes'] / 2**20:.2f} MiB (shared)"
+        f"per output token: text serial {ts.tokens_processed / ts.output_tokens:.1f} tokens, "
+        f"{ts.forward_passes / ts.output_tokens:.2f} passes, "
+        f"{1000 * ts.wall_s / ts.output_tokens:.0f} ms; "
+        f"shared concurrent {sc.tokens_processed / sc.output_tokens:.1f} tokens, "
+        f"{sc.forward_passes / sc.output_tokens:.2f} passes, "
+        f"{1000 * sc.wall_s / sc.output_tokens:.0f} ms; "
+        f"memory per coroutine {tc.memory_per_coroutine_bytes / 2**20:.2f} MiB (own copy) vs "
+        f"{sc.memory_per_coroutine_bytes / 2**20:.2f} MiB (shared)"
     )
     modes = list(results)
     bars(
@@ -246,9 +273,9 @@ async def run(ctx: SuiteContext, p: CostPlan) -> SuiteResult:
             (
                 mode,
                 [
-                    results[mode]["tokens_processed"] / results[mode]["output_tokens"],
-                    10 * results[mode]["forward_passes"] / results[mode]["output_tokens"],
-                    1000 * results[mode]["wall_s"] / results[mode]["output_tokens"],
+                    results[mode].tokens_processed / results[mode].output_tokens,
+                    10 * results[mode].forward_passes / results[mode].output_tokens,
+                    1000 * results[mode].wall_s / results[mode].output_tokens,
                 ],
             )
             for mode in modes
@@ -264,7 +291,7 @@ async def run(ctx: SuiteContext, p: CostPlan) -> SuiteResult:
         "text modes model a stack without prefix caching; with a prefix cache, text-concurrent would "
         "approach "
         "shared-concurrent in compute (not in what a coroutine can see of another's growing output)",
-        f"KV bytes per token: {ts['page_bytes'] // 16} ({ctx.model.info['attention_layers']} attention "
+        f"KV bytes per token: {ts.page_bytes // 16} ({ctx.model.info['attention_layers']} attention "
         "layers)"
         + (
             f"; Gated DeltaNet layers keep per-token records ({ctx.model.info['linear_layers']} layers) and "

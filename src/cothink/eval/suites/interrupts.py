@@ -8,9 +8,10 @@ measures the time from interruption to the first reaction, and guards every wait
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import asyncio
 import time
+from dataclasses import asdict, dataclass, replace
+from typing import Any, ClassVar
 
 import torch
 
@@ -61,6 +62,113 @@ class InterruptsPlan:
     repeats: int
 
 
+@dataclass(frozen=True, slots=True)
+class LogitCheck:
+    """Next-token logits after live views against a fresh engine fed the same tokens as one sequence;
+    over several views, the worst one."""
+
+    max_abs_diff: float  # max |live - fresh| over the vocabulary
+    rel_diff: float  # max_abs_diff / max |fresh logit|
+    argmax_equal: bool  # the same next token (over several views: in every one)
+    tokens: int  # tokens of the view
+    views: int = 1  # views checked
+
+
+@dataclass(frozen=True, slots=True)
+class BargeIn:
+    """One barge-in run: a row of raw/interrupts-<model>.csv."""
+
+    scenario: ClassVar[str] = "barge-in"
+    reaction_s: float  # the user barges in -> the reply's first token
+    thinker_tokens_before: int  # thinker tokens delivered before the barge-in
+    thinker_tokens_after: int  # and after it
+    thinker_finish: str  # the thinker's finish reason ("cancelled": it was stopped)
+    delivered_is_prefix: bool  # the delivered narration is the start of what the narration block holds
+    undelivered: int  # narration tokens written to the block but never delivered
+    narrated_tokens: int  # narration tokens delivered
+    logits: LogitCheck  # views [context, thinker] and [context, narration]
+    memory_returned: bool  # the engine's idle state afterwards equals the one before
+    repeat: int  # which run of the scenario
+
+    def progress(self) -> str:
+        """The background thinker, for the table."""
+        return (
+            f"{self.thinker_tokens_before} before, {self.thinker_tokens_after} after ({self.thinker_finish})"
+        )
+
+    def other(self) -> str:
+        return f"narration: {self.narrated_tokens} delivered, {self.undelivered} written but not delivered"
+
+
+@dataclass(frozen=True, slots=True)
+class InputMidReasoning:
+    """One input-mid-reasoning run: a row of raw/interrupts-<model>.csv."""
+
+    scenario: ClassVar[str] = "input mid-reasoning"
+    reaction_s: float  # the input arrives -> the resumed reasoning's first token
+    direct_append: str  # what appending to the busy block did: "BlockBusyError" or "accepted"
+    refusal_s: float  # how long that took
+    tokens_before_input: int  # reasoning tokens before the input
+    tokens_after_input: int  # and after it
+    generated_tokens_kept: bool  # the reasoning before the input is still at the end of the block
+    supplement_in_place: bool  # the input landed right after it
+    logits: LogitCheck  # view [problem, reasoning]
+    memory_returned: bool  # the engine's idle state afterwards equals the one before
+    repeat: int  # which run of the scenario
+
+    def progress(self) -> str:
+        """The reasoning, for the table."""
+        return f"{self.tokens_before_input} before, {self.tokens_after_input} after"
+
+    def other(self) -> str:
+        return (
+            f"direct append -> {self.direct_append} in {self.refusal_s * 1000:.1f} ms; supplement in place: "
+            f"{fmt(self.supplement_in_place)}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CancelResume:
+    """One cancel-and-resume run: a row of raw/interrupts-<model>.csv."""
+
+    scenario: ClassVar[str] = "cancel-and-resume"
+    reaction_s: float  # resume -> its first token
+    cancel_s: float  # how long the cancellation took
+    tokens_at_cancel: int  # tokens the generation had written when cancelled
+    delivered_at_cancel: int  # and delivered
+    delivered_is_prefix: bool  # the delivered tokens are the start of what was written
+    undelivered: int  # written but never delivered
+    resumed_equals_uninterrupted: bool  # the whole output equals an uninterrupted greedy run's
+    agreeing_tokens: str  # "<agreeing>/<total>" against the uninterrupted run
+    logits: LogitCheck  # view [block]
+    memory_returned: bool  # the engine's idle state afterwards equals the one before
+    repeat: int  # which run of the scenario
+
+    def progress(self) -> str:
+        """The interrupted generation, for the table."""
+        return (
+            f"cancelled at {self.tokens_at_cancel} written / {self.delivered_at_cancel} delivered, "
+            f"cancel took {self.cancel_s * 1000:.1f} ms"
+        )
+
+    def other(self) -> str:
+        return f"resumed == uninterrupted: {fmt(self.resumed_equals_uninterrupted)} ({self.agreeing_tokens})"
+
+
+ScenarioRow = BargeIn | InputMidReasoning | CancelResume
+
+
+def record(row: ScenarioRow) -> dict[str, Any]:
+    """A run's row as written: the scenario first, the logit check's fields as logits_<field>."""
+    out: dict[str, Any] = {"scenario": row.scenario}
+    for key, value in asdict(row).items():
+        if key == "logits":
+            out.update({f"logits_{k}": v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
 def plan(quick: bool, duration: float | None = None) -> InterruptsPlan:
     if quick:
         return InterruptsPlan(
@@ -86,14 +194,14 @@ def estimate_s(p: InterruptsPlan, speed) -> float:
     return p.repeats * (steps * speed.step_s * 1.5 + 900 / speed.prefill_tps + 3 * 300 / speed.prefill_tps)
 
 
-def _logit_check(ctx: SuiteContext, engine, views: list[list], probe_token: int) -> dict:
+def _logit_check(ctx: SuiteContext, engine, views: list[list], probe_token: int) -> LogitCheck:
     """Worst case over views of `_logit_check_one`."""
     checks = [_logit_check_one(ctx, engine, v, probe_token) for v in views]
-    worst = max(checks, key=lambda c: c["max_abs_diff"])
-    return {**worst, "argmax_equal": all(c["argmax_equal"] for c in checks), "views": len(views)}
+    worst = max(checks, key=lambda c: c.max_abs_diff)
+    return replace(worst, argmax_equal=all(c.argmax_equal for c in checks), views=len(views))
 
 
-def _logit_check_one(ctx: SuiteContext, engine, view: list, probe_token: int) -> dict:
+def _logit_check_one(ctx: SuiteContext, engine, view: list, probe_token: int) -> LogitCheck:
     """Next-token logits after `view` (+ one probe token) on the live engine vs a fresh one.
 
     Only meaningful for a view whose blocks were each written under (a prefix of) this same view: a
@@ -111,12 +219,12 @@ def _logit_check_one(ctx: SuiteContext, engine, view: list, probe_token: int) ->
     fresh = fresh_runner.extend(block, tokens + [probe_token], logits="last")[-1]
     diff = float((live - fresh).abs().max())
     scale = float(fresh.abs().max())
-    return {
-        "max_abs_diff": diff,
-        "rel_diff": diff / scale if scale else diff,
-        "argmax_equal": int(live.argmax()) == int(fresh.argmax()),
-        "tokens": len(tokens),
-    }
+    return LogitCheck(
+        max_abs_diff=diff,
+        rel_diff=diff / scale if scale else diff,
+        argmax_equal=int(live.argmax()) == int(fresh.argmax()),
+        tokens=len(tokens),
+    )
 
 
 def _tol(ctx: SuiteContext) -> float:
@@ -139,7 +247,7 @@ async def _wait(cond, timeout: float, what: str) -> None:
         await asyncio.sleep(0.002)
 
 
-async def barge_in(ctx: SuiteContext, p: InterruptsPlan) -> dict:
+async def barge_in(ctx: SuiteContext, p: InterruptsPlan, repeat: int) -> BargeIn:
     m = ctx.model
     engine = m.engine(kv_tokens=4096)
     async with engine:
@@ -260,21 +368,21 @@ async def barge_in(ctx: SuiteContext, p: InterruptsPlan) -> dict:
             engine.release(b)
         await asyncio.sleep(0)
         end = engine_idle_state(engine)
-    return {
-        "scenario": "barge-in",
-        "reaction_s": reply_times[0] - t_barge if reply_times else float("nan"),
-        "thinker_tokens_before": thinker_at_barge,
-        "thinker_tokens_after": len(after_barge),
-        "thinker_finish": reason,
-        "delivered_is_prefix": written[: len(narrated)] == narrated,
-        "undelivered": len(written) - len(narrated),
-        "narrated_tokens": len(narrated),
-        **{f"logits_{k}": v for k, v in check.items()},
-        "memory_returned": end == start,
-    }
+    return BargeIn(
+        reaction_s=reply_times[0] - t_barge if reply_times else float("nan"),
+        thinker_tokens_before=thinker_at_barge,
+        thinker_tokens_after=len(after_barge),
+        thinker_finish=reason,
+        delivered_is_prefix=written[: len(narrated)] == narrated,
+        undelivered=len(written) - len(narrated),
+        narrated_tokens=len(narrated),
+        logits=check,
+        memory_returned=end == start,
+        repeat=repeat,
+    )
 
 
-async def input_mid_reasoning(ctx: SuiteContext, p: InterruptsPlan) -> dict:
+async def input_mid_reasoning(ctx: SuiteContext, p: InterruptsPlan, repeat: int) -> InputMidReasoning:
     m = ctx.model
     engine = m.engine(kv_tokens=4096)
     async with engine:
@@ -350,21 +458,21 @@ async def input_mid_reasoning(ctx: SuiteContext, p: InterruptsPlan) -> dict:
             engine.release(b)
         await asyncio.sleep(0)
         end = engine_idle_state(engine)
-    return {
-        "scenario": "input mid-reasoning",
-        "reaction_s": times[0] - t_input if times else float("nan"),
-        "direct_append": busy,
-        "refusal_s": t_refused,
-        "tokens_before_input": len(first),
-        "tokens_after_input": len(second),
-        "generated_tokens_kept": kept,
-        "supplement_in_place": layout_ok,
-        **{f"logits_{k}": v for k, v in check.items()},
-        "memory_returned": end == start,
-    }
+    return InputMidReasoning(
+        reaction_s=times[0] - t_input if times else float("nan"),
+        direct_append=busy,
+        refusal_s=t_refused,
+        tokens_before_input=len(first),
+        tokens_after_input=len(second),
+        generated_tokens_kept=kept,
+        supplement_in_place=layout_ok,
+        logits=check,
+        memory_returned=end == start,
+        repeat=repeat,
+    )
 
 
-async def cancel_resume(ctx: SuiteContext, p: InterruptsPlan) -> dict:
+async def cancel_resume(ctx: SuiteContext, p: InterruptsPlan, repeat: int) -> CancelResume:
     m = ctx.model
     prompt = m.chat("List three facts about the moon.")
     total, at = p.resume_total, p.resume_at
@@ -419,19 +527,19 @@ async def cancel_resume(ctx: SuiteContext, p: InterruptsPlan) -> dict:
         end = engine_idle_state(engine)
     same = resumed == ref.token_ids
     agree = sum(a == b for a, b in zip(resumed, ref.token_ids))
-    return {
-        "scenario": "cancel-and-resume",
-        "reaction_s": times[0] - t_resume if times else float("nan"),
-        "cancel_s": cancel_s,
-        "tokens_at_cancel": written,
-        "delivered_at_cancel": len(got),
-        "delivered_is_prefix": delivered_is_prefix,
-        "undelivered": written - len(got),
-        "resumed_equals_uninterrupted": same,
-        "agreeing_tokens": f"{agree}/{len(ref.token_ids)}",
-        **{f"logits_{k}": v for k, v in check.items()},
-        "memory_returned": end == start,
-    }
+    return CancelResume(
+        reaction_s=times[0] - t_resume if times else float("nan"),
+        cancel_s=cancel_s,
+        tokens_at_cancel=written,
+        delivered_at_cancel=len(got),
+        delivered_is_prefix=delivered_is_prefix,
+        undelivered=written - len(got),
+        resumed_equals_uninterrupted=same,
+        agreeing_tokens=f"{agree}/{len(ref.token_ids)}",
+        logits=check,
+        memory_returned=end == start,
+        repeat=repeat,
+    )
 
 
 SCENARIOS = (barge_in, input_mid_reasoning, cancel_resume)
@@ -440,59 +548,34 @@ SCENARIOS = (barge_in, input_mid_reasoning, cancel_resume)
 async def run(ctx: SuiteContext, p: InterruptsPlan) -> SuiteResult:
     res = SuiteResult(NAME, ctx.model.key, params=plan_params(p))
     deadlocks = []
+    rows: list[ScenarioRow] = []
     for rep in range(p.repeats):
         for scenario in SCENARIOS:
             ctx.say(f"{scenario.__name__.replace('_', ' ')} ({rep + 1}/{p.repeats})")
             try:
-                rec = await scenario(ctx, p)
+                rows.append(await scenario(ctx, p, rep))
             except Deadlock as exc:
                 deadlocks.append(f"{scenario.__name__}: {exc}")
-                continue
-            rec["repeat"] = rep
-            res.records.append(rec)
-    _analyse(ctx, res, deadlocks)
+    res.records = [record(r) for r in rows]
+    _analyse(ctx, res, rows, deadlocks)
     return res
 
 
-def _analyse(ctx: SuiteContext, res: SuiteResult, deadlocks: list[str]) -> None:
+def _analyse(ctx: SuiteContext, res: SuiteResult, records: list[ScenarioRow], deadlocks: list[str]) -> None:
     tol = _tol(ctx)
-    rows = []
-    for r in res.records:
-        if r["scenario"] == "barge-in":
-            bg = (
-                f"{r['thinker_tokens_before']} before, {r['thinker_tokens_after']} after "
-                f"({r['thinker_finish']})"
-            )
-            extra = (
-                f"narration: {r['narrated_tokens']} delivered, {r['undelivered']} written but not delivered"
-            )
-        elif r["scenario"] == "input mid-reasoning":
-            bg = f"{r['tokens_before_input']} before, {r['tokens_after_input']} after"
-            extra = (
-                f"direct append -> {r['direct_append']} in {r['refusal_s'] * 1000:.1f} ms; supplement in "
-                "place: "
-                f"{fmt(r['supplement_in_place'])}"
-            )
-        else:
-            bg = (
-                f"cancelled at {r['tokens_at_cancel']} written / {r['delivered_at_cancel']} delivered, "
-                f"cancel took {r['cancel_s'] * 1000:.1f} ms"
-            )
-            extra = (
-                f"resumed == uninterrupted: {fmt(r['resumed_equals_uninterrupted'])} ({r['agreeing_tokens']})"
-            )
-        rows.append(
-            [
-                r["scenario"],
-                r["repeat"],
-                fmt(r["reaction_s"]),
-                bg,
-                f"{r['logits_max_abs_diff']:.2e}",
-                fmt(r["logits_argmax_equal"]),
-                fmt(r["memory_returned"]),
-                extra,
-            ]
-        )
+    rows = [
+        [
+            r.scenario,
+            r.repeat,
+            fmt(r.reaction_s),
+            r.progress(),
+            f"{r.logits.max_abs_diff:.2e}",
+            fmt(r.logits.argmax_equal),
+            fmt(r.memory_returned),
+            r.other(),
+        ]
+        for r in records
+    ]
     res.tables.append(
         Table(
             "Scenarios",
@@ -510,57 +593,57 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, deadlocks: list[str]) -> None:
         )
     )
     res.check("no deadlock (every wait finished within its timeout)", not deadlocks, "; ".join(deadlocks))
-    by = {}
-    for r in res.records:
-        by.setdefault(r["scenario"], []).append(r)
-    if "barge-in" in by:
+    by: dict[str, list[ScenarioRow]] = {}
+    for r in records:
+        by.setdefault(r.scenario, []).append(r)
+    barge = [r for r in records if isinstance(r, BargeIn)]
+    mid = [r for r in records if isinstance(r, InputMidReasoning)]
+    resume = [r for r in records if isinstance(r, CancelResume)]
+    if barge:
         res.check(
             "barge-in: the background thinker kept generating after the interruption",
-            all(r["thinker_tokens_after"] > 0 and r["thinker_finish"] != "cancelled" for r in by["barge-in"]),
+            all(r.thinker_tokens_after > 0 and r.thinker_finish != "cancelled" for r in barge),
         )
         res.check(
             "barge-in: every delivered narration token is in the narration block, in order",
-            all(r["delivered_is_prefix"] for r in by["barge-in"]),
+            all(r.delivered_is_prefix for r in barge),
         )
-    if "input mid-reasoning" in by:
+    if mid:
         res.check(
             "appending to a block being written is refused at once (BlockBusyError), not a hang",
-            all(
-                r["direct_append"] == "BlockBusyError" and r["refusal_s"] < 1
-                for r in by["input mid-reasoning"]
-            ),
+            all(r.direct_append == "BlockBusyError" and r.refusal_s < 1 for r in mid),
         )
         res.check(
             "input lands after the kept reasoning (cancel -> extend -> resume)",
-            all(r["generated_tokens_kept"] and r["supplement_in_place"] for r in by["input mid-reasoning"]),
+            all(r.generated_tokens_kept and r.supplement_in_place for r in mid),
         )
-    if "cancel-and-resume" in by:
+    if resume:
         res.check(
             "cancel-and-resume: delivered tokens are exactly the start of what was written",
-            all(r["delivered_is_prefix"] for r in by["cancel-and-resume"]),
+            all(r.delivered_is_prefix for r in resume),
         )
         res.check(
             "cancel-and-resume: resumed output equals the uninterrupted greedy output",
-            all(r["resumed_equals_uninterrupted"] for r in by["cancel-and-resume"]),
-            ", ".join(r["agreeing_tokens"] for r in by["cancel-and-resume"]),
+            all(r.resumed_equals_uninterrupted for r in resume),
+            ", ".join(r.agreeing_tokens for r in resume),
         )
-    cancelled = by.get("barge-in", []) + by.get("cancel-and-resume", [])
-    undelivered = sum(r["undelivered"] for r in cancelled)
+    cancelled: list[BargeIn | CancelResume] = [*barge, *resume]
+    undelivered = sum(r.undelivered for r in cancelled)
     res.check(
         "a cancelled consumer misses at most the one step that raced with its cancellation",
-        all(r["undelivered"] <= 1 for r in cancelled),
+        all(r.undelivered <= 1 for r in cancelled),
         f"{undelivered} token(s) over {len(cancelled)} cancellations were written but not received; "
         "they stay in the block and in Generation.result (finish_reason 'cancelled')",
         soft=True,
     )
-    worst = max((r["logits_max_abs_diff"] for r in res.records), default=float("nan"))
+    worst = max((r.logits.max_abs_diff for r in records), default=float("nan"))
     res.check(
         f"context intact: next-token logits equal a fresh recomputation (max |diff| <= {tol:g})",
-        bool(res.records) and worst <= tol and all(r["logits_argmax_equal"] for r in res.records),
+        bool(records) and worst <= tol and all(r.logits.argmax_equal for r in records),
         f"worst {worst:.2e}",
     )
-    res.check("all memory returned after each scenario", all(r["memory_returned"] for r in res.records))
-    reactions = {s: max(r["reaction_s"] for r in rs) for s, rs in by.items()}
+    res.check("all memory returned after each scenario", all(r.memory_returned for r in records))
+    reactions = {s: max(r.reaction_s for r in rs) for s, rs in by.items()}
     res.headline.update(
         {f"reaction_s_{s.replace(' ', '_').replace('-', '_')}": v for s, v in reactions.items()}
     )

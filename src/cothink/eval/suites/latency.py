@@ -15,7 +15,7 @@ import functools
 import itertools
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, percentile, plan_params, within
@@ -192,7 +192,32 @@ class _LatencyRun:
         return window_start, window_end
 
 
-async def _measure(ctx: SuiteContext, p: LatencyPlan, n_bg: int, mode: str) -> dict:
+@dataclass(frozen=True, slots=True)
+class LatencyRow:
+    """One point of the sweep: a row of raw/latency-<model>.csv (latencies in seconds)."""
+
+    mode: str  # "fair", "one-class" or "turn-based"
+    background: int  # N: background coroutines
+    throughput_tok_s: float  # all tokens generated per second of the foreground's window
+    fg_tok_s: float  # foreground tokens per second of foreground end-to-end time
+    window_s: float  # the foreground's window: first request -> last token
+    ttft_p50: float  # time to first token, percentiles over the foreground requests
+    ttft_p95: float
+    ttft_p99: float
+    e2e_p50: float  # submitted -> last token
+    e2e_p95: float
+    e2e_p99: float
+    itl_p50: float  # inter-token intervals of the foreground streams
+    itl_p95: float
+    itl_p99: float
+    ttft_all: list[float]  # every foreground request's TTFT
+    e2e_all: list[float]  # and end-to-end time
+
+
+Results = dict[tuple[str, int], LatencyRow]  # (mode, N) -> that point's row
+
+
+async def _measure(ctx: SuiteContext, p: LatencyPlan, n_bg: int, mode: str) -> LatencyRow:
     m = ctx.model
     engine = m.engine(kv_tokens=max(4096, (n_bg + 2) * (p.bg_prompt + p.bg_tokens + 64) * 2))
     rng = random.Random(ctx.seed + n_bg)
@@ -215,42 +240,36 @@ async def _measure(ctx: SuiteContext, p: LatencyPlan, n_bg: int, mode: str) -> d
     itl = [b - a for r in requests for a, b in zip(r.times, r.times[1:])]
     in_window = sum(1 for t in point.token_times if window_start <= t <= window_end)
     window = window_end - window_start
-    return {
-        "mode": mode,
-        "background": n_bg,
-        "ttft": ttft,
-        "e2e": e2e,
-        "itl": itl,
-        "throughput_tok_s": in_window / window if window > 0 else float("nan"),
-        "fg_tok_s": p.requests * p.fg_tokens / sum(e2e),
-        "window_s": window,
-        "engine_steps": engine.steps,
-    }
+    return LatencyRow(
+        mode=mode,
+        background=n_bg,
+        throughput_tok_s=in_window / window if window > 0 else float("nan"),
+        fg_tok_s=p.requests * p.fg_tokens / sum(e2e),
+        window_s=window,
+        ttft_p50=percentile(ttft, 50),
+        ttft_p95=percentile(ttft, 95),
+        ttft_p99=percentile(ttft, 99),
+        e2e_p50=percentile(e2e, 50),
+        e2e_p95=percentile(e2e, 95),
+        e2e_p99=percentile(e2e, 99),
+        itl_p50=percentile(itl, 50),
+        itl_p95=percentile(itl, 95),
+        itl_p99=percentile(itl, 99),
+        ttft_all=ttft,
+        e2e_all=e2e,
+    )
 
 
 async def run(ctx: SuiteContext, p: LatencyPlan) -> SuiteResult:
     res = SuiteResult(NAME, ctx.model.key, params=plan_params(p))
-    results: dict[tuple[str, int], dict] = {}
+    results: Results = {}
     for n_bg in p.background:
         for mode in MODES:
             if mode == "one-class" and n_bg == 0:
                 continue  # nothing to compete with: identical to 'fair'
             ctx.say(f"{mode}, {n_bg} background")
-            r = await _measure(ctx, p, n_bg, mode)
-            results[(mode, n_bg)] = r
-            row = {
-                "mode": mode,
-                "background": n_bg,
-                "throughput_tok_s": r["throughput_tok_s"],
-                "fg_tok_s": r["fg_tok_s"],
-                "window_s": r["window_s"],
-            }
-            for key in ("ttft", "e2e", "itl"):
-                for q in (50, 95, 99):
-                    row[f"{key}_p{q}"] = percentile(r[key], q)
-            row["ttft_all"] = r["ttft"]
-            row["e2e_all"] = r["e2e"]
-            res.records.append(row)
+            results[(mode, n_bg)] = await _measure(ctx, p, n_bg, mode)
+    res.records = [asdict(r) for r in results.values()]
     _analyse(ctx, res, results, p)
     return res
 
@@ -258,8 +277,8 @@ async def run(ctx: SuiteContext, p: LatencyPlan) -> SuiteResult:
 MODES = ("fair", "one-class", "turn-based")
 
 
-def _analyse(ctx: SuiteContext, res: SuiteResult, results: dict, p: LatencyPlan) -> None:
-    res.tables.append(_latency_table(res.records, p))
+def _analyse(ctx: SuiteContext, res: SuiteResult, results: Results, p: LatencyPlan) -> None:
+    res.tables.append(_latency_table(list(results.values()), p))
     _plot_sweep(ctx, res, results, p)
     nmax = max(p.background)
     fair, turn = results[("fair", nmax)], results[("turn-based", nmax)]
@@ -267,12 +286,12 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, results: dict, p: LatencyPlan)
     _headline(res, results, nmax, fair, turn, solo)
     _checks(res, p, nmax, fair, turn, solo)
     res.summary = (
-        f"N={nmax} background: TTFT p50 {percentile(fair['ttft'], 50):.2f} s (cothink) vs "
-        f"{percentile(turn['ttft'], 50):.2f} s (turn-based); end-to-end p50 "
-        f"{percentile(fair['e2e'], 50):.2f} vs "
-        f"{percentile(turn['e2e'], 50):.2f} s; inter-token p99 {percentile(fair['itl'], 99):.2f} vs "
-        f"{percentile(turn['itl'], 99):.2f} s; throughput {fair['throughput_tok_s']:.1f} vs "
-        f"{turn['throughput_tok_s']:.1f} tok/s"
+        f"N={nmax} background: TTFT p50 {fair.ttft_p50:.2f} s (cothink) vs "
+        f"{turn.ttft_p50:.2f} s (turn-based); end-to-end p50 "
+        f"{fair.e2e_p50:.2f} vs "
+        f"{turn.e2e_p50:.2f} s; inter-token p99 {fair.itl_p99:.2f} vs "
+        f"{turn.itl_p99:.2f} s; throughput {fair.throughput_tok_s:.1f} vs "
+        f"{turn.throughput_tok_s:.1f} tok/s"
     )
     res.conditions += _conditions(p)
 
@@ -291,7 +310,7 @@ _LATENCY_COLUMNS = (
 )
 
 
-def _latency_table(records: list[dict], p: LatencyPlan) -> Table:
+def _latency_table(records: list[LatencyRow], p: LatencyPlan) -> Table:
     return Table(
         "Foreground latency (seconds) and total throughput",
         [
@@ -308,14 +327,14 @@ def _latency_table(records: list[dict], p: LatencyPlan) -> Table:
             "inter-token p99",
             "throughput tok/s",
         ],
-        [[rec["mode"], rec["background"], *(fmt(rec[k]) for k in _LATENCY_COLUMNS)] for rec in records],
+        [[rec.mode, rec.background, *(fmt(getattr(rec, k)) for k in _LATENCY_COLUMNS)] for rec in records],
         note=f"{p.requests} foreground requests per point ({p.fg_tokens} tokens each): with so "
         "few samples "
         "p95/p99 are close to the maximum.",
     )
 
 
-def _plot_sweep(ctx: SuiteContext, res: SuiteResult, results: dict, p: LatencyPlan) -> None:
+def _plot_sweep(ctx: SuiteContext, res: SuiteResult, results: Results, p: LatencyPlan) -> None:
     """p50 latencies and throughput against N, one line per mode that ran."""
     series = {mode: [n for n in p.background if (mode, n) in results] for mode in MODES}
     ran = [mode for mode in series if series[mode]]
@@ -336,7 +355,7 @@ def _plot_sweep(ctx: SuiteContext, res: SuiteResult, results: dict, p: LatencyPl
             (
                 "throughput (tok/s, all coroutines)",
                 [
-                    (mode, series[mode], [results[(mode, n)]["throughput_tok_s"] for n in series[mode]])
+                    (mode, series[mode], [results[(mode, n)].throughput_tok_s for n in series[mode]])
                     for mode in ran
                 ],
             ),
@@ -345,30 +364,34 @@ def _plot_sweep(ctx: SuiteContext, res: SuiteResult, results: dict, p: LatencyPl
     res.plots.append(ctx.plot_path(NAME, "sweep").name)
 
 
-def _p50s(results: dict, mode: str, ns: list[int], key: str) -> list[float]:
-    return [percentile(results[(mode, n)][key], 50) for n in ns]
+def _p50s(results: Results, mode: str, ns: list[int], key: str) -> list[float]:
+    return [getattr(results[(mode, n)], f"{key}_p50") for n in ns]
 
 
-def _headline(res: SuiteResult, results: dict, nmax: int, fair: dict, turn: dict, solo: dict) -> None:
+def _headline(
+    res: SuiteResult, results: Results, nmax: int, fair: LatencyRow, turn: LatencyRow, solo: LatencyRow
+) -> None:
     res.headline.update(
         {
             "max_background": nmax,
-            "fair_ttft_p50_at_max": percentile(fair["ttft"], 50),
-            "turn_ttft_p50_at_max": percentile(turn["ttft"], 50),
-            "fair_e2e_p50_at_max": percentile(fair["e2e"], 50),
-            "turn_e2e_p50_at_max": percentile(turn["e2e"], 50),
-            "fair_throughput_at_max": fair["throughput_tok_s"],
-            "turn_throughput_at_max": turn["throughput_tok_s"],
-            "fair_itl_p99_at_max": percentile(fair["itl"], 99),
-            "solo_ttft_p50": percentile(solo["ttft"], 50),
+            "fair_ttft_p50_at_max": fair.ttft_p50,
+            "turn_ttft_p50_at_max": turn.ttft_p50,
+            "fair_e2e_p50_at_max": fair.e2e_p50,
+            "turn_e2e_p50_at_max": turn.e2e_p50,
+            "fair_throughput_at_max": fair.throughput_tok_s,
+            "turn_throughput_at_max": turn.throughput_tok_s,
+            "fair_itl_p99_at_max": fair.itl_p99,
+            "solo_ttft_p50": solo.ttft_p50,
         }
     )
     if ("one-class", nmax) in results:
-        res.headline["one_class_ttft_p50_at_max"] = percentile(results[("one-class", nmax)]["ttft"], 50)
-    res.headline["solo_itl_p99"] = percentile(solo["itl"], 99)
+        res.headline["one_class_ttft_p50_at_max"] = results[("one-class", nmax)].ttft_p50
+    res.headline["solo_itl_p99"] = solo.itl_p99
 
 
-def _checks(res: SuiteResult, p: LatencyPlan, nmax: int, fair: dict, turn: dict, solo: dict) -> None:
+def _checks(
+    res: SuiteResult, p: LatencyPlan, nmax: int, fair: LatencyRow, turn: LatencyRow, solo: LatencyRow
+) -> None:
     res.check(
         "every foreground request completed (no starvation, no deadlock)",
         True,
@@ -376,30 +399,30 @@ def _checks(res: SuiteResult, p: LatencyPlan, nmax: int, fair: dict, turn: dict,
     )
     res.check(
         f"with N={nmax} background, cothink's foreground TTFT p50 beats turn-based",
-        percentile(fair["ttft"], 50) < percentile(turn["ttft"], 50),
-        f"{percentile(fair['ttft'], 50):.3f}s vs {percentile(turn['ttft'], 50):.3f}s",
+        fair.ttft_p50 < turn.ttft_p50,
+        f"{fair.ttft_p50:.3f}s vs {turn.ttft_p50:.3f}s",
         soft=True,
     )
     res.check(
         f"with N={nmax} background, concurrent throughput beats turn-based",
-        fair["throughput_tok_s"] > turn["throughput_tok_s"],
-        f"{fair['throughput_tok_s']:.1f} vs {turn['throughput_tok_s']:.1f} tok/s",
+        fair.throughput_tok_s > turn.throughput_tok_s,
+        f"{fair.throughput_tok_s:.1f} vs {turn.throughput_tok_s:.1f} tok/s",
         soft=True,
     )
     res.check(
         f"with N={nmax} background, cothink's foreground end-to-end p50 is not worse than turn-based",
-        percentile(fair["e2e"], 50) <= percentile(turn["e2e"], 50),
-        f"{percentile(fair['e2e'], 50):.3f}s vs {percentile(turn['e2e'], 50):.3f}s: the foreground's "
+        fair.e2e_p50 <= turn.e2e_p50,
+        f"{fair.e2e_p50:.3f}s vs {turn.e2e_p50:.3f}s: the foreground's "
         f"steps also carry the {nmax} background coroutines' decode tokens (up to "
         "interactive_step_tokens in all)",
         soft=True,
     )
-    solo_itl = percentile(solo["itl"], 99)
+    solo_itl = solo.itl_p99
     res.check(
         f"with N={nmax} background, the interactive foreground's inter-token p99 stays within 2x of "
         "its p99 alone",
-        percentile(fair["itl"], 99) <= 2 * solo_itl,
-        f"{percentile(fair['itl'], 99):.3f}s vs {solo_itl:.3f}s alone: while it decodes, background "
+        fair.itl_p99 <= 2 * solo_itl,
+        f"{fair.itl_p99:.3f}s vs {solo_itl:.3f}s alone: while it decodes, background "
         "work fills a step only up to interactive_step_tokens",
         soft=True,
     )
@@ -407,7 +430,7 @@ def _checks(res: SuiteResult, p: LatencyPlan, nmax: int, fair: dict, turn: dict,
 
 def _conditions(p: LatencyPlan) -> list[str]:
     return [
-        f"N background in {p.background}; foreground: {p.requests} requests of {p.fg_tokens} "
+        f"N background in {list(p.background)}; foreground: {p.requests} requests of {p.fg_tokens} "
         f"tokens after a chat prompt; background jobs: {p.bg_prompt}-token prompt + {p.bg_tokens} "
         "tokens, greedy",
         "CPU, forward passes in the engine's worker thread; default scheduler limits (256 tokens, 64 items "

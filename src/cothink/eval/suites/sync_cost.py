@@ -9,13 +9,15 @@ engine on the same weights, while the thinker keeps generating, at increasing co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import asyncio
 import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 
 from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, linear_fit, plan_params, within
 from cothink.eval.plots import lines
 from cothink.eval.workload import document_tokens
+from cothink.scheduler.accounting import CoroutineStats
 
 NAME = "sync-cost"
 TITLE = "Communication cost per sync vs context length"
@@ -46,6 +48,33 @@ class SyncCostPlan:
     contexts: tuple[int, ...]  # context lengths the thinker grows through
     syncs_per_context: int  # syncs measured at each length
     thinker_tokens_between_syncs: int
+
+
+@dataclass(frozen=True, slots=True)
+class SyncRow:
+    """One sync: a row of raw/sync-cost-<model>.csv (a shared sync and its text-passing twin read the
+    same thinker snapshot)."""
+
+    method: str  # "shared" (cothink) or "text-passing" (the baseline)
+    context: int  # L: tokens of the context block
+    sync: int  # index of the sync at this context length
+    view_tokens: int  # tokens the sync's view holds: L + the thinker's tokens it read
+    seconds: float  # wall time of the sync
+    tokens_processed: int  # tokens run through the model for the sync (engine accounting)
+    tokens_read: int  # tokens attended over (engine accounting)
+    forward_passes: int  # engine steps the sync took part in
+    p_yes: float  # the probe's P(" yes")
+    thinker_len: int  # tokens of the thinker's block the sync read
+    abs_diff_p: float  # |P(yes) shared - P(yes) text-passing| for this snapshot
+
+
+@dataclass(frozen=True, slots=True)
+class ThinkerRow:
+    """The thinker over one context length: a row of raw/sync-cost-<model>.csv."""
+
+    method: str  # always "thinker"
+    context: int  # L: tokens of the context block
+    thinker_tokens: int  # tokens the thinker generated while the syncs at this length ran
 
 
 def plan(quick: bool, duration: float | None = None) -> SyncCostPlan:
@@ -95,6 +124,7 @@ async def run(ctx: SuiteContext, p: SyncCostPlan) -> SuiteResult:
     question = m.encode("\n\nReporter: has the thinker already named the highest reading? Answer:")
     choices = (" yes", " no")
     tol = 2e-3 if str(m.dtype) == "torch.float32" else 5e-2
+    rows: list[SyncRow | ThinkerRow] = []  # in the order they are written
     async with engine:
         ctx_block = engine.block("context")
         for L in contexts:
@@ -126,32 +156,16 @@ async def run(ctx: SuiteContext, p: SyncCostPlan) -> SuiteResult:
             task = asyncio.create_task(think())
             await _wait_length(bg, len(thinker_prompt) + 2, task)
             for s in range(p.syncs_per_context):
-                n = len(bg)
                 name = f"sync-shared-{L}-{s}"
                 t0 = time.perf_counter()
                 probs_shared = await within(
                     engine.probe([ctx_block, bg], question, choices, name=name), TIMEOUT, "shared sync"
                 )
                 dt_shared = time.perf_counter() - t0
-                st = engine.stats[name]
-                res.records.append(
-                    dict(
-                        method="shared",
-                        context=L,
-                        sync=s,
-                        view_tokens=L + n,
-                        seconds=dt_shared,
-                        tokens_processed=st.tokens_written,
-                        tokens_read=st.tokens_read,
-                        forward_passes=st.forward_passes,
-                        p_yes=probs_shared[" yes"],
-                        thinker_len=n,
-                    )
-                )
+                st_shared = engine.stats[name]
                 # The thinker keeps writing while the probe waits for its step: the probe read the
                 # thinker's block as far as its step's start, which its own accounting tells.
-                n = st.tokens_read - len(ctx_block) - st.tokens_written
-                res.records[-1].update(view_tokens=L + n, thinker_len=n)
+                n = st_shared.tokens_read - len(ctx_block) - st_shared.tokens_written
                 snapshot = list(ctx_block.tokens) + list(bg.tokens[:n])
                 name = f"sync-text-{L}-{s}"
                 t0 = time.perf_counter()
@@ -166,57 +180,78 @@ async def run(ctx: SuiteContext, p: SyncCostPlan) -> SuiteResult:
                 )
                 dt_text = time.perf_counter() - t0
                 engine.release(copy)
-                st = engine.stats[name]
-                res.records.append(
-                    dict(
-                        method="text-passing",
-                        context=L,
-                        sync=s,
-                        view_tokens=L + n,
-                        seconds=dt_text,
-                        tokens_processed=st.tokens_written,
-                        tokens_read=st.tokens_read,
-                        forward_passes=st.forward_passes,
-                        p_yes=probs_text[" yes"],
-                        thinker_len=n,
-                    )
-                )
-                res.records[-1]["abs_diff_p"] = res.records[-2]["abs_diff_p"] = abs(
-                    probs_shared[" yes"] - probs_text[" yes"]
-                )
+                st_text = engine.stats[name]
+                diff = abs(probs_shared[" yes"] - probs_text[" yes"])
+                rows += [
+                    _sync_row("shared", L, s, n, dt_shared, st_shared, probs_shared[" yes"], diff),
+                    _sync_row("text-passing", L, s, n, dt_text, st_text, probs_text[" yes"], diff),
+                ]
                 await _wait_length(bg, len(bg) + p.thinker_tokens_between_syncs, task)
             gen.cancel()
             await within(task, 60, "thinker cancel")
-            res.records.append(dict(method="thinker", context=L, thinker_tokens=len(produced)))
+            rows.append(ThinkerRow(method="thinker", context=L, thinker_tokens=len(produced)))
             engine.release(bg)
         engine.release(ctx_block)
-    _analyse(ctx, res, contexts, tol)
+    res.records = [asdict(r) for r in rows]
+    _analyse(ctx, res, rows, contexts, tol)
     return res
 
 
-def _analyse(ctx: SuiteContext, res: SuiteResult, contexts: list[int], tol: float) -> None:
+def _sync_row(
+    method: str,
+    context: int,
+    sync: int,
+    thinker_len: int,
+    seconds: float,
+    stats: CoroutineStats,
+    p_yes: float,
+    diff: float,
+) -> SyncRow:
+    """One sync's row, from the engine's accounting of the sync's coroutine (`engine.stats[name]`)."""
+    return SyncRow(
+        method=method,
+        context=context,
+        sync=sync,
+        view_tokens=context + thinker_len,
+        seconds=seconds,
+        tokens_processed=stats.tokens_written,
+        tokens_read=stats.tokens_read,
+        forward_passes=stats.forward_passes,
+        p_yes=p_yes,
+        thinker_len=thinker_len,
+        abs_diff_p=diff,
+    )
+
+
+def _analyse(
+    ctx: SuiteContext,
+    res: SuiteResult,
+    records: list[SyncRow | ThinkerRow],
+    contexts: Sequence[int],
+    tol: float,
+) -> None:
+    syncs = [r for r in records if isinstance(r, SyncRow)]
+    thinkers = [r for r in records if isinstance(r, ThinkerRow)]
     rows, fits = [], {}
     per = {}
     for method in ("shared", "text-passing"):
-        recs = [r for r in res.records if r.get("method") == method]
-        xs = [r["context"] for r in recs]
+        recs = [r for r in syncs if r.method == method]
+        xs = [r.context for r in recs]
         fits[method] = (
-            linear_fit(xs, [r["tokens_processed"] for r in recs]),
-            linear_fit(xs, [r["seconds"] for r in recs]),
+            linear_fit(xs, [r.tokens_processed for r in recs]),
+            linear_fit(xs, [r.seconds for r in recs]),
         )
         for L in contexts:
-            rs = [r for r in recs if r["context"] == L]
+            rs = [r for r in recs if r.context == L]
             per[(method, L)] = (
-                sum(r["tokens_processed"] for r in rs) / len(rs),
-                sum(r["seconds"] for r in rs) / len(rs),
-                sum(r["forward_passes"] for r in rs) / len(rs),
+                sum(r.tokens_processed for r in rs) / len(rs),
+                sum(r.seconds for r in rs) / len(rs),
+                sum(r.forward_passes for r in rs) / len(rs),
             )
     for L in contexts:
         ts, ss, fs = per[("shared", L)]
         tt, st, ft = per[("text-passing", L)]
-        thinker = [
-            r["thinker_tokens"] for r in res.records if r.get("method") == "thinker" and r["context"] == L
-        ]
+        thinker = [r.thinker_tokens for r in thinkers if r.context == L]
         rows.append(
             [
                 L,
@@ -301,7 +336,7 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, contexts: list[int], tol: floa
         f"slope {ftt.slope:.3f} per context token; at L={lmax}: {per[('shared', lmax)][1]:.2f} s vs "
         f"{per[('text-passing', lmax)][1]:.2f} s per sync ({ratio_time:.0f}x)"
     )
-    diffs = [r["abs_diff_p"] for r in res.records if r.get("method") == "shared"]
+    diffs = [r.abs_diff_p for r in syncs if r.method == "shared"]
     res.check(
         "shared sync processes a constant number of tokens (slope < 0.01 per context token)",
         abs(fts.slope) < 0.01,
@@ -322,7 +357,7 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, contexts: list[int], tol: floa
         ratio_time > 1,
         f"text/shared time ratio {ratio_time:.1f} at L={lmax}",
     )
-    thinker_ok = all(r["thinker_tokens"] > 0 for r in res.records if r.get("method") == "thinker")
+    thinker_ok = all(r.thinker_tokens > 0 for r in thinkers)
     res.check("the thinker kept generating during the syncs", thinker_ok)
     lines(
         ctx.plot_path(NAME, "curve"),
@@ -352,7 +387,7 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, contexts: list[int], tol: floa
         "length; "
         "one thinker decoding concurrently; the sync is a one-token-answer probe "
         f"({len(ctx.model.encode(' x'))}-token choices, question of "
-        f"{res.records[0]['tokens_processed'] if res.records else '?'} tokens)",
+        f"{syncs[0].tokens_processed if syncs else '?'} tokens)",
         "text-passing baseline prefilled in the same engine (chunks of 128 tokens, interactive priority), "
         "i.e. "
         "without any prefix cache; a stack with prefix caching would re-encode only the new text",
