@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import tiny_chat_model_dir
+from support import smollm2_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 KEYS = {"alice": "alice-key", "bob": "bob-key", "root": "root-key"}
@@ -178,7 +178,10 @@ class Serve:
 @pytest.fixture(scope="module")
 def server() -> Iterator[Serve]:
     folder = Path(tempfile.mkdtemp(prefix="cothink-console-"))
-    serve = Serve(tiny_chat_model_dir(), free_port(), folder / "serve.log").start()
+    # SmolLM2 rather than the tiny random model: its generations of LONG tokens outlast the checks a
+    # test makes while they run (a lane "running", input marked on it) on any machine, where the tiny
+    # model can finish one before the page has drawn it
+    serve = Serve(smollm2_dir(), free_port(), folder / "serve.log").start()
     try:
         yield serve
     finally:

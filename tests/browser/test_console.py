@@ -1,4 +1,4 @@
-"""The live console in a real browser, against a real `cothink serve` with a tiny model.
+"""The live console in a real browser, against a real `cothink serve` with SmolLM2.
 
 One server for the module (keys alice, bob and the admin root); the last test restarts it in place.
 """
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(300)
 KV_ABOVE = """n => +document.querySelector('[data-gauge="kv"]').dataset.bytes > n"""
 KV_BELOW = """n => +document.querySelector('[data-gauge="kv"]').dataset.bytes < n"""
 ENDED = re.compile("^(cancelled|done)$")  # cancelled, unless it reached max_tokens first
-LONG = 1500  # max_tokens of generations the tests stop themselves (the tiny model's context is 2048)
+LONG = 1500  # max_tokens of generations the tests stop themselves (tens of seconds of SmolLM2 decoding)
 
 
 class ChatStream:
@@ -100,6 +100,10 @@ def test_a_chat_completion_streams_into_its_lane(server, pages, open_console):
             " const text = l.querySelector('[data-role=text]').textContent;"
             " return l.dataset.state === 'running' && text.length > k + 20; }",
             arg=[name, first],
+        )
+        # one mark per forward pass while it runs
+        page.wait_for_function(
+            "n => document.querySelectorAll('[data-timeline] [data-step]').length > n", arg=steps_before + 20
         )
     finally:
         chat.stop()

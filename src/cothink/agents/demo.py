@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Sequence, TypeVar
 
 from cothink.agents.base import AgentEvent
 from cothink.agents.think_narrate import NarratorSync, Reaction, ThinkNarrate
@@ -510,6 +510,23 @@ async def _run_displayed(engine: Any, args: argparse.Namespace, console: Any, li
             )
 
 
+T = TypeVar("T")
+
+# The main thread never blocks for long: the kernel may deliver Ctrl-C's SIGINT to any thread (the
+# server's, the compute thread, the C kernels' helpers), and Python raises KeyboardInterrupt only when
+# the main thread next runs; one indefinite wait would leave Ctrl-C unanswered.
+WAKE_S = 0.25
+
+
+def _wait_interruptibly(future: concurrent.futures.Future[T]) -> T:
+    """future.result(), waking every WAKE_S so that a Ctrl-C is answered at once."""
+    while True:
+        try:
+            return future.result(timeout=WAKE_S)
+        except TimeoutError:
+            continue
+
+
 def _run_with_console(engine: Any, args: argparse.Namespace, console: Any) -> DemoResult | None:
     """Serve the engine with its live console; run the demo on the server's loop once a page is
     connected, then keep serving until Ctrl-C."""
@@ -536,12 +553,13 @@ def _run_with_console(engine: Any, args: argparse.Namespace, console: Any) -> De
             seed=args.seed,
         )
         assert server.loop is not None
-        result = asyncio.run_coroutine_threadsafe(demo, server.loop).result()
+        result = _wait_interruptibly(asyncio.run_coroutine_threadsafe(demo, server.loop))
         _print_summary(result, console)
         if args.trace:
             _write_trace(engine, args.trace, console)
         console.print(f"[dim]still serving {server.url}/console until Ctrl-C[/dim]")
-        threading.Event().wait()
+        while True:
+            time.sleep(WAKE_S)
     except KeyboardInterrupt:
         pass
     finally:
