@@ -17,12 +17,21 @@ pytestmark = pytest.mark.timeout(300)
 MAIN = "import sys; from cothink.cli import main; sys.exit(main())"
 
 
+def _terminal_ctrl_c() -> None:
+    """In the child before exec: SIGINT delivered and handled by default, as in a terminal, whatever
+    this test process inherited or blocked (a signal mask and an ignored disposition survive exec)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow  # its own process: a model load and the whole demo
 def test_the_demo_in_the_console(pages, artifacts):
     cmd = [sys.executable, "-c", MAIN, "demo", "--console", "--port", "0", "--no-live"]
     cmd += ["--model", str(tiny_chat_model_dir()), "--max-tokens", "40", "--narrate-every", "8"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "COLUMNS": "200"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, preexec_fn=_terminal_ctrl_c
+    )
     lines: list[str] = []
     try:
         url = None
