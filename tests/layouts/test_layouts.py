@@ -142,9 +142,11 @@ def test_runner_executes_shipped_think_narrate(hybrid_dir):
             return run, dict(engine.stats)
 
     run, stats = asyncio.run(main())
-    # the probe ran every 16 thinker tokens; each run of it is a probe event
+    # the probe is triggered every 16 thinker tokens; a trigger that fires while it runs is remembered
+    # for after that run, which the layout skips once it is closing (the thinker done), so how many
+    # runs fit depends on how fast the thinker is next to the probe; each run of it is a probe event
     probes = [e for e in run.events if e.kind == "probe"]
-    assert run.runs["thinker"] == 1 and run.runs["progress"] == len(probes) >= 2
+    assert run.runs["thinker"] == 1 and run.runs["progress"] == len(probes) >= 1
     assert stats["tn.thinker"].forward_passes >= 40 and run.forward_passes["progress"] >= len(probes)
     # the user's event went into ctx through the rule, with no model call
     assert run.events_in == 1 and [e.text for e in run.events if e.kind == "event"] == ["Use 5 apples."]
