@@ -29,13 +29,16 @@ import copy
 import json
 import random
 import shutil
+import socket
 import tempfile
 import threading
+import time
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
+import httpx
 import pytest
 import torch
 from reference import max_err, random_ids
@@ -679,6 +682,34 @@ def running_server(engine, settings=None, **kwargs: Any) -> Iterator[Any]:
         yield server
     finally:
         assert server.stop(30), "the server did not shut down within 30 s"
+
+
+def wait_for(predicate, timeout: float = 20.0, poll: float = 0.02) -> bool:
+    """Poll `predicate` until it holds (True) or `timeout` seconds pass (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(poll)
+    return False
+
+
+def abandoned_request(server, path: str, body: dict, started, headers: dict | None = None) -> None:
+    """POST `body` to `path` over a raw socket and close the connection once `started()` (called on
+    the server's event loop) holds: a client that gives up while its request is being served.
+
+    A raw socket, because an HTTP client blocks until response headers arrive, which a non-streaming
+    request sends only at its end; closing on an observed server state rather than after a client
+    timeout keeps the test independent of the machine's speed.
+    """
+    url = httpx.URL(server.url)
+    raw = json.dumps(body).encode()
+    lines = [f"POST {path} HTTP/1.1", f"Host: {url.host}", "Content-Type: application/json"]
+    lines += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    lines += [f"Content-Length: {len(raw)}", "", ""]
+    with socket.create_connection((url.host, url.port), timeout=30) as sock:
+        sock.sendall("\r\n".join(lines).encode() + raw)
+        assert wait_for(lambda: server.call(started), poll=0.001), f"{path}: the work never started"
 
 
 def sse_events(response) -> list[Any]:

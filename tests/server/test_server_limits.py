@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 
 import httpx
 import pytest
-from support import running_server, sse_events, tiny_engine
+from support import running_server, sse_events, tiny_engine, wait_for
 from websockets.sync.client import connect as ws_connect
 
 from cothink.server import BackgroundServer, ServerSettings, create_app
@@ -37,15 +36,6 @@ SCHEMA_PROBLEMS = {
 def server():
     with running_server(tiny_engine(), ServerSettings(model_name="tiny")) as srv:
         yield srv
-
-
-def wait_for(predicate, timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
 
 
 def chat(schema, **extra) -> dict:

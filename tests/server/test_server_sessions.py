@@ -8,7 +8,7 @@ import time
 
 import httpx
 import pytest
-from support import running_server, sse_events, tiny_engine
+from support import abandoned_request, running_server, sse_events, tiny_engine
 from websockets.sync.client import connect as ws_connect
 
 from cothink.client import Client, ClientError
@@ -163,20 +163,27 @@ def test_client_disconnect_cancels_and_releases(server, client):
         assert info["status"] == "finished" and info["finish_reason"] == "cancelled"
         assert engine_blocks() == baseline  # the chat request's blocks went back too
         assert s.get_block(out).length == info["tokens"] < 500
-        # a non-streaming request whose client gives up is cancelled as well
-        with pytest.raises(httpx.TimeoutException):
-            httpx.post(
-                f"{server.url}/v1/sessions/{s.id}/generate",
-                headers=headers,
-                timeout=0.5,
-                json={
-                    "view": [prompt.id, out.id],
-                    "max_tokens": 500,
-                    "stream": False,
-                    "stop_at_eos": False,
-                    "name": "impatient",
-                },
-            )
+        # a non-streaming request whose client gives up is cancelled as well. The test pauses the
+        # generation server-side as soon as it exists, so it cannot finish before the client leaves
+        # however fast the machine is; the disconnect must cancel it while paused.
+        session = server.call(lambda: state.sessions.sessions[s.id])
+
+        def pause_impatient() -> bool:
+            mine = [c for c in session.coroutines.values() if c.name == "impatient"]
+            if mine and mine[0].generation is not None:
+                mine[0].generation.pause()
+                return True
+            return False
+
+        body = {
+            "view": [prompt.id, out.id],
+            "max_tokens": 500,
+            "stream": False,
+            "stop_at_eos": False,
+            "name": "impatient",
+        }
+        path = f"/v1/sessions/{s.id}/generate"
+        abandoned_request(server, path, body, pause_impatient, {"Authorization": f"Bearer {KEY_A}"})
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             mine = [c for c in s.coroutines() if c["name"] == "impatient"]
