@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, Literal
 
 from cothink.scheduler.scheduler import Scheduler
 from cothink.scheduler.work import GenerateWork, GenerationResult, Piece
+
+
+Control = Literal["cancel", "pause", "resume"]
 
 
 class Generation:
@@ -23,6 +26,7 @@ class Generation:
         self._consumers: set[asyncio.Task] = set()
         self.result: GenerationResult | None = None
         self._drained = False  # the queue's GenerationResult was taken: nothing more will come
+        self._observers: list[Callable[[Control], None]] = []
 
     @property
     def name(self) -> str:
@@ -76,10 +80,20 @@ class Generation:
         assert self.result is not None
         return self.result
 
+    def observe(self, callback: Callable[[Control], None]) -> None:
+        """Call `callback(control)` before each cancel, pause or resume that changes the generation's
+        state, including the implicit cancel when its consumer task ends (a recorder logs them)."""
+        self._observers.append(callback)
+
+    def _notify(self, control: Control) -> None:
+        for callback in self._observers:
+            callback(control)
+
     def cancel(self) -> None:
         """End the generation; its block can be written again as soon as this returns."""
         work = self._work
         if not work.finished:
+            self._notify("cancel")
             self._scheduler.cancel(work)
         if self.result is None and work.outcome == "cancelled":
             self.result = work.result("cancelled")
@@ -87,9 +101,13 @@ class Generation:
     def pause(self) -> None:
         """Stop before the next step, keeping the sampled token, sampler state and token budget.
         The block stays reserved for this generation (other writers get BlockBusyError)."""
+        if not self._work.finished and not self._work.paused:
+            self._notify("pause")
         self._scheduler.set_paused(self._work, True)
 
     def resume(self) -> None:
+        if not self._work.finished and self._work.paused:
+            self._notify("resume")
         self._scheduler.set_paused(self._work, False)
 
     async def __aenter__(self) -> Generation:

@@ -221,7 +221,9 @@ class Recorder:
         with self._errors(seq, kw["name"]):
             inner = self.engine.generate(view, **kw)
         self._writers[keys[-1]] = kw["name"]
-        return _RecordedGeneration(inner, self, seq)
+        # cancel, pause and resume are recorded (also the implicit cancel when the task iterating it ends)
+        inner.observe(lambda control: self._call(control, {"call": seq}))
+        return inner
 
     async def probe(
         self,
@@ -336,30 +338,6 @@ class Recorder:
 
     def _keys_of(self, view: list[Block] | Block) -> list[int]:
         return [self._key(b) for b in ([view] if isinstance(view, Block) else view)]
-
-
-class _RecordedGeneration(Generation):
-    """A generation whose cancel, pause and resume are recorded (also the implicit cancel when the
-    task iterating it ends)."""
-
-    def __init__(self, inner: Generation, recorder: Recorder, seq: int):
-        super().__init__(inner._work, inner._scheduler)
-        self._recorder, self._seq = recorder, seq
-
-    def cancel(self) -> None:
-        if not self._work.finished:
-            self._recorder._call("cancel", {"call": self._seq})
-        super().cancel()
-
-    def pause(self) -> None:
-        if not self._work.finished and not self._work.paused:
-            self._recorder._call("pause", {"call": self._seq})
-        super().pause()
-
-    def resume(self) -> None:
-        if not self._work.finished and self._work.paused:
-            self._recorder._call("resume", {"call": self._seq})
-        super().resume()
 
 
 def _header(engine: Engine, model: str | Path | None, quantize: str | None) -> Record:
