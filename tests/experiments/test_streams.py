@@ -7,16 +7,22 @@ import pytest
 
 from cothink.errors import InvalidParameterError
 from cothink.experiments.streams import (
+    BACKGROUND,
+    COLOURS,
+    GRID,
+    PROCEDURAL_KINDS,
     SCENE_PX,
     GameVars,
     Scene,
     Shape,
+    frame_groups,
     game_events,
     load_stream,
     procedural_stream,
     render_scene,
     save_stream,
 )
+from cothink.experiments.streams import main as streams_main
 
 
 def test_procedural_change_is_at_its_tick():
@@ -91,5 +97,126 @@ def test_vizdoom_event_appears_at_its_tick(tmp_path):
             assert health[t] > health[t - 1]
         if health[t - 1] - health[t] >= 10 and health[t] > 0:
             assert "damage" in kinds[t]
-    assert load_stream(save_stream(s, tmp_path)).same_as(s)
-    assert vizdoom_stream("deadly_corridor", 0, skill=2, max_tics=140).same_as(s)  # deterministic
+    path = save_stream(s, tmp_path)
+    assert load_stream(path).same_as(s)
+    again = vizdoom_stream("deadly_corridor", 0, skill=2, max_tics=140)
+    assert again.same_as(s)  # deterministic
+    path_again = save_stream(again, tmp_path / "again")
+    for suffix in (".jsonl", ".npz"):
+        assert path.with_suffix(suffix).read_bytes() == path_again.with_suffix(suffix).read_bytes()
+    (group, *_) = frame_groups(s, 2, fps=5.0)
+    assert group.frames.shape == (2, 120, 160, 3) and group.timestamp == 0.1
+
+
+def _scene_cells(text: str) -> tuple[int, dict[tuple[int, int], str]]:
+    """A procedural frame's text -> (digit on the sign, {(x, y): "colour shape"})."""
+    sign, things = text.split("\n")
+    cells = {}
+    if things != "no shapes":
+        for thing in things.split("; "):
+            name, at = thing.split(" at ")
+            x, y = at.strip("()").split(",")
+            cells[int(x), int(y)] = name
+    return int(sign.removeprefix("sign: ")), cells
+
+
+def _changed_cells(before: np.ndarray, after: np.ndarray) -> set[tuple[int, int]]:
+    cell = SCENE_PX // GRID
+    diff = (before != after).any(axis=2)
+    return {(x, y) for x in range(GRID) for y in range(GRID)
+            if diff[y * cell : (y + 1) * cell, x * cell : (x + 1) * cell].any()}
+
+
+def test_procedural_event_changes_the_pixels_it_names():
+    # over several scenes: every event's frame differs from the one before exactly in the cells the event
+    # names (the sign's two cells, or the cells a shape left / entered / changed colour in)
+    seen_kinds = set()
+    for seed in range(6):
+        s = procedural_stream(seed, 60)
+        assert s.pixels is not None
+        for t in s.event_ticks:
+            (event,) = s.ticks[t].events
+            seen_kinds.add(event.kind)
+            digit0, before = _scene_cells(s.ticks[t - 1].text)
+            digit1, after = _scene_cells(s.ticks[t].text)
+            changed = {c for c in before.keys() | after.keys() if before.get(c) != after.get(c)}
+            expected = {"sign": 0, "appear": 1, "vanish": 1, "colour": 1, "move": 2}[event.kind]
+            assert len(changed) == expected, (seed, t, event)
+            assert (digit0 != digit1) == (event.kind == "sign")
+            if event.kind == "sign":
+                changed = {(0, 0), (1, 0)}
+                assert _changed_cells(s.pixels[t - 1], s.pixels[t]) <= changed
+                assert _changed_cells(s.pixels[t - 1], s.pixels[t])
+            else:
+                assert _changed_cells(s.pixels[t - 1], s.pixels[t]) == changed, (seed, t, event)
+            if event.kind == "colour":
+                ((x, y),) = changed
+                assert before[x, y].split()[1] == after[x, y].split()[1]  # same shape, new colour
+                assert event.detail.endswith(after[x, y].split()[0])
+            cell = SCENE_PX // GRID
+            for (x, y), name in after.items():  # every shape is drawn in its colour at its cell
+                centre = s.pixels[t][y * cell + cell // 2, x * cell + cell // 2]
+                assert tuple(centre) == COLOURS[name.split()[0]], (seed, t, name)
+            empty = [(x, y) for x in range(GRID) for y in range(1, GRID) if (x, y) not in after]
+            for x, y in empty:
+                assert (s.pixels[t][y * cell : (y + 1) * cell, x * cell : (x + 1) * cell] == BACKGROUND).all()
+    assert seen_kinds == set(PROCEDURAL_KINDS)
+
+
+def test_stream_files_are_the_same_bytes_for_the_same_seed(tmp_path):
+    first = save_stream(procedural_stream(5, 30), tmp_path / "a")
+    second = save_stream(procedural_stream(5, 30), tmp_path / "b")
+    for suffix in (".jsonl", ".npz"):
+        assert first.with_suffix(suffix).read_bytes() == second.with_suffix(suffix).read_bytes()
+    other = save_stream(procedural_stream(6, 30), tmp_path / "c")
+    assert other.with_suffix(".npz").read_bytes() != first.with_suffix(".npz").read_bytes()
+    again = load_stream(first)
+    assert again.pixels is not None and again.pixels.dtype == np.uint8
+    assert again.pixels.tobytes() == procedural_stream(5, 30).pixels.tobytes()  # bit for bit
+
+
+def test_render_scene_scales_and_refuses_odd_sizes():
+    scene = Scene(7, [Shape("circle", "blue", 2, 3)])
+    big = render_scene(scene, 224)
+    cell = 224 // GRID
+    assert big.shape == (224, 224, 3) and big.dtype == np.uint8
+    assert tuple(big[3 * cell + cell // 2, 2 * cell + cell // 2]) == COLOURS["blue"]
+    assert (big[:cell, 2 * cell :] == BACKGROUND).all()  # the sign keeps to its two cells
+    other_digit = render_scene(Scene(1, scene.shapes), 224)
+    assert not np.array_equal(big[:cell, : 2 * cell], other_digit[:cell, : 2 * cell])
+    assert np.array_equal(big[cell:], other_digit[cell:])
+    with pytest.raises(InvalidParameterError, match="multiple of 8"):
+        render_scene(scene, 100)
+
+
+def test_frame_groups_cover_the_stream_with_the_processor_timestamps():
+    from cothink.models.image_processing import group_timestamps
+
+    s = procedural_stream(2, 7)
+    assert s.pixels is not None
+    groups = list(frame_groups(s, 2, fps=2.0))
+    assert [g.ticks for g in groups] == [(0, 1), (2, 3), (4, 5), (6,)]
+    assert [g.timestamp for g in groups] == [0.25, 1.25, 2.25, 3.0]
+    assert [g.due for g in groups] == [0.5, 1.5, 2.5, 3.0]
+    assert [g.timestamp for g in groups] == group_timestamps(range(7), 2.0, 2)
+    for g in groups:
+        assert np.array_equal(g.frames, s.pixels[g.ticks[0] : g.ticks[-1] + 1])
+        assert g.events == tuple(e for t in g.ticks for e in s.ticks[t].events)
+    assert [g.ticks for g in frame_groups(s, 2, fps=2.0, partial=False)] == [(0, 1), (2, 3), (4, 5)]
+    late = list(frame_groups(s, 4, fps=4.0, start=1))
+    assert [g.ticks for g in late] == [(1, 2, 3, 4), (5, 6)]
+    assert [g.timestamp for g in late] == [0.625, 1.375]  # (5/4 + 6/4) / 2: the last frame fills the group
+    assert sum(len(g.events) for g in frame_groups(procedural_stream(2, 40), 2, 2.0)) == len(
+        procedural_stream(2, 40).event_ticks)
+    with pytest.raises(InvalidParameterError, match="no pixel frames"):
+        list(frame_groups(procedural_stream(2, 7, pixels=False), 2, 2.0))
+    with pytest.raises(InvalidParameterError, match="temporal_patch_size"):
+        list(frame_groups(s, 0, 2.0))
+
+
+def test_record_cli_writes_replayable_streams(tmp_path, capsys):
+    assert streams_main(["--count", "2", "--seed", "3", "--ticks", "12", "--out", str(tmp_path)]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "procedural-3.jsonl", "procedural-3.npz", "procedural-4.jsonl", "procedural-4.npz"]
+    assert load_stream(tmp_path / "procedural-4.jsonl").same_as(procedural_stream(4, 12))
+    assert "events:" in capsys.readouterr().out

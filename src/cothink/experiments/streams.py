@@ -14,7 +14,8 @@ seeded, deterministic sources make them:
   ``damage`` (health fell by at least ``damage_min`` points), ``item`` (health rose, or the item count
   did), ``kill`` (the kill count rose), ``critical`` (health fell below ``critical_health``), ``death``.
 
-Stream file format (one file per stream, replayable with ``--source FILE``), JSON Lines::
+Stream file format (one file per stream, replayable with ``--source FILE`` or ``--stream FILE``),
+JSON Lines::
 
     {"format": "cothink-stream", "version": 1, "name": ..., "source": "procedural"|"vizdoom",
      "seed": 3, "ticks": 40, "params": {...}, "pixels": "NAME.npz"}          <- header
@@ -24,14 +25,21 @@ Stream file format (one file per stream, replayable with ``--source FILE``), JSO
 
 ``pixels`` names a sidecar file next to it (numpy ``.npz``, array ``frames``: uint8, shape
 ``(ticks, height, width, 3)``), or is null for a text-only stream. A tick's time is ``tick / fps`` at
-whatever rate the stream is played; the file holds no wall-clock times.
+whatever rate the stream is played; the file holds no wall-clock times. Pixels load back bit for bit,
+and the same stream saves to the same bytes (the zip entries carry the zip format's default date, not
+the time of writing), so a seed names its files. ``python -m cothink.experiments.streams`` records
+built-in streams without running an experiment.
+
+:func:`frame_groups` cuts a stream's pixels into groups of a vision model's ``temporal_patch_size``
+frames, each with its timestamp at a given frame rate, for ``engine.extend(block, frames=...,
+timestamp=...)``.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +53,7 @@ FORMAT, VERSION = "cothink-stream", 1
 SCENE_PX = 96  # procedural frames are SCENE_PX x SCENE_PX RGB
 GRID = 8  # procedural positions are cells of an GRID x GRID board
 SHAPES = ("circle", "square", "triangle")
+BACKGROUND = (128, 128, 128)  # the ground of a procedural frame
 COLOURS = {"red": (220, 40, 40), "green": (40, 180, 60), "blue": (50, 80, 230), "yellow": (235, 210, 40)}
 PROCEDURAL_KINDS = ("appear", "vanish", "move", "colour", "sign")
 VIZDOOM_KINDS = ("damage", "item", "kill", "critical", "death")
@@ -176,15 +185,21 @@ class Scene:
         return rng.choice(cells)
 
 
-def render_scene(scene: Scene) -> np.ndarray:
-    """The scene in pixels: uint8 (SCENE_PX, SCENE_PX, 3), grey ground, the sign in the top-left cells."""
-    from PIL import Image, ImageDraw
+def render_scene(scene: Scene, px: int = SCENE_PX) -> np.ndarray:
+    """The scene in pixels: uint8 (px, px, 3), grey ground, the sign in the top-left two cells (its digit
+    in Pillow's default font, 10 points at the default size, scaled with the cell). `px` is a multiple
+    of GRID, at least 8 * GRID."""
+    from PIL import Image, ImageDraw, ImageFont
 
-    cell = SCENE_PX // GRID
-    img = Image.new("RGB", (SCENE_PX, SCENE_PX), (128, 128, 128))
+    if px % GRID or px < 8 * GRID:
+        raise InvalidParameterError(
+            f"px must be a multiple of {GRID}, at least {8 * GRID}; got {px}", param="px")
+    cell = px // GRID
+    img = Image.new("RGB", (px, px), BACKGROUND)
     draw = ImageDraw.Draw(img)
     draw.rectangle([1, 1, 2 * cell - 2, cell - 2], fill=(255, 255, 255), outline=(0, 0, 0))
-    draw.text((cell - 3, 0), str(scene.digit), fill=(0, 0, 0))
+    font = ImageFont.load_default(size=cell * 5 // 6)
+    draw.text((cell - cell // 4, 0), str(scene.digit), fill=(0, 0, 0), font=font)
     for s in scene.shapes:
         x0, y0 = s.x * cell + 1, s.y * cell + 1
         box = [x0, y0, x0 + cell - 3, y0 + cell - 3]
@@ -394,3 +409,71 @@ def event_summary(streams: Sequence[Stream]) -> dict[str, int]:
             for e in t.events:
                 counts[e.kind] = counts.get(e.kind, 0) + 1
     return counts
+
+
+# ---------------------------------------------------------------------------------- frame groups
+
+
+@dataclass(frozen=True, eq=False)
+class PixelGroup:
+    """Consecutive pixel frames of a stream, as one frame group for a vision model's temporal patch."""
+
+    ticks: tuple[int, ...]  # the stream ticks of the frames, consecutive; 1..temporal_patch_size of them
+    frames: np.ndarray  # uint8 (len(ticks), height, width, 3): the stream's pixels at those ticks
+    timestamp: float  # seconds: the mean time of the first and last frame (the group's timestamp text)
+    due: float  # seconds: when the last frame is shown, the earliest a live reader holds the whole group
+    events: tuple[StreamEvent, ...]  # ground truth: the events first visible in these ticks
+
+
+def frame_groups(
+    stream: Stream, temporal_patch_size: int, fps: float, *, start: int = 0, partial: bool = True
+) -> Iterator[PixelGroup]:
+    """The stream's pixel frames from tick `start` on, in groups of `temporal_patch_size`, tick i shown at
+    ``i / fps`` seconds. Each group holds what one frame group of ``engine.extend(block, frames=...,
+    timestamp=...)`` (and `cothink.models.image_processing.preprocess_frames`) takes; its timestamp
+    follows the video processor's rule (`cothink.models.image_processing.group_timestamps`), which also
+    holds for a short last group (the processor fills it by repeating its last frame). `partial=False`
+    leaves a short last group out."""
+    from cothink.models.image_processing import group_timestamps
+
+    if stream.pixels is None:
+        raise InvalidParameterError(f"stream {stream.name} has no pixel frames", param="stream")
+    if temporal_patch_size < 1 or not fps > 0 or not 0 <= start <= len(stream.ticks):
+        raise InvalidParameterError(
+            f"need temporal_patch_size >= 1, fps > 0 and 0 <= start <= {len(stream.ticks)}", param="frames")
+    for first in range(start, len(stream.ticks), temporal_patch_size):
+        ticks = tuple(range(first, min(first + temporal_patch_size, len(stream.ticks))))
+        if len(ticks) < temporal_patch_size and not partial:
+            return
+        (timestamp,) = group_timestamps(ticks, fps, temporal_patch_size)
+        events = tuple(e for t in ticks for e in stream.ticks[t].events)
+        yield PixelGroup(ticks, stream.pixels[first : ticks[-1] + 1], timestamp, ticks[-1] / fps, events)
+
+
+# ------------------------------------------------------------------------------------------- CLI
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m cothink.experiments.streams``: record built-in streams as stream files."""
+    import argparse
+
+    p = argparse.ArgumentParser(
+        prog="python -m cothink.experiments.streams",
+        description="Record seeded streams (procedural scenes or ViZDoom episodes) as stream files.")
+    p.add_argument("--source", choices=("procedural", "vizdoom"), default="procedural")
+    p.add_argument("--count", type=int, default=1, help="streams to record, seeds --seed, --seed+1, ...")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ticks", type=int, default=40, help="frames per stream (most, for vizdoom)")
+    p.add_argument("--pixels", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the pixel frames (default on)")
+    p.add_argument("--out", type=Path, required=True, help="folder for NAME.jsonl (+ NAME.npz)")
+    args = p.parse_args(argv)
+    streams = streams_for(args.source, args.count, args.seed, ticks=args.ticks, pixels=args.pixels)
+    for s in streams:
+        print(f"{save_stream(s, args.out)}: {len(s.ticks)} ticks, events at {s.event_ticks}")
+    print("events:", event_summary(streams))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
