@@ -92,3 +92,55 @@ def test_problems_are_deterministic_and_correct():
     assert p.expression == "((14+15)*2)-9"
     assert p.steps == (29, 58, 49) and p.answer == 49
     assert p.expression in p.prompt
+
+
+def test_min_samples_leave_two_beyond_the_percentile():
+    from cothink.eval.common import min_samples, sampled_percentile
+
+    assert (min_samples(50), min_samples(95), min_samples(99)) == (4, 40, 200)
+    xs = [float(i) for i in range(199)]
+    short = sampled_percentile(xs, 99)
+    assert not short.enough and math.isnan(short.value) and short.n == 199
+    assert "insufficient" in str(short) and "199" in str(short)
+    full = sampled_percentile([*xs, 199.0], 99)
+    assert full.enough and full.value == pytest.approx(percentile([*xs, 199.0], 99)) and "n=200" in str(full)
+    with pytest.raises(ValueError):
+        min_samples(100)
+
+
+def _ramp(points):
+    from cothink.eval.common import RampPoint
+
+    return [RampPoint(c, t, lat) for c, t, lat in points]
+
+
+def test_knee_where_throughput_stops_growing_while_latency_grows():
+    from cothink.eval.common import knee
+
+    # doubling concurrency: +90%, +80%, +5% (latency up) -> the knee is 4, the last point worth going to
+    found = knee(_ramp([(1, 100, 1.0), (2, 190, 1.1), (4, 342, 1.3), (8, 359.1, 2.4)]), 0.10)
+    assert found.concurrency == 4
+    assert found.gains == pytest.approx((0.9, 0.8, 0.05))
+    # the order of the points does not matter
+    assert knee(_ramp([(8, 359.1, 2.4), (1, 100, 1.0), (4, 342, 1.3), (2, 190, 1.1)])).concurrency == 4
+
+
+def test_knee_needs_growing_latency_and_judges_gains_per_doubling():
+    from cothink.eval.common import knee
+
+    # small gain but latency flat: free concurrency, no knee
+    assert knee(_ramp([(1, 100, 1.0), (2, 101, 1.0)])).concurrency is None
+    # always gaining well: the knee lies beyond the measured range
+    unreached = knee(_ramp([(1, 100, 1.0), (3, 300, 1.2), (9, 900, 1.5)]))
+    assert unreached.concurrency is None and "not reached up to 9" in unreached.detail
+    # 1 -> 9 with +20% in all is under 10% per doubling (log2 9 = 3.17 doublings: 5.9% each)
+    wide = knee(_ramp([(1, 100, 1.0), (9, 120, 2.0)]))
+    assert wide.concurrency == 1 and wide.gains[0] == pytest.approx(1.2 ** (1 / math.log2(9)) - 1)
+    # the same per-doubling gain spaced 1,2,4 or 1,4 gives the same verdict
+    g = 0.08
+    close = knee(_ramp([(1, 100, 1.0), (2, 100 * (1 + g), 1.1), (4, 100 * (1 + g) ** 2, 1.2)]))
+    far = knee(_ramp([(1, 100, 1.0), (4, 100 * (1 + g) ** 2, 1.2)]))
+    assert close.concurrency == far.concurrency == 1
+    assert knee([]).concurrency is None
+    with pytest.raises(ValueError):
+        knee(_ramp([(2, 1, 1.0), (2, 2, 1.0)]))

@@ -45,6 +45,14 @@ def test_sync_cost_baseline_really_reencodes(ctx):
     assert res.headline["text_tokens_per_sync_slope"] == pytest.approx(1.0, abs=0.01)
     assert res.headline["shared_tokens_per_sync_slope"] == pytest.approx(0.0, abs=1e-9)
     assert all(r["abs_diff_p"] < 1e-4 for r in shared)  # same snapshot, same answer
+    # the prefix-cache baseline starts every later sync from an earlier history and prefills only the rest
+    cached = [r for r in res.records if r.get("method") == sync_cost.CACHED]
+    assert [r["context"] for r in cached] == [64, 128, 256, 512]
+    assert cached[0]["cache_hit_tokens"] == 0 and all(r["cache_hit_tokens"] >= 64 for r in cached[1:])
+    for c, t in zip(cached, text):
+        assert c["tokens_processed"] == t["tokens_processed"] - c["cache_hit_tokens"]
+    reuse = next(c for c in res.checks if c.name.startswith("the prefix-cache baseline reuses"))
+    assert reuse.status == PASS
     checks = _checks(res)
     assert checks["text-passing baseline really re-encodes (tokens/sync slope >= 0.9)"] == PASS
     assert (ctx.out / res.plots[0]).exists()
@@ -140,11 +148,15 @@ def test_turn_server_serves_one_at_a_time_foreground_first():
 
 
 def test_latency_modes(ctx):
-    p = dataclasses.replace(latency.plan(True), background=(0, 2), requests=2, fg_tokens=4, bg_tokens=6)
+    p = dataclasses.replace(
+        latency.plan(True), background=(0, 2), requests=4, fg_tokens=4, bg_tokens=6, stream=None
+    )
     res = asyncio.run(latency.run(ctx, p))
+    assert {r["workload"] for r in res.records} == {"sweep"}
     modes = [(r["mode"], r["background"]) for r in res.records]
     assert modes == [("fair", 0), ("turn-based", 0), ("fair", 2), ("one-class", 2), ("turn-based", 2)]
     for r in res.records:
+        assert r["completed"] == r["requests"] == r["ttft_n"] == 4 and r["itl_n"] == 4 * 3
         assert 0 < r["ttft_p50"] <= r["e2e_p50"]
         assert r["throughput_tok_s"] > 0
     assert res.plots and (ctx.out / res.plots[0]).exists()
@@ -172,11 +184,17 @@ def test_faults_isolation(ctx):
 def test_cost_modes(ctx):
     res = asyncio.run(cost.run(ctx, cost.CostPlan(coroutines=3, document=64, new_tokens=4)))
     by = {r["mode"]: r for r in res.records}
-    assert set(by) == {"text serial", "text concurrent", "shared serial", "shared concurrent"}
+    assert set(by) == set(cost.MODES)
     checks = _checks(res)
-    assert checks["all four modes produce the same tokens (greedy)"] == PASS
+    assert checks["all modes produce the same tokens (greedy)"] == PASS
     # the document is processed once when shared, K times otherwise
     assert by["text serial"]["tokens_processed"] - by["shared serial"]["tokens_processed"] == 2 * 64
+    # through the prefix cache, only the first prompt pays for the document
+    cached = by["text serial + prefix cache"]["tokens_processed"]
+    assert cached <= by["shared serial"]["tokens_processed"] < by["text serial"]["tokens_processed"]
+    assert (
+        checks["shared concurrent needs fewer forward passes than text serial with the prefix cache"] == PASS
+    )
     assert by["shared concurrent"]["forward_passes"] < by["shared serial"]["forward_passes"]
     assert (
         by["shared concurrent"]["memory_per_coroutine_bytes"]

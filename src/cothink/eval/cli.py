@@ -80,6 +80,20 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "busy: OpenMP spin-waits make 2 threads on a contended 2-core CPU several times slower)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the generated inputs")
+    p.add_argument(
+        "--script",
+        default=None,
+        metavar="FILE",
+        help="a workload script (JSON or YAML: timed start / extend / generate / probe events of named "
+        "coroutines) run by the latency suite besides its own workloads; docs/evaluation.md gives the format",
+    )
+    p.add_argument(
+        "--problems",
+        default=None,
+        metavar="FILE",
+        help='a problem set (JSON Lines, one {"question": ..., "answer": ...} a line) solved by the '
+        "consistency suite instead of its generated arithmetic problems",
+    )
     p.set_defaults(func=run)
     return p
 
@@ -153,11 +167,16 @@ class _Invocation:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from cothink.errors import InvalidParameterError
     from cothink.eval import report
 
     _quiet_libraries()
     t_start = time.perf_counter()
-    inv = _invocation(args)
+    try:
+        inv = _invocation(args)
+    except InvalidParameterError as exc:
+        print(f"cothink eval: {exc}", file=sys.stderr)
+        return 2
     threads, reason = _threads(args.threads)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     command = _command_line()
@@ -205,6 +224,8 @@ def _invocation(args: argparse.Namespace) -> _Invocation:
         console = Console(stderr=True, width=160)
     modules = _suite_modules()
     suites = list(SUITE_NAMES) if args.suite == "all" else [args.suite]
+    plans = {name: modules[name].plan(args.quick, args.duration) for name in suites}
+    plans.update(_user_inputs(args, plans))
     out = Path(args.out) if args.out else Path("results") / time.strftime("eval-%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
     return _Invocation(
@@ -214,8 +235,37 @@ def _invocation(args: argparse.Namespace) -> _Invocation:
         suites=suites,
         model_keys=[m.strip() for m in args.models.split(",") if m.strip()],
         out=out,
-        plans={name: modules[name].plan(args.quick, args.duration) for name in suites},
+        plans=plans,
     )
+
+
+# The user's files each suite reads: option -> (suite, the plan's field, its loader's module and name).
+USER_INPUTS = {
+    "script": ("latency", "script", "cothink.eval.script", "load_script"),
+    "problems": ("consistency", "problems_file", "cothink.eval.workload", "load_problems"),
+}
+
+
+def _user_inputs(args: argparse.Namespace, plans: dict[str, Any]) -> dict[str, Any]:
+    """The plans that read a user's file (--script, --problems), each file validated now, before any
+    model loads; InvalidParameterError says what is wrong, or that no suite of this run reads it."""
+    import dataclasses
+    import importlib
+
+    from cothink.errors import InvalidParameterError
+
+    changed: dict[str, Any] = {}
+    for option, (suite, field_name, module, loader) in USER_INPUTS.items():
+        path = getattr(args, option, None)
+        if path is None:
+            continue
+        if suite not in plans:
+            raise InvalidParameterError(
+                f"--{option} is read by the {suite} suite, which this run does not include", param=option
+            )
+        getattr(importlib.import_module(module), loader)(path)
+        changed[suite] = dataclasses.replace(changed.get(suite, plans[suite]), **{field_name: str(path)})
+    return changed
 
 
 def _load_and_calibrate(inv: _Invocation, dtype: torch.dtype) -> list[Any]:

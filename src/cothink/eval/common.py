@@ -18,11 +18,16 @@ PASS, FAIL, WARN, INFO = "PASS", "FAIL", "WARN", "INFO"
 
 @dataclass
 class Check:
-    """One verdict of a suite: PASS / FAIL (a red line), WARN (a finding that is not a red line), INFO."""
+    """One verdict of a suite: PASS / FAIL (a red line), WARN (a finding that is not a red line), INFO.
+
+    A hard check (PASS / FAIL) is either a property (token counts, the order of service, every request
+    answered: the same on any machine) or, with `timing`, a comparison of measured times, which a
+    loaded machine can move."""
 
     name: str
     status: str
     detail: str = ""
+    timing: bool = False
 
 
 @dataclass
@@ -51,9 +56,15 @@ class SuiteResult:
     elapsed_s: float = 0.0
     error: str | None = None  # the suite crashed: the traceback's last line
 
-    def check(self, name: str, ok: bool, detail: str = "", *, soft: bool = False) -> bool:
-        self.checks.append(Check(name, PASS if ok else (WARN if soft else FAIL), detail))
+    def check(
+        self, name: str, ok: bool, detail: str = "", *, soft: bool = False, timing: bool = False
+    ) -> bool:
+        self.checks.append(Check(name, PASS if ok else (WARN if soft else FAIL), detail, timing))
         return ok
+
+    def info(self, name: str, detail: str = "") -> None:
+        """A finding recorded with the checks that is no verdict (it never changes the status)."""
+        self.checks.append(Check(name, INFO, detail))
 
     @property
     def status(self) -> str:
@@ -101,6 +112,38 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def min_samples(q: float) -> int:
+    """Samples a q-th percentile needs to mean what it says: at least two samples lie beyond it
+    (4 for p50, 40 for p95, 200 for p99). Fewer, and the "p99" is just the maximum."""
+    if not 0 <= q < 100:
+        raise ValueError(f"percentile must be in [0, 100), got {q}")
+    return math.ceil(round(2 / (1 - q / 100), 9))
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """A percentile with the number of samples it was computed from; `value` is NaN when there were
+    fewer than `min_samples(q)`: such a percentile is reported as insufficient, never compared."""
+
+    q: float
+    value: float
+    n: int
+
+    @property
+    def enough(self) -> bool:
+        return self.n >= min_samples(self.q)
+
+    def __str__(self) -> str:
+        if not self.enough:
+            return f"insufficient (n={self.n} < {min_samples(self.q)})"
+        return f"{fmt(self.value)} (n={self.n})"
+
+
+def sampled_percentile(values: Sequence[float], q: float) -> Sampled:
+    n = len(values)
+    return Sampled(q, percentile(values, q) if n >= min_samples(q) else math.nan, n)
 
 
 def mean(values: Sequence[float]) -> float:
@@ -171,6 +214,66 @@ def detect_growth(
     growth = fit.slope * span
     allowed = max(abs_tol, rel_tol * abs(mean(vs)))
     return Trend(name, fit.slope, growth, allowed, float(values[0]), float(values[-1]), growth > allowed)
+
+
+@dataclass(frozen=True, slots=True)
+class RampPoint:
+    """One point of a throughput ramp: all tokens per second and a request latency at a concurrency."""
+
+    concurrency: int  # coroutines running at once (>= 1)
+    throughput: float  # tokens per second, all coroutines
+    latency: float  # seconds (a foreground request's end-to-end p50)
+
+
+@dataclass(frozen=True, slots=True)
+class Knee:
+    """Where a throughput ramp stops paying: `concurrency` is the last point worth going to, None when
+    the gains never fell below the threshold within the measured range (the knee lies beyond it)."""
+
+    concurrency: int | None
+    min_gain_per_doubling: float
+    gains: tuple[float, ...]  # per segment i -> i+1: throughput gain per doubling of concurrency
+    detail: str
+
+
+def knee(points: Sequence[RampPoint], min_gain_per_doubling: float = 0.10) -> Knee:
+    """The knee of a throughput ramp: the first point after which throughput gains less than
+    `min_gain_per_doubling` (relative, per doubling of concurrency) while latency grows.
+
+    A segment from concurrency a to b (b > a) gains g = (T_b / T_a) ** (1 / log2(b / a)) - 1 per doubling,
+    so points spaced 1, 3, 9 and 1, 2, 4, 8 are judged alike. A segment whose throughput gain is small
+    but whose latency does not grow is free concurrency, not a knee."""
+    pts = sorted(points, key=lambda p: p.concurrency)
+    if len({p.concurrency for p in pts}) != len(pts):
+        raise ValueError("ramp points must have distinct concurrencies")
+    if any(p.concurrency < 1 for p in pts):
+        raise ValueError("concurrency must be >= 1")
+    gains = []
+    for a, b in zip(pts, pts[1:]):
+        if a.throughput <= 0:
+            gains.append(math.inf if b.throughput > 0 else 0.0)
+            continue
+        doublings = math.log2(b.concurrency / a.concurrency)
+        gains.append((b.throughput / a.throughput) ** (1 / doublings) - 1)
+    for i, g in enumerate(gains):
+        a, b = pts[i], pts[i + 1]
+        if g < min_gain_per_doubling and b.latency > a.latency:
+            return Knee(
+                a.concurrency,
+                min_gain_per_doubling,
+                tuple(gains),
+                f"from {a.concurrency} to {b.concurrency} coroutines throughput gained {g:+.1%} per "
+                f"doubling (< {min_gain_per_doubling:.0%}) while latency grew {a.latency:.3g} -> "
+                f"{b.latency:.3g} s",
+            )
+    last = pts[-1].concurrency if pts else None
+    return Knee(
+        None,
+        min_gain_per_doubling,
+        tuple(gains),
+        f"not reached up to {last} coroutines: every step gained >= {min_gain_per_doubling:.0%} "
+        "throughput per doubling, or latency did not grow",
+    )
 
 
 # ---- async helpers ---------------------------------------------------------------------------

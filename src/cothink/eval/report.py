@@ -187,7 +187,9 @@ def render(
     out += [
         "",
         "PASS: every check holds. WARN: a finding that is not a red line (see the check). FAIL: a red line "
-        "was crossed, or the suite crashed.",
+        "was crossed, a percentile it compares had too few samples, or the suite crashed. Checks marked "
+        "(timing) compare measured times and move with the machine's load; the others count tokens, steps "
+        "and outcomes and hold or fail the same on any machine.",
         "",
     ]
     out += ["### Headline numbers", ""]
@@ -227,7 +229,10 @@ def render(
             if r.checks:
                 out += ["Checks:", ""]
                 out += [
-                    f"- **{c.status}** {c.name}" + (f": {c.detail}" if c.detail else "") for c in r.checks
+                    f"- **{c.status}** {c.name}"
+                    + (" (timing)" if c.timing else "")
+                    + (f": {c.detail}" if c.detail else "")
+                    for c in r.checks
                 ]
                 out.append("")
             for n in r.notes:

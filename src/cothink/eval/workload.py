@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import random
+import re
 from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from cothink.errors import InvalidParameterError
 
 _SENSORS = ("boiler", "pump", "fan", "valve", "compressor", "turbine", "chiller", "heater", "mixer", "press")
 _UNITS = ("kPa", "rpm", "degrees", "litres per minute", "volts", "amperes")
@@ -67,6 +74,20 @@ class Problem:
         return self.steps[-1]
 
     @property
+    def operands(self) -> tuple[int, ...]:
+        """The numbers the problem states."""
+        return self.a, self.b, self.c, self.d
+
+    @property
+    def label(self) -> str:
+        return self.expression
+
+    def is_correct(self, text: str) -> bool:
+        """The last number of the text is the answer."""
+        nums = _integers(text)
+        return bool(nums) and nums[-1] == self.answer
+
+    @property
     def prompt(self) -> str:
         return (
             f"Compute {self.expression} step by step: first the sum, then the product, then the difference. "
@@ -82,4 +103,80 @@ def problems(seed: int, n: int) -> list[Problem]:
         p = Problem(rng.randint(2, 19), rng.randint(2, 19), rng.randint(2, 9), rng.randint(1, 30))
         if p not in out:
             out.append(p)
+    return out
+
+
+def _integers(text: str) -> list[int]:
+    return [int(m) for m in re.findall(r"-?\d+", text.replace(",", ""))]
+
+
+class _ProblemLine(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    question: str = Field(min_length=1)
+    answer: str | int | float
+
+
+@dataclass(frozen=True)
+class UserProblem:
+    """A problem from a user's problem set (`--problems FILE`): a question and its expected answer.
+
+    The question is the thinker's whole prompt. An answer that is a number is matched against the last
+    number of the thinker's text; any other answer against the text itself (case-insensitive,
+    whitespace-normalised substring)."""
+
+    question: str
+    answer: str
+
+    @property
+    def prompt(self) -> str:
+        return self.question
+
+    @property
+    def label(self) -> str:
+        return self.question if len(self.question) <= 60 else self.question[:57] + "..."
+
+    @property
+    def operands(self) -> tuple[int, ...]:
+        return tuple(_integers(self.question))
+
+    @property
+    def steps(self) -> tuple[int, ...]:
+        return ()  # intermediate results are unknown for a user problem
+
+    def is_correct(self, text: str) -> bool:
+        answer = self.answer.strip()
+        if re.fullmatch(r"-?\d[\d,]*", answer):
+            nums = _integers(text)
+            return bool(nums) and nums[-1] == int(answer.replace(",", ""))
+        norm = " ".join(text.lower().split())
+        return " ".join(answer.lower().split()) in norm
+
+
+def load_problems(path: str | Path) -> list[UserProblem]:
+    """A problem set: JSON Lines, one {"question": ..., "answer": ...} object a line (blank lines and
+    lines starting with # skipped); InvalidParameterError names the first bad line."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise InvalidParameterError(f"--problems {path}: {exc.strerror or exc}", param="problems") from None
+    out = []
+    for no, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            item = _ProblemLine.model_validate(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise InvalidParameterError(
+                f"--problems {path}, line {no}: not JSON: {exc.msg}", param="problems"
+            ) from None
+        except ValidationError as exc:
+            errs = "; ".join(
+                f"{'.'.join(str(x) for x in e['loc']) or 'line'}: {e['msg']}" for e in exc.errors()
+            )
+            raise InvalidParameterError(f"--problems {path}, line {no}: {errs}", param="problems") from None
+        out.append(UserProblem(item.question, str(item.answer)))
+    if not out:
+        raise InvalidParameterError(f"--problems {path}: no problems in the file", param="problems")
     return out

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 
 from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, numbers_in, plan_params, within
 from cothink.eval.plots import bars
-from cothink.eval.workload import Problem, problems
+from cothink.eval.workload import Problem, UserProblem, load_problems, problems
 
 NAME = "consistency"
 TITLE = "Output consistency under interleaving"
@@ -49,6 +49,7 @@ class ConsistencyPlan:
     narrate_every: int  # thinker tokens between narrations
     narrations: int
     narration_tokens: int
+    problems_file: str | None = None  # a user problem set (--problems, JSON Lines); None: generated
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,15 +91,15 @@ class NarrationRow:
 class ProblemRow:
     """One problem, solved alone and with a narrator: a row of raw/consistency-<model>.csv."""
 
-    problem: str  # the expression, ((a+b)*c)-d
-    answer: int
+    problem: str  # the expression, ((a+b)*c)-d, or the start of a user problem's question
+    answer: int | str
     solo_text: str  # the thinker's text alone
     narrated_text: str  # and with the narrator
     identical_tokens: bool  # the thinker wrote the same tokens in both runs
     solo_tokens: int
     narrated_run_tokens: int
     final_number: int | None  # the last number of the narrated run's text
-    correct: bool  # final_number equals the answer
+    correct: bool  # the answer: final_number equals it (a number), the text contains it (a user's text)
     solo_correct: bool  # the same for the run alone
     mentions_steps: list[bool]  # per intermediate result: does the narrated run's text contain it
     narrations: list[NarrationRow]
@@ -203,8 +204,8 @@ def _replay_narration(ctx: SuiteContext, prefix: list[int], question: list[int],
     return out
 
 
-def _classify(number: int, problem, prefix_text: str, later_text: str) -> str:
-    if number in (problem.a, problem.b, problem.c, problem.d):
+def _classify(number: int, problem: Problem | UserProblem, prefix_text: str, later_text: str) -> str:
+    if number in problem.operands:
         return "problem"
     if number in numbers_in(prefix_text):
         return "reached"
@@ -218,7 +219,9 @@ async def run(ctx: SuiteContext, p: ConsistencyPlan) -> SuiteResult:
     res = SuiteResult(NAME, m.key, params=plan_params(p))
     engine = m.engine(kv_tokens=8192)
     counts = {"problem": 0, "reached": 0, "ahead": 0, "elsewhere": 0}
-    probs = problems(ctx.seed, p.problems)
+    probs: list[Problem] | list[UserProblem] = (
+        load_problems(p.problems_file) if p.problems_file else problems(ctx.seed, p.problems)
+    )
     prompts = [m.chat(prob.prompt) for prob in probs]
     async with engine:
         ctx.say(f"{len(probs)} problems without narrator")
@@ -241,7 +244,7 @@ async def run(ctx: SuiteContext, p: ConsistencyPlan) -> SuiteResult:
 def _check_problem(
     ctx: SuiteContext,
     i: int,
-    prob: Problem,
+    prob: Problem | UserProblem,
     prompt: list[int],
     solo_run: Solved,
     narrated_run: Solved,
@@ -275,7 +278,7 @@ def _check_problem(
             )
         )
     return ProblemRow(
-        problem=prob.expression,
+        problem=prob.label,
         answer=prob.answer,
         solo_text=solo_text,
         narrated_text=text,
@@ -283,8 +286,8 @@ def _check_problem(
         solo_tokens=len(solo),
         narrated_run_tokens=len(inter),
         final_number=nums[-1] if nums else None,
-        correct=bool(nums) and nums[-1] == prob.answer,
-        solo_correct=bool(numbers_in(solo_text)) and numbers_in(solo_text)[-1] == prob.answer,
+        correct=prob.is_correct(text),
+        solo_correct=prob.is_correct(solo_text),
         mentions_steps=[s in nums for s in prob.steps],
         narrations=checked,
     )
@@ -400,8 +403,13 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, records: list[ProblemRow], cou
         "numbers",
     )
     res.plots.append(ctx.plot_path(NAME, "numbers").name)
+    source = (
+        f"{n} problems from {res.params['problems_file']} (JSON Lines, question/answer)"
+        if res.params.get("problems_file")
+        else f"{n} problems ((a+b)*c)-d with a, b in 2..19, c in 2..9, d in 1..30"
+    )
     res.conditions += [
-        f"{n} problems ((a+b)*c)-d with a, b in 2..19, c in 2..9, d in 1..30; thinker greedy, at most "
+        f"{source}; thinker greedy, at most "
         f"{res.params['thinker_tokens']} tokens; narrator every {res.params['narrate_every']} thinker "
         "tokens, "
         f"{res.params['narration_tokens']} greedy tokens, at most {res.params['narrations']} per problem",

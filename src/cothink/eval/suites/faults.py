@@ -411,7 +411,6 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, rows: list[FaultRow]) -> None:
             stopped,
             f"{ce['written_at_cancel']} of {ce['requested']} tokens written at cancellation, "
             f"{ce['written_later']} a few steps later (chunk {ce['chunk']})",
-            soft=True,
         )
     ol = next((r.outcome for r in rows if r.fault == "over-long input"), None)
     if ol:

@@ -634,7 +634,6 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, records: list[ScenarioRow], de
         all(r.undelivered <= 1 for r in cancelled),
         f"{undelivered} token(s) over {len(cancelled)} cancellations were written but not received; "
         "they stay in the block and in Generation.result (finish_reason 'cancelled')",
-        soft=True,
     )
     worst = max((r.logits.max_abs_diff for r in records), default=float("nan"))
     res.check(

@@ -750,7 +750,6 @@ def _health_checks(res: SuiteResult, r: SoakRun, v: Verdicts) -> None:
         "engine.stats stays bounded (at most max_tracked_coroutines entries, oldest dropped)",
         r.stats_entries <= r.stats_cap,
         f"{r.stats_growth} entries added, {r.stats_entries} held, cap {r.stats_cap}",
-        soft=True,
     )
 
 
