@@ -9,7 +9,6 @@ from typing import Any
 
 import pytest
 
-import cothink.scheduler.scheduler as scheduler_module
 from cothink.eval import models
 from cothink.eval.common import FAIL, INFO, PASS, SuiteContext
 from cothink.eval.script import load_script, run_script
@@ -98,9 +97,11 @@ def _by_name(res):
     return {c.name: c for c in res.checks}
 
 
-def test_latency_suite_fails_when_the_scheduler_ignores_priorities(ctx, monkeypatch):
-    monkeypatch.setattr(scheduler_module, "plan_step", priority_blind_plan_step)
-    res = asyncio.run(latency.run(ctx, dataclasses.replace(_plan(), stream=None)))
+def test_latency_suite_fails_when_the_scheduler_ignores_priorities(ctx):
+    # every engine the suite makes takes the priority-blind policy (EngineLimits.policy)
+    handle = dataclasses.replace(ctx.model, limits={"policy": priority_blind_plan_step})
+    blind = dataclasses.replace(ctx, model=handle)
+    res = asyncio.run(latency.run(blind, dataclasses.replace(_plan(), stream=None)))
     checks = _by_name(res)
     assert res.status == FAIL
     assert checks[SERVICE_CHECK].status == FAIL and not checks[SERVICE_CHECK].timing

@@ -133,6 +133,8 @@ class ModelHandle:
     load_s: float
     max_context: int
     info: dict[str, Any] = field(default_factory=dict)
+    # limits every engine of this handle takes unless a suite overrides them (e.g. a step policy under test)
+    limits: dict[str, Any] = field(default_factory=dict)
 
     @property
     def tokenizer(self) -> Any:
@@ -158,6 +160,7 @@ class ModelHandle:
         from cothink.runtime.engine import Engine, EngineLimits
         from cothink.scheduler.policy import SchedulerConfig
 
+        limits = {**self.limits, **limits}
         memory_keys = {"kv_tokens", "page_size", "max_context", "dense_summary_min_tokens"}
         sched_keys = set(SchedulerConfig.__dataclass_fields__)
         runner = self.new_runner(**{k: v for k, v in limits.items() if k in memory_keys})

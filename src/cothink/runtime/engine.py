@@ -29,15 +29,16 @@ from cothink.errors import (
 from cothink.execution.runner import ModelRunner, load_model
 from cothink.execution.sampling import SamplerState, SamplingParams, TokenConstraint
 from cothink.memory.block import Block
-from cothink.memory.snapshot import FORMAT as SNAPSHOT_FORMAT
-from cothink.memory.snapshot import VERSION as SNAPSHOT_VERSION
 from cothink.memory.snapshot import (
-    SnapshotHeader,
-    block_tensors,
+    LoadedSnapshot,
+    capture_blocks,
     check_fits,
+    check_identity,
     read_snapshot,
     restore_block,
+    restore_plan,
     snapshot_bytes,
+    snapshot_pages,
     write_snapshot,
 )
 from cothink.memory.store import MemoryStats, parse_bytes
@@ -47,7 +48,7 @@ from cothink.runtime.residency import Residency
 from cothink.scheduler.accounting import Accounting, CoroutineStats, StepRecord, WorkEvent
 from cothink.scheduler.budget import MemoryBudget
 from cothink.scheduler.ownership import Ownership
-from cothink.scheduler.policy import Priority, PriorityClass, SchedulerConfig
+from cothink.scheduler.policy import Priority, PriorityClass, SchedulerConfig, StepPolicy, plan_step
 from cothink.scheduler.scheduler import Occupancy, Scheduler
 from cothink.runtime.generation import Generation
 from cothink.scheduler.work import (
@@ -101,6 +102,8 @@ class EngineLimits:
     # seal the block of every generation that finishes with "stop" or "length" (docs/runtime.md, Memory)
     auto_seal: bool = False
     spill_dir: str | Path | None = None  # default: <cache dir>/spill/<pid>-<n>
+    # how each step's works are chosen: the engine's policy, or a replacement under test (StepPolicy)
+    policy: StepPolicy = plan_step
 
 
 class Engine:
@@ -122,9 +125,15 @@ class Engine:
             budget.reclaim = self._residency.reclaim
         threads = self.limits.threads or torch.get_num_threads()
         self._scheduler = Scheduler(
-            runner, self.limits.scheduler, budget, self._accounting, self._ownership, threads
+            runner,
+            self.limits.scheduler,
+            budget,
+            self._accounting,
+            self._ownership,
+            threads,
+            policy=self.limits.policy,
+            auto_seal=self.limits.auto_seal,
         )
-        self._scheduler.auto_seal = self.limits.auto_seal
         self._loop_task: asyncio.Task | None = None
 
     @classmethod
@@ -139,7 +148,7 @@ class Engine:
         attention_backend, quantize ("int8": weight-only int8 linears) (runner),
         max_batch_tokens, max_batch_items, max_prefill_chunk, background_min_tokens,
         interactive_step_tokens (scheduler), on_pool_full, pool_wait_s, max_input_tokens, threads,
-        memory_budget, spill, spill_dir, auto_seal (engine). With a memory_budget and no kv_tokens,
+        memory_budget, spill, spill_dir, auto_seal, policy (engine). With a memory_budget and no kv_tokens,
         the KV pool is sized so the whole budget could be KV pages."""
         sched_keys = set(SchedulerConfig.__dataclass_fields__)
         if limits.get("memory_budget") is not None and "kv_tokens" not in limits:
@@ -267,36 +276,43 @@ class Engine:
         self._ownership.check(block)
         block.pinned = False
 
-    async def save(self, path: str | Path, blocks: list[Block]) -> None:
+    async def save(self, path: str | Path, blocks: list[Block]) -> int:
         """Write `blocks` (tokens, KV, GDN records or sealed state, names, flags) to one snapshot
-        file (safetensors + a JSON header with the model identity and dtype). The blocks' committed
-        content is copied between steps; the file is written in a worker thread."""
+        file (safetensors + a JSON header with the model identity and dtype) and return its size.
+        Memory the blocks share (forks' pages) is stored once. The blocks' committed content is
+        copied between steps; hashing and writing run in a worker thread."""
         blocks = [self._ownership.check(b, param="blocks") for b in blocks]
         self._residency.ensure_resident(blocks)
-        store, tensors, headers = self.runner.store, {}, []
-        for i, block in enumerate(blocks):
-            part, header = block_tensors(store, block, str(i))
-            tensors.update(part)
-            headers.append(header)
-        header = SnapshotHeader(SNAPSHOT_FORMAT, SNAPSHOT_VERSION, self.runner.identity(), headers)
-        await asyncio.to_thread(write_snapshot, path, header, tensors)
+        capture = capture_blocks(self.runner.store, blocks, self.runner.identity())
+        return await asyncio.to_thread(write_snapshot, path, capture)
 
-    def load(self, path: str | Path) -> list[Block]:
+    def load(self, path: str | Path | LoadedSnapshot) -> list[Block]:
         """New blocks restored from a snapshot written by `save` (also by another process), in the
-        order they were saved. Raises SnapshotMismatchError if it was saved from a different model
-        or dtype, SnapshotError if the file is not a snapshot, PoolExhaustedError if the pool or the
-        memory budget cannot hold it (nothing is loaded then)."""
+        order they were saved. Blocks that were forks share their common pages again (see
+        `memory.snapshot.restore_plan`). `path` may be a snapshot already read
+        (`memory.snapshot.read_snapshot`, e.g. in a worker thread). Raises SnapshotMismatchError if it
+        was saved from a different model or dtype, SnapshotError if the file is not a snapshot or is
+        damaged (checksums), PoolExhaustedError if the pool or the memory budget cannot hold it
+        (nothing is loaded then)."""
         store = self.runner.store
-        header, tensors = read_snapshot(path, self.runner.identity())
-        pages = sum(-(-b.length // store.page_size) for b in header.blocks)
-        need = sum(snapshot_bytes(store, b, tensors, str(i)) for i, b in enumerate(header.blocks))
-        check_fits(store, need, pages)
+        snapshot = path if isinstance(path, LoadedSnapshot) else read_snapshot(path)
+        check_identity(snapshot.header, self.runner.identity(), snapshot.path)
+        header = snapshot.header
+        plan = restore_plan(snapshot, store.page_size)
+        pages = snapshot_pages(header, store.page_size, plan) if store.attn_slot else 0
+        check_fits(store, snapshot_bytes(store, snapshot, plan), pages)
         loaded: list[Block] = []
         try:
             for i, entry in enumerate(header.blocks):
-                block = self.block(entry.name)
+                shared = plan[i]
+                if shared.source >= 0:
+                    block = self.fork(loaded[shared.source], name=entry.name)
+                    if block.length > shared.tokens:
+                        self.truncate(block, shared.tokens)
+                else:
+                    block = self.block(entry.name)
                 loaded.append(block)
-                restore_block(store, block, entry, tensors, str(i))
+                restore_block(store, block, snapshot, i, kept=shared.tokens)
         except BaseException:
             for block in loaded:
                 self.release(block)

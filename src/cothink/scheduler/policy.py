@@ -126,6 +126,19 @@ class StepChoice:
     refused: list[Schedulable] = field(default_factory=list)  # admission said FAIL
 
 
+class StepPolicy(Protocol):
+    """How one step is chosen (`plan_step` is the engine's). A replacement keeps its contract: pure
+    apart from calling `admit`, at most `max_batch_items` works and `max_batch_tokens` tokens."""
+
+    def __call__(
+        self,
+        works: list[Schedulable],
+        cfg: SchedulerConfig,
+        shares: FairShares,
+        admit: Callable[[Schedulable, int], Admission],
+    ) -> StepChoice: ...
+
+
 def plan_step(
     works: list[Schedulable],
     cfg: SchedulerConfig,

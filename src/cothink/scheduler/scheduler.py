@@ -34,7 +34,7 @@ from cothink.memory.block import Block
 from cothink.scheduler.accounting import Accounting, StepItemRecord, StepRecord
 from cothink.scheduler.budget import MemoryBudget
 from cothink.scheduler.ownership import Ownership
-from cothink.scheduler.policy import FairShares, SchedulerConfig, plan_step
+from cothink.scheduler.policy import FairShares, SchedulerConfig, StepPolicy, plan_step
 from cothink.scheduler.work import GenerateWork, Work
 
 log = logging.getLogger("cothink.engine")
@@ -84,8 +84,11 @@ class Scheduler:
         accounting: Accounting,
         ownership: Ownership,
         threads: int,
+        policy: StepPolicy = plan_step,
+        auto_seal: bool = False,
     ):
         self.runner, self.config, self.budget = runner, config, budget
+        self.policy = policy
         self.accounting, self.ownership = accounting, ownership
         self.threads = ThreadChooser(threads)
         self.works: list[Work] = []
@@ -94,7 +97,7 @@ class Scheduler:
         self.steps = 0
         self._seq = 0
         self._in_flight: set[Work] = set()
-        self.auto_seal = False  # seal a generation's block when it finishes (EngineLimits.auto_seal)
+        self.auto_seal = auto_seal  # seal a generation's block when it finishes (EngineLimits.auto_seal)
         self._wake: asyncio.Event | None = None
         self._executor = compute_executor()  # one process-wide compute thread (execution/threads.py)
 
@@ -296,7 +299,7 @@ class Scheduler:
                 # logits cached by the view's last write spare the generation a peek step
                 work.next_logits = self.runner.cached_logits(work.prefix())
                 from_cache.append(work)
-        choice = plan_step(runnable, self.config, self.shares, self.budget.admit)
+        choice = self.policy(runnable, self.config, self.shares, self.budget.admit)
         for work in choice.refused:
             self.fail(work, self.budget.refusal(work))
         chosen = [(w, n) for w, n in choice.chosen if not w.finished]
