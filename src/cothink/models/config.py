@@ -201,7 +201,9 @@ class ModelConfig:
 
     @property
     def attention_scale(self) -> float:
-        return self.mla.scale if self.mla is not None else self.head_dim**-0.5
+        if self.mla is not None:
+            return self.mla.scale
+        return self.head_dim**-0.5 if self.head_dim else 1.0  # (no attention layer: never used)
 
     @property
     def rotary_head_dim(self) -> int:
