@@ -124,7 +124,8 @@ def reference_logits(runner, view: list, token_ids: list[int]) -> torch.Tensor:
         h = _rms_norm(x, layer.input_layernorm.weight, eps, zc)
         linear = cfg.layer_types[index] == "linear_attention"
         if cfg.mla is not None and not linear:
-            mix = _mla_layer(runner, layer.self_attn, store.attn_slot[index], view, lengths, offsets, h, new_pos)
+            slot = store.attn_slot[index]
+            mix = _mla_layer(runner, layer.self_attn, slot, view, lengths, offsets, h, new_pos)
         elif linear and cfg.gdn is None:
             mix = _kda_layer(cfg, layer.self_attn, store.linear_slot[index], view, lengths, h)
         elif hasattr(layer, "self_attn"):
@@ -294,7 +295,8 @@ def _mla_layer(runner, attn, slot, view, lengths, offsets, h, new_pos):
     """Multi-head latent attention in its expanded form (per-head keys and values from the latents),
     no RoPE: the view blocks' stored latents (the pool's one head), then the new tokens'."""
     mla, store, n = runner.config.mla, runner.store, h.shape[0]
-    r, dn, dr, dv, heads = mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim, mla.num_heads
+    r, dn, dr, dv = mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+    heads = mla.num_heads
     kv = _linear(h, attn.kv_a_proj_with_mqa)
     lat_new = torch.cat((_rms_norm(kv[:, :r], attn.kv_a_layernorm.weight, 1e-6, False), kv[:, r:]), -1)
     lats, key_pos = [], []

@@ -122,7 +122,8 @@ def _qwen35(layer_types: list[str], seed: int | None = None, **kw: Any) -> Spec:
 
 # Qwen3.5-MoE text: Qwen3.5's attention and Gated DeltaNet, a sparse MoE block in every layer (16 experts,
 # top 4, shared expert with its sigmoid gate)
-_MOE = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=24, shared_expert_intermediate_size=40)
+_MOE = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=24,
+            shared_expert_intermediate_size=40)
 _QWEN35_MOE_TEXT = {k: v for k, v in _QWEN35_TEXT.items() if k != "intermediate_size"} | _MOE
 
 
@@ -134,9 +135,10 @@ def _qwen35_moe(layer_types: list[str], seed: int | None = None, **kw: Any) -> S
 
 def _qwen3_next(**kw: Any) -> Spec:
     config = {**_QWEN35_TEXT, **_MOE, "num_hidden_layers": 3, "layer_types": [LINEAR, FULL, LINEAR],
-              "intermediate_size": 48, "decoder_sparse_step": 1, "mlp_only_layers": [1], "norm_topk_prob": True,
-              "tie_word_embeddings": False,
-              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}
+              "intermediate_size": 48, "decoder_sparse_step": 1, "mlp_only_layers": [1],
+              "norm_topk_prob": True, "tie_word_embeddings": False,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.5}}
     return Spec("qwen3_next", {**config, **kw})
 
 
@@ -172,7 +174,7 @@ MOE_SPECS: dict[str, Spec] = {
         "vision_start_token_id": 298, "vision_end_token_id": 299,
         "tie_word_embeddings": False,
     }, extra_tensors=True),
-    # Qwen3-Next: a dense layer (mlp_only_layers), renormalised top-k; its GDN projections grouped per key head
+    # Qwen3-Next: a dense layer (mlp_only_layers), renormalised top-k; GDN projections grouped per key head
     "qwen3_next": _qwen3_next(),
     "qwen3_next_nonorm": _qwen3_next(norm_topk_prob=False, mlp_only_layers=[]),
     # Kimi Linear: KDA, KDA, MLA; a dense first layer, then sparse (sigmoid router, correction bias)
