@@ -181,6 +181,8 @@ MOE_SPECS: dict[str, Spec] = {
     "kimi": _kimi([LINEAR, LINEAR, FULL], ["dense", "sparse", "sparse"]),
     # group-limited routing: 2 groups of 4 experts, 1 selectable
     "kimi_grouped": _kimi([LINEAR, FULL], ["sparse", "sparse"], num_local_experts=8, n_group=2, topk_group=1),
+    # a latent of 32 values (r 24 + dr 8): the native backend's decode attention takes its MLA layers
+    "kimi_latent32": _kimi([LINEAR, FULL], ["dense", "sparse"], kv_lora_rank=24),
     # one-layer models (every view exact): KDA, MLA, MoE after Gated DeltaNet, MoE after attention
     "kimi_1l_kda": _kimi([LINEAR], ["sparse"]),
     "kimi_1l_mla": _kimi([FULL], ["sparse"]),

@@ -137,18 +137,11 @@ def to_family_layout(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
     fam = cfg.family_config
     assert fam is not None
     kimi = fam.family == "kimi_linear"
-    if kimi:
-        for key in list(state):
-            new = key
-            for old, repl in _KIMI_RENAMES:
-                new = new.replace(old, repl)
-            if new != key:
-                state[new] = state.pop(key)
-    names = KIMI_EXPERT_NAMES if kimi else QWEN_EXPERT_NAMES
-    for layer, sparse in enumerate(fam.sparse_layers):
+    names, moe_name = (KIMI_EXPERT_NAMES, "block_sparse_moe") if kimi else (QWEN_EXPERT_NAMES, "mlp")
+    for layer, sparse in enumerate(fam.sparse_layers):  # under the checkpoint's names, so errors name them
         prefix = f"model.layers.{layer}"
         if sparse:
-            fuse_expert_weights(state, f"{prefix}.mlp.experts", fam.moe, names)
+            fuse_expert_weights(state, f"{prefix}.{moe_name}.experts", fam.moe, names)
         if fam.layer_types[layer] != LINEAR_ATTENTION:
             continue
         if kimi:
@@ -157,3 +150,10 @@ def to_family_layout(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
         elif f"{prefix}.linear_attn.in_proj_qkvz.weight" in state:  # Qwen3-Next's grouped layout
             assert cfg.gdn is not None
             split_qwen3_next_projections(state, f"{prefix}.linear_attn", cfg.gdn)
+    if kimi:
+        for key in list(state):
+            new = key
+            for old, repl in _KIMI_RENAMES:
+                new = new.replace(old, repl)
+            if new != key:
+                state[new] = state.pop(key)
