@@ -19,18 +19,30 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from cothink.models.kda import KimiDeltaAttention
 from cothink.models.mla import MultiLatentAttention
 from cothink.models.moe import SparseMoeBlock
 from cothink.models.moe_config import KdaConfig
-from cothink.ops.gdn import causal_conv
+from cothink.ops.gdn import SMALL_CONV_ROWS, causal_conv
 from cothink.ops.kda import affine_summary, delta_rule, l2norm
 
 if TYPE_CHECKING:
     from cothink.models.config import ModelConfig
     from cothink.models.transformer import ForwardContext
+
+
+def kda_conv(history: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv + SiLU of rows [n, C] after history [W-1, C] (weight [C, W]), rounded as
+    transformers' F.conv1d rounds it in every dtype: products summed in fp32, one rounding to the
+    weight dtype, then SiLU. Few rows (decode) take the W products elementwise (no conv call setup)."""
+    if rows.shape[0] > SMALL_CONV_ROWS:
+        return causal_conv(history, rows, weight)
+    x = torch.cat((history, rows), dim=0).to(weight.dtype)
+    out = (x.float().unfold(0, weight.shape[1], 1) * weight.float()).sum(-1).to(weight.dtype)
+    return F.silu(out).to(rows.dtype)
 
 
 def split_kda(cfg: KdaConfig, post_conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -55,7 +67,7 @@ class KdaRecurrence(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """rows [n, 3HK] pre-conv, g [n, H, K] and beta [n, H] fp32, state [H, K, K] fp32 -> (out
         [n, H, K] fp32, the state after the rows)."""
-        q, k, v = split_kda(self.cfg, causal_conv(history, rows, conv_weight))
+        q, k, v = split_kda(self.cfg, kda_conv(history, rows, conv_weight))
         return delta_rule(q, k, v, g, beta, state)
 
 
