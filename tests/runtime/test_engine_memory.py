@@ -10,6 +10,7 @@ from support import ids, logits_after, make_engine, tiny_folder
 
 import cothink
 from cothink.errors import BlockSealedError, InvalidParameterError, PoolExhaustedError
+from cothink.memory.snapshot import block_tensors
 
 
 
@@ -37,8 +38,11 @@ async def test_memory_bytes_per_token_of_moe_families(kind):
     pre-conv [q|k|v] row, the per-channel log decay g [H, K] and beta [H]."""
     engine = make_engine(kind, page_size=16)
     async with engine:
-        await engine.extend(engine.block("b"), token_ids=ids(100, 1))
+        block = engine.block("b")
+        await engine.extend(block, token_ids=ids(100, 1))
         mem = engine.memory()
+        tensors, _ = block_tensors(engine.runner.store, block, "0")  # what a snapshot or spill writes
+        assert ("0.v" in tensors) == (kind != "kimi")
     cfg = engine.runner.config
     hf = cfg.hf_text_config
     attn, linear = len(cfg.attention_layers), len(cfg.linear_layers)
