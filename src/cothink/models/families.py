@@ -99,14 +99,15 @@ class MlaMixer(MultiLatentAttention):
         return self.output(ctx.attention(self.layer, self.queries(x), lat, lat), x)
 
 
-def family_mixer(cfg: ModelConfig, layer: int, linear: bool) -> tuple[str, nn.Module] | None:
-    """Kimi's mixer of `layer` under its checkpoint name, or None where the layer keeps Qwen3.5's."""
+def family_mixer(cfg: ModelConfig, layer: int, linear: bool) -> KdaMixer | MlaMixer | None:
+    """Kimi's mixer of `layer` (held as `self_attn`, the checkpoint's name for both), or None where
+    the layer keeps Qwen3.5's."""
     fam = cfg.family_config
     assert fam is not None
     if linear and fam.kda is not None:
-        return "self_attn", KdaMixer(fam.kda, cfg.hidden_size, layer)
+        return KdaMixer(fam.kda, cfg.hidden_size, layer)
     if not linear and fam.mla is not None:
-        return "self_attn", MlaMixer(fam.mla, cfg.hidden_size, layer)
+        return MlaMixer(fam.mla, cfg.hidden_size, layer)
     return None
 
 

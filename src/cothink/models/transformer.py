@@ -1,4 +1,5 @@
 """The decoder in plain PyTorch: Llama, Qwen2, Qwen3 and the Qwen3.5 hybrid (Gated DeltaNet, gated attention).
+The MoE and Kimi Linear families' parts (sparse MLPs, KDA, MLA) come from models/families.py.
 
 Module and parameter names follow the Hugging Face checkpoints so weights load by name. The model
 never touches memory itself: token mixing goes through a `ForwardContext`, which the execution
@@ -274,8 +275,8 @@ class DecoderLayer(nn.Module):
             from cothink.models.families import family_mixer, family_mlp  # it imports this module
 
             mixer, mlp = family_mixer(cfg, layer, linear), family_mlp(cfg, layer)
-        if mixer is not None:
-            self.add_module(*mixer)
+        if mixer is not None:  # Kimi's KDA or MLA
+            self.self_attn = mixer
         elif linear:
             self.linear_attn = GatedDeltaNet(cfg, layer)
         else:
