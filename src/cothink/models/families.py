@@ -77,6 +77,18 @@ class KdaMixer(KimiDeltaAttention):
     def __init__(self, cfg: KdaConfig, hidden_size: int, layer: int):
         super().__init__(cfg, hidden_size, layer)
         self.recurrence = KdaRecurrence(cfg)
+        self.qkv_proj: nn.Module | None = None  # q, k, v in one matmul; set by fuse()
+
+    def fuse(self) -> None:
+        """The q, k, v projections in one matmul (the fast path; the HF-named parts view its rows)."""
+        from cothink.models.transformer import fuse_linears  # it imports this module
+
+        self.qkv_proj = fuse_linears([self.q_proj, self.k_proj, self.v_proj])
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x)
+        return super().rows(x)
 
     def split(self, post_conv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return split_kda(self.cfg, post_conv)
@@ -94,9 +106,20 @@ class KdaMixer(KimiDeltaAttention):
 class MlaMixer(MultiLatentAttention):
     """MLA as a decoder layer's token mixer: the latent is the layer's one key/value head in the pool."""
 
+    def fuse(self) -> None:
+        """Nothing to fuse (the fast path replaces its linears only)."""
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # type: ignore[override]
         lat = self.latent(x)[:, None]  # [T, 1, r + dr]: K and V
         return self.output(ctx.attention(self.layer, self.queries(x), lat, lat), x)
+
+
+class MoeMLP(SparseMoeBlock):
+    """The sparse MoE block as a decoder layer's MLP."""
+
+    def fuse(self) -> None:
+        """Nothing to fuse: the experts are held fused already; the fast path replaces the shared
+        expert's linears only."""
 
 
 def family_mixer(cfg: ModelConfig, layer: int, linear: bool) -> KdaMixer | MlaMixer | None:
@@ -111,8 +134,8 @@ def family_mixer(cfg: ModelConfig, layer: int, linear: bool) -> KdaMixer | MlaMi
     return None
 
 
-def family_mlp(cfg: ModelConfig, layer: int) -> SparseMoeBlock | None:
+def family_mlp(cfg: ModelConfig, layer: int) -> MoeMLP | None:
     """The sparse MoE block of `layer`, or None where the layer's MLP is dense."""
     fam = cfg.family_config
     assert fam is not None
-    return SparseMoeBlock(fam.moe) if fam.sparse_layers[layer] else None
+    return MoeMLP(fam.moe) if fam.sparse_layers[layer] else None

@@ -110,7 +110,6 @@ def load_weights(
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     if cfg.family_config is not None:
         to_family_layout(cfg, state)
-        fuse = False  # these families run the eager modules (no fused projections, no native modules)
     _check_layout(model, state, f"checkpoint in {folder}", cfg.family)
     model.load_state_dict(state, assign=True)
     model = model.to(device).eval()
