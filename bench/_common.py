@@ -26,7 +26,8 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="smollm2",
-        help="embedded model name, qwen35-random (the eval suite's random Qwen3.5 hybrid) "
+        help="embedded model name, qwen35-random (the eval suite's random Qwen3.5 hybrid), "
+        f"one of {sorted(FAMILY_RANDOM)} (small random MoE / Kimi Linear checkpoints, built once) "
         "or a local Hugging Face folder (default: smollm2)",
     )
     p.add_argument(
@@ -123,7 +124,68 @@ def model_folder(model: str) -> Path:
         from cothink.eval.models import build_qwen35_random
 
         return build_qwen35_random()
+    if model in FAMILY_RANDOM:
+        return build_family_random(model)
     return Path(resolve_model_path(model))
+
+
+# Small random checkpoints of the MoE and Kimi Linear families (fp32 weights; the shapes keep each
+# family's structure: hybrid layer patterns, 16 experts with top 4 and a shared expert, Kimi's dense
+# first layer, KDA + MLA). For running the benchmarks on these code paths, not for speed claims about
+# the released models.
+_LAYERS = ["linear_attention", "linear_attention", "linear_attention", "full_attention"]
+_QWEN_MOE = dict(vocab_size=4096, hidden_size=256, num_hidden_layers=4, layer_types=_LAYERS,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                 linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+                 linear_conv_kernel_dim=4, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                 num_experts=16, num_experts_per_tok=4, max_position_embeddings=32768, initializer_range=0.05,
+                 tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+FAMILY_RANDOM: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen35-moe-random": ("Qwen3_5Moe", _QWEN_MOE),
+    "qwen3-next-random": ("Qwen3Next", _QWEN_MOE | dict(intermediate_size=512, decoder_sparse_step=1,
+                                                        mlp_only_layers=[], norm_topk_prob=True)),
+    "kimi-random": ("KimiLinear", dict(
+        vocab_size=4096, hidden_size=256, num_hidden_layers=4, layer_types=_LAYERS,
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=128, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
+        linear_head_dim=64, linear_num_heads=4, linear_conv_kernel_dim=4, intermediate_size=512,
+        moe_intermediate_size=128, num_local_experts=16, num_experts_per_tok=4, n_shared_experts=1,
+        n_group=1, topk_group=1, routed_scaling_factor=2.446, rms_norm_eps=1e-5, initializer_range=0.05,
+        max_position_embeddings=32768, tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None)),
+}
+
+
+@torch.no_grad()
+def build_family_random(name: str) -> Path:
+    """Build (once, under the cothink cache) and return the folder of FAMILY_RANDOM[name]."""
+    import shutil
+
+    import transformers as tf
+
+    from cothink.models.hub import cache_dir
+
+    prefix, shape = FAMILY_RANDOM[name]
+    folder = cache_dir() / "bench" / name
+    marker = folder / "cothink_bench_model.json"
+    if marker.exists() and json.loads(marker.read_text()) == shape:
+        return folder
+    config_cls = getattr(tf, f"{prefix}TextConfig", None) or getattr(tf, f"{prefix}Config")
+    torch.manual_seed(0)
+    model = getattr(tf, f"{prefix}ForCausalLM")(config_cls(**shape)).eval()
+    gen = torch.Generator().manual_seed(1)
+    for param_name, param in model.named_parameters():  # norms and biases off their trivial init
+        if param_name.endswith("A_log"):
+            param.copy_(torch.empty(param.shape).uniform_(0.02, 0.3, generator=gen).log())
+        elif "norm" in param_name or param_name.endswith("bias"):
+            param.add_(0.1 * torch.randn(param.shape, generator=gen))
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    (tmp / "cothink_bench_model.json").write_text(json.dumps(shape))
+    shutil.rmtree(folder, ignore_errors=True)
+    tmp.rename(folder)
+    return folder
 
 
 def on_compute(fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -64,8 +64,15 @@ class RefRope:
         from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
         from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5TextRotaryEmbedding
 
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding
+
+        if runner.config.family == "kimi_linear":  # MLA without RoPE: nothing rotates
+            self.inv_freq, self.scaling, self.rotary_dim = torch.zeros(0, dtype=DT), 1.0, 0
+            return
         cls = {"llama": LlamaRotaryEmbedding, "qwen2": Qwen2RotaryEmbedding, "qwen3": Qwen3RotaryEmbedding,
-               "qwen3_5": Qwen3_5TextRotaryEmbedding}[runner.config.family]
+               "qwen3_5": Qwen3_5TextRotaryEmbedding, "qwen3_5_moe": Qwen3_5MoeTextRotaryEmbedding,
+               "qwen3_next": Qwen3NextRotaryEmbedding}[runner.config.family]
         hf = cls(config=runner.config.hf_text_config)
         self.inv_freq = hf.inv_freq.detach().to(DT)
         self.scaling = float(hf.attention_scaling)  # YaRN's attention factor multiplies cos and sin
@@ -115,7 +122,13 @@ def reference_logits(runner, view: list, token_ids: list[int]) -> torch.Tensor:
     x = _w(model.model.embed_tokens.weight)[torch.tensor(token_ids)]
     for index, layer in enumerate(model.model.layers):
         h = _rms_norm(x, layer.input_layernorm.weight, eps, zc)
-        if hasattr(layer, "self_attn"):
+        linear = cfg.layer_types[index] == "linear_attention"
+        if cfg.mla is not None and not linear:
+            slot = store.attn_slot[index]
+            mix = _mla_layer(runner, layer.self_attn, slot, view, lengths, offsets, h, new_pos)
+        elif linear and cfg.gdn is None:
+            mix = _kda_layer(cfg, layer.self_attn, store.linear_slot[index], view, lengths, h)
+        elif hasattr(layer, "self_attn"):
             slot = store.attn_slot[index]
             mix = _attention_layer(runner, rope, layer.self_attn, slot, view, lengths, offsets, h, new_pos)
         else:
@@ -123,7 +136,10 @@ def reference_logits(runner, view: list, token_ids: list[int]) -> torch.Tensor:
         x = x + mix
         h = _rms_norm(x, layer.post_attention_layernorm.weight, eps, zc)
         mlp = layer.mlp
-        x = x + _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
+        if hasattr(mlp, "experts"):
+            x = x + _moe(h, mlp, cfg.family_config.moe)
+        else:
+            x = x + _gated_mlp(h, mlp)
     x = _rms_norm(x, model.model.norm.weight, eps, zc)
     return x @ _w(model.lm_head.weight).T
 
@@ -198,3 +214,101 @@ def _gdn_layer(cfg, mixer, slot, view, lengths, h):
     z = _linear(h, mixer.in_proj_z).view(n, hv, vd)
     normed = _rms_norm(core, mixer.norm.weight, cfg.rms_norm_eps, zero_centred=False) * F.silu(z)
     return _linear(normed.reshape(n, -1), mixer.out_proj)
+
+
+def _gated_mlp(h, mlp):
+    return _linear(F.silu(_linear(h, mlp.gate_proj)) * _linear(h, mlp.up_proj), mlp.down_proj)
+
+
+def _moe(h, block, moe):
+    """A sparse MoE block: the family's router (softmax or sigmoid + correction bias + groups), each
+    token's k experts one at a time, the shared expert (gated for Qwen)."""
+    t = h.shape[0]
+    logits = h @ _w(block.gate.weight).T
+    if moe.router == "softmax":
+        weights, experts = logits.softmax(-1).topk(moe.top_k, dim=-1)
+        if moe.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+    else:
+        scores = logits.sigmoid()
+        choice = scores + _w(block.gate.e_score_correction_bias)
+        if moe.topk_group < moe.num_groups:
+            per_group = choice.view(t, moe.num_groups, -1)
+            best = per_group.topk(2, dim=-1)[0].sum(-1).topk(moe.topk_group, dim=-1)[1]
+            keep = torch.zeros(t, moe.num_groups, dtype=torch.bool).scatter_(1, best, True)
+            choice = choice.masked_fill(~keep[:, :, None].expand_as(per_group).reshape(t, -1), float("-inf"))
+        experts = choice.topk(moe.top_k, dim=-1)[1]
+        weights = scores.gather(1, experts)
+        if moe.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        weights = weights * moe.routed_scaling_factor
+    out = torch.zeros_like(h)
+    for i in range(t):
+        for j in range(moe.top_k):
+            e = int(experts[i, j])
+            gate, up = (h[i] @ _w(block.experts.gate_up_proj[e]).T).chunk(2)
+            out[i] += weights[i, j] * ((F.silu(gate) * up) @ _w(block.experts.down_proj[e]).T)
+    shared = block.shared
+    if shared is not None:
+        extra = _gated_mlp(h, shared)
+        if block.shared_expert_gate is not None:
+            extra = torch.sigmoid(_linear(h, block.shared_expert_gate)) * extra
+        out = out + extra
+    return out
+
+
+def _kda_layer(cfg, mixer, slot, view, lengths, h):
+    """Kimi Delta Attention: stored pre-conv rows, per-channel log decays and betas of the view's
+    blocks, then the new tokens'; the conv from a zero history; the recurrence in a Python loop."""
+    kda, n = cfg.family_config.kda, h.shape[0]
+    heads, kd = kda.num_heads, kda.head_dim
+    rows_new = torch.cat([_linear(h, mixer.q_proj), _linear(h, mixer.k_proj), _linear(h, mixer.v_proj)], -1)
+    beta_new = torch.sigmoid(_linear(h, mixer.b_proj))
+    a = (_linear(_linear(h, mixer.f_a_proj), mixer.f_b_proj) + _w(mixer.dt_bias)).view(n, heads, kd)
+    soft = torch.where(a > 20, a, torch.log1p(torch.exp(a)))
+    g_new = -torch.exp(_w(mixer.A_log).reshape(heads, 1)) * soft
+    rows = torch.cat([b.linear[slot].rows.data[:ln].to(DT) for b, ln in zip(view, lengths)] + [rows_new])
+    gs = torch.cat([b.linear[slot].g.data[:ln].to(DT) for b, ln in zip(view, lengths)] + [g_new])
+    betas = torch.cat([b.linear[slot].beta.data[:ln].to(DT) for b, ln in zip(view, lengths)] + [beta_new])
+    total, before = rows.shape[0], rows.shape[0] - n
+    weight = _w(mixer.conv1d.weight)[:, 0, :]
+    width = weight.shape[1]
+    padded = torch.cat((rows.new_zeros(width - 1, rows.shape[1]), rows))
+    post = F.silu(sum(padded[j : j + total] * weight[:, j] for j in range(width)))
+    q, k, v = post.view(total, 3, heads, kd).unbind(1)
+    q, k = _l2norm(q) * kd**-0.5, _l2norm(k)
+    state = torch.zeros(heads, kd, kd, dtype=DT)
+    outs = []
+    for t in range(total):
+        state = torch.exp(gs[t])[:, :, None] * state  # per key channel
+        recalled = torch.einsum("hk,hkv->hv", k[t], state)
+        state = state + k[t][:, :, None] * (betas[t][:, None] * (v[t] - recalled))[:, None, :]
+        if t >= before:
+            outs.append(torch.einsum("hk,hkv->hv", q[t], state))
+    core = torch.stack(outs)
+    gate = _linear(_linear(h, mixer.g_a_proj), mixer.g_b_proj).view(n, heads, kd)
+    normed = _rms_norm(core, mixer.o_norm.weight, kda.norm_eps, zero_centred=False) * torch.sigmoid(gate)
+    return _linear(normed.reshape(n, -1), mixer.o_proj)
+
+
+def _mla_layer(runner, attn, slot, view, lengths, offsets, h, new_pos):
+    """Multi-head latent attention in its expanded form (per-head keys and values from the latents),
+    no RoPE: the view blocks' stored latents (the pool's one head), then the new tokens'."""
+    mla, store, n = runner.config.mla, runner.store, h.shape[0]
+    r, dn, dr, dv = mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
+    heads = mla.num_heads
+    kv = _linear(h, attn.kv_a_proj_with_mqa)
+    lat_new = torch.cat((_rms_norm(kv[:, :r], attn.kv_a_layernorm.weight, 1e-6, False), kv[:, r:]), -1)
+    lats, key_pos = [], []
+    for block, length, offset in zip(view, lengths, offsets):
+        if length:
+            lats.append(store.pool.k[slot, store.slots(block, 0, length), 0].to(DT))
+            key_pos.append(torch.arange(offset, offset + length))
+    lat = torch.cat([*lats, lat_new])
+    w = _w(attn.kv_b_proj.weight).view(heads, dn + dv, r)
+    k_nope = torch.einsum("lr,hnr->lhn", lat[:, :r], w[:, :dn])
+    values = torch.einsum("lr,hvr->lhv", lat[:, :r], w[:, dn:])
+    keys = torch.cat((k_nope, lat[:, None, r:].expand(-1, heads, dr)), -1)
+    q = _linear(h, attn.q_proj).view(n, heads, dn + dr)
+    out = _causal_attention(q, keys, values, new_pos, torch.cat([*key_pos, new_pos]), (dn + dr) ** -0.5)
+    return _linear(out.reshape(n, -1), attn.o_proj)

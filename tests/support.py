@@ -120,6 +120,76 @@ def _qwen35(layer_types: list[str], seed: int | None = None, **kw: Any) -> Spec:
     return Spec("qwen3_5", {**config, **kw}, seed)
 
 
+# Qwen3.5-MoE text: Qwen3.5's attention and Gated DeltaNet, a sparse MoE block in every layer (16 experts,
+# top 4, shared expert with its sigmoid gate)
+_MOE = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=24,
+            shared_expert_intermediate_size=40)
+_QWEN35_MOE_TEXT = {k: v for k, v in _QWEN35_TEXT.items() if k != "intermediate_size"} | _MOE
+
+
+def _qwen35_moe(layer_types: list[str], seed: int | None = None, **kw: Any) -> Spec:
+    config = {**_QWEN35_MOE_TEXT, "num_hidden_layers": len(layer_types), "layer_types": layer_types,
+              "tie_word_embeddings": False}
+    return Spec("qwen3_5_moe", {**config, **kw}, seed)
+
+
+def _qwen3_next(**kw: Any) -> Spec:
+    config = {**_QWEN35_TEXT, **_MOE, "num_hidden_layers": 3, "layer_types": [LINEAR, FULL, LINEAR],
+              "intermediate_size": 48, "decoder_sparse_step": 1, "mlp_only_layers": [1],
+              "norm_topk_prob": True, "tie_word_embeddings": False,
+              "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                  "partial_rotary_factor": 0.5}}
+    return Spec("qwen3_next", {**config, **kw})
+
+
+_KIMI = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16,
+             q_lora_rank=None, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, linear_head_dim=8,
+             linear_num_heads=4, linear_conv_kernel_dim=4, intermediate_size=48, moe_intermediate_size=24,
+             num_local_experts=16, num_experts_per_tok=4, n_shared_experts=1, n_group=1, topk_group=1,
+             routed_scaling_factor=2.446, rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False,
+             max_position_embeddings=8192, **_NO_SPECIAL)
+
+
+def _kimi(layer_types: list[str], mlp_layer_types: list[str], **kw: Any) -> Spec:
+    config = {**_KIMI, "num_hidden_layers": len(layer_types), "layer_types": layer_types,
+              "mlp_layer_types": mlp_layer_types}
+    return Spec("kimi_linear", {**config, **kw})
+
+
+# the MoE and Kimi Linear families (models/families.py)
+MOE_SPECS: dict[str, Spec] = {
+    "qwen35_moe": _qwen35_moe([LINEAR, FULL, LINEAR], seed=15),
+    # the multimodal checkpoint layout with the experts rewritten fused (as released checkpoints store
+    # them: experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I]) and mtp.* tensors
+    "qwen35_moe_mm": Spec("qwen3_5_moe_mm", {
+        "text_config": {**_QWEN35_MOE_TEXT, "num_hidden_layers": 3, "layer_types": [FULL, LINEAR, LINEAR],
+                        "max_position_embeddings": 4096,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                                            "mrope_interleaved": True}},
+        "vision_config": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                              patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                              num_position_embeddings=16),
+        "image_token_id": 296, "video_token_id": 297,
+        "vision_start_token_id": 298, "vision_end_token_id": 299,
+        "tie_word_embeddings": False,
+    }, extra_tensors=True),
+    # Qwen3-Next: a dense layer (mlp_only_layers), renormalised top-k; GDN projections grouped per key head
+    "qwen3_next": _qwen3_next(),
+    "qwen3_next_nonorm": _qwen3_next(norm_topk_prob=False, mlp_only_layers=[]),
+    # Kimi Linear: KDA, KDA, MLA; a dense first layer, then sparse (sigmoid router, correction bias)
+    "kimi": _kimi([LINEAR, LINEAR, FULL], ["dense", "sparse", "sparse"]),
+    # group-limited routing: 2 groups of 4 experts, 1 selectable
+    "kimi_grouped": _kimi([LINEAR, FULL], ["sparse", "sparse"], num_local_experts=8, n_group=2, topk_group=1),
+    # a latent of 32 values (r 24 + dr 8): the native backend's decode attention takes its MLA layers
+    "kimi_latent32": _kimi([LINEAR, FULL], ["dense", "sparse"], kv_lora_rank=24),
+    # one-layer models (every view exact): KDA, MLA, MoE after Gated DeltaNet, MoE after attention
+    "kimi_1l_kda": _kimi([LINEAR], ["sparse"]),
+    "kimi_1l_mla": _kimi([FULL], ["sparse"]),
+    "qwen35_moe_1l_linear": _qwen35_moe([LINEAR]),
+    "qwen35_moe_1l_full": _qwen35_moe([FULL]),
+}
+
 TINY_SPECS: dict[str, Spec] = {
     # Llama: default RoPE, GQA 4/2, untied embeddings; seed 14: greedy output is not repetitive (engine tests)
     "llama": _llama(seed=14),
@@ -166,6 +236,7 @@ TINY_SPECS: dict[str, Spec] = {
         "vision_start_token_id": 298, "vision_end_token_id": 299,
         "tie_word_embeddings": True,
     }, extra_tensors=True),
+    **MOE_SPECS,
 }
 
 
@@ -183,6 +254,11 @@ def perturb(model: torch.nn.Module, seed: int) -> None:
             p.copy_(torch.empty(p.shape).uniform_(0.02, 0.3, generator=gen).log())
         elif "norm" in name or name.endswith("bias"):
             p.add_(0.1 * torch.randn(p.shape, generator=gen))
+        elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):  # MoE routers: spread
+            p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # Kimi's selection bias (zero-initialised)
+            b.copy_(0.05 * torch.randn(b.shape, generator=gen))
 
 
 def _build_reference(spec: Spec, seed: int) -> torch.nn.Module:
@@ -194,20 +270,45 @@ def _build_reference(spec: Spec, seed: int) -> torch.nn.Module:
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
         "qwen3_5_mm": (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration),
+        "qwen3_5_moe": (tf.Qwen3_5MoeTextConfig, tf.Qwen3_5MoeForCausalLM),
+        "qwen3_5_moe_mm": (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration),
+        "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
+        "kimi_linear": (tf.KimiLinearConfig, tf.KimiLinearForCausalLM),
     }
     config_cls, model_cls = classes[spec.family]
     torch.manual_seed(seed)
     model = model_cls(config_cls(**copy.deepcopy(spec.config))).eval()
     perturb(model, seed)
+    if spec.family in ("qwen3_5_moe", "qwen3_5_moe_mm", "qwen3_next", "kimi_linear"):
+        # the experts path whose dtype chain cothink's matches
+        model.set_experts_implementation("grouped_mm")
     return model
 
 
+def _fuse_experts_on_disk(state: dict[str, torch.Tensor]) -> None:
+    """Rewrite per-expert tensors `<p>.experts.<e>.{gate,up,down}_proj.weight` as the fused pair
+    `<p>.experts.gate_up_proj` [E, 2I, H] and `<p>.experts.down_proj` [E, H, I] (released Qwen3.5-MoE)."""
+    prefixes = sorted({k.split(".experts.")[0] for k in state if ".experts.0.gate_proj.weight" in k})
+    for p in prefixes:
+        e = 0
+        gate_up, down = [], []
+        while f"{p}.experts.{e}.gate_proj.weight" in state:
+            g, u, d = (state.pop(f"{p}.experts.{e}.{n}_proj.weight") for n in ("gate", "up", "down"))
+            gate_up.append(torch.cat((g, u)))
+            down.append(d)
+            e += 1
+        state[f"{p}.experts.gate_up_proj"] = torch.stack(gate_up)
+        state[f"{p}.experts.down_proj"] = torch.stack(down)
+
+
 def _add_fake_tensors(folder: Path) -> None:
-    """Add multi-token-prediction tensors (mtp.*) to the checkpoint, as real Qwen3.5 checkpoints have."""
+    """Add multi-token-prediction tensors (mtp.*) to the checkpoint, as real Qwen3.5 checkpoints have
+    (and store a MoE checkpoint's experts fused, as released Qwen3.5-MoE checkpoints do)."""
     from safetensors.torch import load_file, save_file
 
     path = folder / "model.safetensors"
     state = load_file(str(path))
+    _fuse_experts_on_disk(state)
     assert any(k.startswith("model.language_model.") for k in state), sorted(state)[:5]
     assert any(k.startswith("model.visual.") for k in state), sorted(state)[:5]
     gen = torch.Generator().manual_seed(7)

@@ -119,6 +119,26 @@ def test_coroutines_quick(tiny_folder, tmp_path, capsys):
     assert (tmp_path / "coroutines.png").stat().st_size > 1000
 
 
+@pytest.mark.parametrize("model", ["qwen35-moe-random", "qwen3-next-random", "kimi-random"])
+def test_moe_family_models_run_in_both_benchmarks(model, tmp_path, capsys, monkeypatch):
+    """The small random MoE / Kimi Linear checkpoints build (under $COTHINK_CACHE) and run through the
+    prefill/decode and coroutine benchmarks."""
+    monkeypatch.setenv("COTHINK_CACHE", str(tmp_path / "cache"))
+    bench = _load("prefill_decode")
+    argv = ["--quick", "--model", model, "--out", str(tmp_path), "--dtypes", "float32", "--lengths", "32",
+            "--decode-tokens", "3", "--decode-prompt", "8", "--repeats", "1", "--no-contention"]
+    assert bench.main(argv) == 0
+    data = json.loads((tmp_path / "prefill_decode.json").read_text())
+    assert data["results"]["float32"]["decode"]["cothink_tok_s"] > 0
+    assert (tmp_path / "cache" / "bench" / model / "config.json").exists()
+    bench = _load("coroutines")
+    argv = ["--quick", "--model", model, "--out", str(tmp_path), "--coroutines", "1", "2", "--context", "12",
+            "--suffix", "3", "--new-tokens", "2", "--sequential-max", "1", "--no-contention"]
+    assert bench.main(argv) == 0
+    rows = json.loads((tmp_path / "coroutines.json").read_text())["results"]["rows"]
+    assert [r["cothink"]["generated"] for r in rows] == [2, 4]
+
+
 def test_coroutines_always_measures_the_single_coroutine_baseline():
     """N=1 is what sequential runs and KV copies are extrapolated from: added when not asked for."""
     bench = _load("coroutines")

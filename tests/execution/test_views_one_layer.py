@@ -14,7 +14,9 @@ import pytest
 import torch
 from reference import ATOL, max_err, random_ids, reference_logits
 
-ONE_LAYER = ["llama_1l", "qwen3_1l", "qwen35_1l_linear", "qwen35_1l_full"]
+ONE_LAYER = ["llama_1l", "qwen3_1l", "qwen35_1l_linear", "qwen35_1l_full",
+             # KDA, MLA, a sparse MoE block after Gated DeltaNet and after attention
+             "kimi_1l_kda", "kimi_1l_mla", "qwen35_moe_1l_linear", "qwen35_moe_1l_full"]
 LENGTHS = [1, 2, 3, 17, 70, 5, 2, 40, 1, 9]
 
 
@@ -35,7 +37,9 @@ def _write_blocks(runner, seed: int):
     return blocks, tokens
 
 
-CASES = [(name, None) for name in ONE_LAYER] + [("qwen35_1l_linear", 8)]  # dense summaries: GDN only
+# dense summaries: linear-attention layers only (Gated DeltaNet, KDA)
+CASES = [(name, None) for name in ONE_LAYER] + [(n, 8) for n in ("qwen35_1l_linear", "kimi_1l_kda",
+                                                                 "qwen35_moe_1l_linear")]
 
 
 @pytest.mark.parametrize(("name", "dense"), CASES, ids=[f"{n}-{d}" for n, d in CASES])

@@ -15,11 +15,12 @@ from support import write_blocks_with_random_views
 
 from cothink.execution.step import StepItem
 
-MODELS = ["llama", "qwen35", "qwen35_mm"]
+MODELS = ["llama", "qwen35", "qwen35_mm", "qwen35_moe", "qwen3_next", "kimi"]
 LENGTHS = [1, 2, 3, 5, 17, 70, 4, 2]
 
 
-CASES = [("llama", None)] + [(name, dense) for name in ("qwen35", "qwen35_mm") for dense in (None, 8)]
+VIEW_MODELS = ("qwen35", "qwen35_mm", "qwen35_moe", "qwen3_next", "kimi")
+CASES = [("llama", None)] + [(name, dense) for name in VIEW_MODELS for dense in (None, 8)]
 
 
 @pytest.mark.parametrize(("name", "dense"), CASES, ids=[f"{n}-{d}" for n, d in CASES])

@@ -35,6 +35,27 @@ def test_fast_path_fp32_logits_match_eager_and_transformers(tiny_model, record_e
     assert record_error(f"fast ({kernels}) vs transformers", name, max_err(logits["fast"], want)) < EXACT
 
 
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+@pytest.mark.parametrize("name", ["qwen35_moe", "qwen3_next", "kimi"])
+def test_moe_family_fast_path_matches_eager_and_transformers(tiny_model, record_error, name, kernels,
+                                                             monkeypatch):
+    """The MoE and Kimi Linear families' fast path: fused mixer projections (Kimi's KDA q/k/v too),
+    the CPU linears; their sparse layers keep the model on the torch modules (no native modules)."""
+    tm, fast, eager = fast_and_eager(tiny_model, name, kernels, monkeypatch)
+    ids = random_ids(40, seed=5)
+    assert fast.backend.name == kernels and not fast.model.fused and fast.fused_decode is None
+    def fused(layer) -> bool:  # attention and KDA: qkv_proj; Gated DeltaNet: in_proj; MLA: none
+        return any(getattr(layer.mixer, n, None) is not None for n in ("qkv_proj", "in_proj"))
+
+    assert [fused(layer) for layer in fast.model.model.layers] == [
+        not hasattr(layer.mixer, "kv_b_proj") for layer in fast.model.model.layers]
+    assert not any(fused(layer) for layer in eager.model.model.layers)
+    want = tm.logits(ids)
+    logits = {"fast": prefill_then_decode(fast, ids, 32), "eager": prefill_then_decode(eager, ids, 32)}
+    assert record_error(f"fast ({kernels}) vs eager", name, max_err(logits["fast"], logits["eager"])) < EXACT
+    assert record_error(f"fast ({kernels}) vs transformers", name, max_err(logits["fast"], want)) < EXACT
+
+
 def test_fused_parts_view_the_fused_weight(tiny_model):
     """The HF-named projections keep working after fusion and cost no memory of their own."""
     attn = tiny_model("llama").runner().model.model.layers[0].self_attn

@@ -18,7 +18,7 @@ def exact_cuda():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-@pytest.mark.parametrize("name", ["llama_yarn", "qwen35"])
+@pytest.mark.parametrize("name", ["llama_yarn", "qwen35", "qwen35_moe", "kimi"])
 def test_cuda_matches_cpu(tiny_model, exact_cuda, name):
     tm = tiny_model(name)
     results = []

@@ -1,5 +1,9 @@
 """cothink's models against transformers on tiny random-weight configs (fp32).
 
+Families: Llama, Qwen2, Qwen3, Qwen3.5 (text and multimodal layouts), and the MoE / Kimi Linear families:
+Qwen3.5-MoE (text; multimodal with fused experts on disk), Qwen3-Next (with and without renormalised
+top-k), Kimi Linear (KDA + MLA, dense first layer; group-limited routing).
+
 Each family: the logits of a prompt prefilled whole, in chunks and token by token match the reference;
 greedy generation matches `generate(do_sample=False)`; blocks written one after another (each reading all
 previous blocks) match the reference run on the concatenated tokens.
@@ -11,8 +15,9 @@ import pytest
 import torch
 from reference import ATOL, max_err, random_ids, reference_logits
 
+MOE_FAMILIES = ["qwen35_moe", "qwen35_moe_mm", "qwen3_next", "qwen3_next_nonorm", "kimi", "kimi_grouped"]
 FAMILIES = ["llama", "llama3", "llama_yarn", "qwen2", "qwen2_tied", "qwen3", "qwen35", "qwen35_linear",
-            "qwen35_mm"]
+            "qwen35_mm", *MOE_FAMILIES]
 PROMPT = 70  # > 64: the GDN chunked form crosses a chunk boundary
 
 
@@ -76,6 +81,8 @@ BLOCK_LENGTHS = [1, 2, 3, 5, 70, 4, 12]
 # dense summaries exist only for linear-attention layers: the threshold is varied on Qwen3.5 only
 BLOCK_CASES = [("llama", None), ("qwen2", None), ("qwen2_tied", None), ("qwen3", None)] + [
     (name, dense) for name in ("qwen35", "qwen35_linear", "qwen35_mm") for dense in (None, 8, 10**9)
+] + [(name, dense) for name in ("qwen35_moe", "qwen3_next", "kimi") for dense in (None, 8, 10**9)] + [
+    (name, None) for name in ("qwen35_moe_mm", "qwen3_next_nonorm", "kimi_grouped")
 ]
 
 
@@ -109,7 +116,7 @@ def test_blocks_one_after_another(tiny_model, record_error, name, dense):
     full = tm.logits(ids + probe_ids)[-3:]
     assert max_err(got, full) < ATOL
     assert max_err(got, ref) < ATOL
-    if runner.config.gdn is not None:  # the summaries exist exactly where the threshold asks for them
+    if runner.config.linear_config is not None:  # summaries exist exactly where the threshold asks for them
         threshold = runner.dense_summary_min_tokens
         for block in blocks:
             has = [rec.summary is not None for rec in block.linear]
@@ -122,7 +129,7 @@ def _mode(dense: int | None) -> str:
 
 def test_reference_matches_transformers(tiny_model, record_error):
     """The reference itself (empty view, all tokens new) agrees with transformers."""
-    for name in ["llama_yarn", "qwen2", "qwen3", "qwen35", "qwen35_mm"]:
+    for name in ["llama_yarn", "qwen2", "qwen3", "qwen35", "qwen35_mm", *MOE_FAMILIES]:
         tm = tiny_model(name)
         ids = random_ids(40, seed=6)
         ref = reference_logits(tm.runner(), [], ids)

@@ -74,7 +74,7 @@ async def test_two_coroutines_reading_each_other_smollm2(smol, start):
     assert check_greedy(rec, rep, "B", "B", 0, n) == []
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen35"])
+@pytest.mark.parametrize("kind", ["llama", "qwen35", "qwen35_moe", "kimi"])
 async def test_live_input_lands_while_generating(kind):
     """While A generates reading [ctx, A], another coroutine extends ctx by 200 tokens in chunks of 16.
     A never pauses, sees each chunk from the step after it is written, and its tokens equal the replay."""

@@ -10,6 +10,7 @@ from support import ids, logits_after, make_engine, tiny_folder
 
 import cothink
 from cothink.errors import BlockSealedError, InvalidParameterError, PoolExhaustedError
+from cothink.memory.snapshot import block_tensors
 
 
 
@@ -28,6 +29,36 @@ async def test_memory_reports_kv_and_gdn_bytes_per_token():
     assert mem.linear_bytes_used == 100 * mem.linear_bytes_per_token
     assert mem.total_bytes_used == mem.kv_bytes_used + mem.linear_bytes_used
     assert mem.budget_bytes is None and mem.spilled_bytes == 0
+
+
+@pytest.mark.parametrize("kind", ["qwen35_moe", "qwen3_next", "kimi"])
+async def test_memory_bytes_per_token_of_moe_families(kind):
+    """Qwen3.5-MoE / Qwen3-Next store what Qwen3.5 stores (K and V per attention layer, GDN records per
+    linear layer); Kimi stores one latent row (r + dr values) per MLA layer and, per KDA layer, the
+    pre-conv [q|k|v] row, the per-channel log decay g [H, K] and beta [H]."""
+    engine = make_engine(kind, page_size=16)
+    async with engine:
+        block = engine.block("b")
+        await engine.extend(block, token_ids=ids(100, 1))
+        mem = engine.memory()
+        tensors, _ = block_tensors(engine.runner.store, block, "0")  # what a snapshot or spill writes
+        assert ("0.v" in tensors) == (kind != "kimi")
+    cfg = engine.runner.config
+    hf = cfg.hf_text_config
+    attn, linear = len(cfg.attention_layers), len(cfg.linear_layers)
+    if kind == "kimi":
+        kv = attn * (hf.kv_lora_rank + hf.qk_rope_head_dim) * 4
+        hk = hf.linear_num_heads * hf.linear_head_dim
+        records = linear * (3 * hk * 4 + hk * 4 + hf.linear_num_heads * 4)
+    else:
+        kv = attn * 2 * hf.num_key_value_heads * hf.head_dim * 4
+        key = hf.linear_num_key_heads * hf.linear_key_head_dim
+        value = hf.linear_num_value_heads * hf.linear_value_head_dim
+        records = linear * ((2 * key + value) * 4 + 2 * hf.linear_num_value_heads * 4)
+    assert mem.kv_bytes_per_token == kv and mem.linear_bytes_per_token == records
+    assert mem.kv_bytes_used == 7 * mem.page_bytes == 7 * 16 * kv  # 100 tokens, pages of 16
+    assert mem.linear_bytes_used == 100 * records
+    assert engine.runner.store.pool.v is engine.runner.store.pool.k or kind != "kimi"  # the latent, once
 
 
 async def test_budget_counts_gdn_records_in_admission():
@@ -99,8 +130,9 @@ def _record_bytes(block) -> int:
     )
 
 
-async def test_sealed_gdn_block_memory_is_flat_in_length_and_reads_match():
-    engine = make_engine("qwen35")
+@pytest.mark.parametrize("kind", ["qwen35", "qwen35_moe", "kimi"])  # Gated DeltaNet; KDA (Kimi)
+async def test_sealed_gdn_block_memory_is_flat_in_length_and_reads_match(kind):
+    engine = make_engine(kind)
     async with engine:
         sealed_size = {}
         for n in (60, 400):

@@ -28,7 +28,7 @@ async def _fill(engine):
     return ctx, notes, side
 
 
-@pytest.mark.parametrize("kind", ["qwen35", "llama"])
+@pytest.mark.parametrize("kind", ["qwen35", "llama", "qwen35_moe", "kimi"])
 async def test_round_trip_gives_equal_logits(tmp_path, kind):
     path = tmp_path / "snap.safetensors"
     engine = make_engine(kind)

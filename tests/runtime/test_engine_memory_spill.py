@@ -3,6 +3,7 @@ reloaded transparently on their next read, bit for bit in fp32."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from support import ids, logits_after, make_engine
 
@@ -23,8 +24,9 @@ def _engine(tmp_path, blocks: int, kind: str = "qwen35"):
     return make_engine(kind, memory_budget=blocks * per, spill_dir=tmp_path, pool_wait_s=5)
 
 
-async def test_least_recently_read_block_is_spilled_and_reloads_exactly(tmp_path):
-    engine = _engine(tmp_path, 3)
+@pytest.mark.parametrize("kind", ["qwen35", "kimi"])
+async def test_least_recently_read_block_is_spilled_and_reloads_exactly(tmp_path, kind):
+    engine = _engine(tmp_path, 3, kind)
     async with engine:
         a, b, c = (engine.block(n) for n in "abc")
         for i, x in enumerate((a, b, c)):

@@ -97,7 +97,7 @@ async def test_a_paused_generation_keeps_its_block():
         assert len(result.token_ids) == 100 and result.finish_reason == "length"
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen35"])
+@pytest.mark.parametrize("kind", ["llama", "qwen35", "kimi"])
 async def test_sampled_pause_resume_equals_uninterrupted(kind):
     rng = random.Random(3)
     engine = make_engine(kind)

@@ -86,6 +86,8 @@ class FusedDecode:
         (oneDNN-packed bfloat16 or mixed-storage linears, the eager modules, parameters of another
         dtype than the activations)."""
         cfg = model.config
+        if not model.fused:  # the eager modules (and the MoE / Kimi Linear families, which run them)
+            return None
         if cfg.head_dim % 16 or not cfg.attention_layers:
             return None
         if cfg.gdn is not None and cfg.gdn.conv_kernel < 2:

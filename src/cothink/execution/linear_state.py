@@ -1,4 +1,7 @@
-"""Gated DeltaNet state of a view, composed block by block.
+"""Gated DeltaNet (and KDA) state of a view, composed block by block.
+
+The same code serves Kimi's KDA layers: the mixer brings its geometry (`cfg`: heads, K, V, conv),
+its `split`, `recurrence` and `affine_summary` (per-channel decays g [n, H, K] instead of per head).
 
 See docs/architecture.md, "Memory choices for Gated DeltaNet blocks".
 
@@ -15,7 +18,7 @@ import torch
 
 from cothink.memory.block import LinearRecords, SealedRecords
 from cothink.models.transformer import GatedDeltaNet
-from cothink.ops.gdn import affine_summary, apply_summary, causal_conv, compose
+from cothink.ops.gdn import apply_summary, causal_conv, compose
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,7 +57,7 @@ def _body_summary(mixer: GatedDeltaNet, rec: LinearRecords, length: int) -> torc
     start = rec.summary_covers if rec.summary is not None else w
     rows = rec.rows.data
     q, k, v = mixer.split(causal_conv(rows[start - w : start], rows[start:length], mixer.conv_weight))
-    piece = affine_summary(k, v, rec.g.data[start:length], rec.beta.data[start:length])
+    piece = mixer.affine_summary(k, v, rec.g.data[start:length], rec.beta.data[start:length])
     rec.summary = piece if rec.summary is None else compose(rec.summary, piece)
     rec.summary_covers = length
     return rec.summary

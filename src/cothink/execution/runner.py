@@ -67,14 +67,14 @@ class ModelRunner:
         self.model, self.config, self.tokenizer = model, cfg, tokenizer
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
-        self.rotary = Rotary(cfg.hf_text_config, cfg.head_dim, self.device)
+        self.rotary = Rotary(cfg.hf_text_config, cfg.rotary_head_dim, self.device)
         self.store = BlockStore(cfg, kv_tokens, page_size, self.dtype, self.device)
         self.max_context = (
             max_context or getattr(cfg.hf_text_config, "max_position_embeddings", None) or 1 << 20
         )
         # A dense [B|A] summary pays off once replaying the body costs more than applying a K x K map.
         if dense_summary_min_tokens is None:
-            dense_summary_min_tokens = 4 * cfg.gdn.k_dim if cfg.gdn else 0
+            dense_summary_min_tokens = 4 * cfg.linear_config.k_dim if cfg.linear_config else 0
         self.dense_summary_min_tokens = dense_summary_min_tokens
         # chosen once (execution/attention_backends.py): it makes the model its own (the native
         # backend swaps in its modules) and decides, per step, which path runs the step
@@ -123,7 +123,7 @@ class ModelRunner:
         if block.sealed:
             return
         if block.linear:
-            mixers = [self.model.model.layers[layer].linear_attn for layer in self.config.linear_layers]
+            mixers = [self.model.model.layers[layer].mixer for layer in self.config.linear_layers]
             with torch.inference_mode():
                 sealed = [seal_records(m, rec, block.length) for m, rec in zip(mixers, block.linear)]
             for old, new in zip(block.linear, sealed):

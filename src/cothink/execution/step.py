@@ -135,7 +135,7 @@ class ViewBatch:
         self.dense_min_tokens = dense_min_tokens
         self.backend = backend
         self.cache = cache if cache is not None else ExecutionCache()
-        self.scale = store.cfg.head_dim**-0.5
+        self.scale = store.cfg.attention_scale
         self._read_slots: dict[tuple[int, int], tuple[torch.Tensor, tuple[int, int] | None]] = {}
         self.plans = [self._plan(item, row) for item, row in zip(items, self._starts(items))]
         # [T, 1, rot] the rotation of this step's keys, row by row (None: no attention layer)

@@ -10,7 +10,8 @@ from cothink.errors import PoolExhaustedError
 class KVPool:
     """K and V for every attention layer, stored as flat token slots grouped in pages.
 
-    `k[layer]` has shape [num_pages * page_size, kv_heads, head_dim]; a block's token i lives at slot
+    `k[layer]` has shape [num_pages * page_size, kv_heads, head_dim] (`v` too; with `shared_kv` it is
+    `k` itself: one latent row per token, MLA); a block's token i lives at slot
     page * page_size + i % page_size with page = block.pages[i // page_size].
     """
 
@@ -23,12 +24,16 @@ class KVPool:
         head_dim: int,
         dtype: torch.dtype,
         device: str | torch.device,
+        *,
+        shared_kv: bool = False,
     ):
         self.num_pages, self.page_size = num_pages, page_size
         shape = (num_layers, num_pages * page_size, kv_heads, head_dim)
         # empty, not zeros: untouched pages cost no resident memory until written
         self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        # shared_kv: v is k (MLA's latent is both key and value; it is stored once)
+        self.shared_kv = shared_kv
+        self.v = self.k if shared_kv else torch.empty(shape, dtype=dtype, device=device)
         self.refcount = [0] * num_pages
         # LIFO: recently freed pages are reused first, so memory stays warm and small in long runs
         self._free = list(range(num_pages - 1, -1, -1))
@@ -44,7 +49,8 @@ class KVPool:
     @property
     def bytes_per_page(self) -> int:
         layers, _, kv_heads, head_dim = self.k.shape  # (a model without attention layers has none)
-        return 2 * layers * self.page_size * kv_heads * head_dim * self.k.element_size()
+        tensors = 1 if self.shared_kv else 2
+        return tensors * layers * self.page_size * kv_heads * head_dim * self.k.element_size()
 
     def allocate(self, count: int) -> list[int]:
         if count > len(self._free):
@@ -69,4 +75,5 @@ class KVPool:
         s = slice(src * self.page_size, (src + 1) * self.page_size)
         d = slice(dst * self.page_size, (dst + 1) * self.page_size)
         self.k[:, d] = self.k[:, s]
-        self.v[:, d] = self.v[:, s]
+        if not self.shared_kv:
+            self.v[:, d] = self.v[:, s]

@@ -1,7 +1,8 @@
 """Block snapshots: blocks (tokens, KV, Gated DeltaNet records, names) in one safetensors file.
 
 The file holds, per block i, its keys and values `i.k`, `i.v` ([attention layers, tokens, kv heads,
-head dim], keys rotated at block-local positions as stored) and, per linear layer j, either its
+head dim], keys rotated at block-local positions as stored; `i.k` only where the pool stores one
+tensor for both, MLA's latent) and, per linear layer j, either its
 records (`i.j.rows`, `i.j.g`, `i.j.beta`, optional `i.j.summary`) or its sealed form (`i.j.head_rows`,
 ... see SealedRecords). The safetensors metadata key "cothink" holds a JSON header: format version,
 the model identity (family, config and weight fingerprints, dtype) and each block's name, length,
@@ -76,7 +77,8 @@ def block_tensors(store: BlockStore, block: Block, prefix: str) -> tuple[Tensors
     if store.attn_slot:
         slots = store.slots(block, 0, n)
         tensors[f"{prefix}.k"] = store.pool.k[:, slots].to("cpu", copy=True)
-        tensors[f"{prefix}.v"] = store.pool.v[:, slots].to("cpu", copy=True)
+        if not store.pool.shared_kv:  # (MLA: the latent is both, stored once)
+            tensors[f"{prefix}.v"] = store.pool.v[:, slots].to("cpu", copy=True)
     kinds, covers = [], []
     for j, rec in enumerate(block.linear):
         if isinstance(rec, SealedRecords):
@@ -117,7 +119,8 @@ def restore_block(
         if store.attn_slot:
             slots = store.slots(block, 0, n)
             store.pool.k[:, slots] = tensors[f"{prefix}.k"].to(device)
-            store.pool.v[:, slots] = tensors[f"{prefix}.v"].to(device)
+            if not store.pool.shared_kv:
+                store.pool.v[:, slots] = tensors[f"{prefix}.v"].to(device)
         linear: list[LinearRecords | SealedRecords] = []
         for j, (kind, covers) in enumerate(zip(header.linear, header.summary_covers)):
             get = lambda name: tensors[f"{prefix}.{j}.{name}"].to(device)  # noqa: E731

@@ -78,6 +78,7 @@ class BlockStore:
             cfg.head_dim,
             dtype,
             device,
+            shared_kv=cfg.shared_kv,
         )
         self.blocks: dict[int, Block] = {}
         self._ids = itertools.count(1)
@@ -93,11 +94,11 @@ class BlockStore:
         return block
 
     def _new_records(self) -> LinearRecords:
-        g = self.cfg.gdn
+        g = self.cfg.linear_config  # Gated DeltaNet: g [HV]; KDA: g [H, K]
         assert g is not None
         return LinearRecords(
             rows=GrowingTensor((g.conv_dim,), self.dtype, self.device),
-            g=GrowingTensor((g.num_v_heads,), torch.float32, self.device),
+            g=GrowingTensor(g.decay_shape, torch.float32, self.device),
             beta=GrowingTensor((g.num_v_heads,), torch.float32, self.device),
         )
 
@@ -238,13 +239,13 @@ class BlockStore:
 
     @property
     def linear_bytes_per_token(self) -> int:
-        """GDN record bytes one token adds to an unsealed block: per linear layer, its pre-conv
-        [q|k|v] row (model dtype) plus g and beta (fp32, one per value head)."""
-        g = self.cfg.gdn
+        """GDN / KDA record bytes one token adds to an unsealed block: per linear layer, its pre-conv
+        [q|k|v] row (model dtype) plus g (fp32, one per value head; KDA: one per key channel) and
+        beta (fp32, one per head)."""
+        g = self.cfg.linear_config
         if g is None or not self.linear_slot:
             return 0
-        row = g.conv_dim * torch.empty((), dtype=self.dtype).element_size()
-        return len(self.linear_slot) * (row + 2 * g.num_v_heads * 4)
+        return len(self.linear_slot) * g.record_bytes(torch.empty((), dtype=self.dtype).element_size())
 
     def linear_bytes(self) -> int:
         """GDN bytes of all live blocks; a buffer or summary shared by forks is counted once."""

@@ -6,11 +6,20 @@ rope parameters) and keep only what the forward pass needs.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from cothink.errors import UnsupportedModelError
+from cothink.models.moe_config import (
+    MOE_FAMILIES,
+    FamilyConfig,
+    KdaConfig,
+    MlaConfig,
+    family_config_from_hf,
+    load_hf_family_config,
+)
 
 FULL_ATTENTION = "full_attention"
 LINEAR_ATTENTION = "linear_attention"
@@ -47,6 +56,16 @@ class GDNConfig:
     def conv_dim(self) -> int:
         # pre-conv channels are laid out [q | k | v]
         return 2 * self.key_dim + self.value_dim
+
+    @property
+    def decay_shape(self) -> tuple[int, ...]:
+        """Shape of one token's log decay g (and of beta): one per value head."""
+        return (self.num_v_heads,)
+
+    def record_bytes(self, itemsize: int) -> int:
+        """Bytes per token of one layer's replayable records: the pre-conv row in the model dtype,
+        g and beta in fp32."""
+        return self.conv_dim * itemsize + 2 * self.num_v_heads * 4
 
 
 @dataclass(frozen=True)
@@ -165,6 +184,41 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     hf_text_config: Any  # the transformers config object of the text decoder (RoPE init reads it)
     vision: VisionConfig | None = None  # the vision tower of a multimodal checkpoint (models/vision.py)
+    # the MoE / Kimi Linear extras (models/moe_config.py): sparse MLPs, KDA and MLA layers; None otherwise
+    family_config: FamilyConfig | None = None
+
+    @property
+    def mla(self) -> MlaConfig | None:
+        """Kimi's latent attention: its pool rows are one latent head of width head_dim (K = V)."""
+        return None if self.family_config is None else self.family_config.mla
+
+    @property
+    def linear_config(self) -> GDNConfig | KdaConfig | None:
+        """The state geometry of the linear-attention layers (Gated DeltaNet or KDA)."""
+        if self.gdn is not None:
+            return self.gdn
+        return None if self.family_config is None else self.family_config.kda
+
+    @property
+    def attention_scale(self) -> float:
+        if self.mla is not None:
+            return self.mla.scale
+        return self.head_dim**-0.5 if self.head_dim else 1.0  # (no attention layer: never used)
+
+    @property
+    def rotary_head_dim(self) -> int:
+        """Channels of a stored key that RoPE may rotate: none for MLA (Kimi's attention is NoPE)."""
+        return 0 if self.mla is not None else self.head_dim
+
+    @property
+    def shared_kv(self) -> bool:
+        """Keys and values are one stored tensor (MLA's latent serves as both)."""
+        return self.mla is not None
+
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """KV pool bytes of one token over all attention layers."""
+        per_layer = (1 if self.shared_kv else 2) * self.num_kv_heads * self.head_dim * itemsize
+        return len(self.attention_layers) * per_layer
 
     @property
     def attention_layers(self) -> list[int]:
@@ -186,11 +240,15 @@ def load_config(folder: str | Path) -> ModelConfig:
     """Read config.json of a local checkpoint folder into a ModelConfig."""
     from transformers import AutoConfig
 
+    raw = json.loads((Path(folder) / "config.json").read_text())
+    if raw.get("model_type") in MOE_FAMILIES:
+        return family_model_config(load_hf_family_config(folder))
     hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     family = _FAMILIES.get(hf.model_type)
     if family is None:
+        supported = sorted({*_FAMILIES, *MOE_FAMILIES})
         raise UnsupportedModelError(
-            f"model_type {hf.model_type!r} is not supported; cothink runs {sorted(set(_FAMILIES))}"
+            f"model_type {hf.model_type!r} is not supported; cothink runs {supported}"
         )
     text = hf.get_text_config() if family == "qwen3_5" else hf
     cfg = config_from_hf(text, family, eos=_eos_ids(hf) or _eos_ids(text))
@@ -245,4 +303,72 @@ def config_from_hf(text: Any, family: str, eos: tuple[int, ...] = ()) -> ModelCo
         gdn=gdn,
         eos_token_ids=eos or _eos_ids(text),
         hf_text_config=text,
+    )
+
+
+def family_model_config(hf: Any) -> ModelConfig:
+    """The ModelConfig of a Qwen3.5-MoE (text or multimodal layout), Qwen3-Next or Kimi Linear config.
+
+    Qwen3.5-MoE and Qwen3-Next share Qwen3.5's attention (q/k norm, output gate, zero-centred norms,
+    partial RoPE) and Gated DeltaNet; their MLPs are sparse MoE blocks where `family_config` says so.
+    Kimi Linear's attention layers are MLA, whose pool rows are one latent head of width r + dr
+    (`num_kv_heads` 1, `head_dim` r + dr, K = V, no RoPE); its linear layers are KDA."""
+    fam = family_config_from_hf(hf)
+    text = hf.get_text_config() if hf.model_type == "qwen3_5_moe" else hf
+    eos = _eos_ids(hf) or _eos_ids(text)
+    common = dict(
+        vocab_size=text.vocab_size,
+        hidden_size=text.hidden_size,
+        intermediate_size=fam.dense_intermediate_size or 0,
+        num_layers=len(fam.layer_types),
+        rms_norm_eps=text.rms_norm_eps,
+        tie_word_embeddings=bool(getattr(text, "tie_word_embeddings", False)),
+        mlp_bias=False,
+        layer_types=fam.layer_types,
+        eos_token_ids=eos,
+        hf_text_config=text,
+        family_config=fam,
+    )
+    if fam.family == "kimi_linear":
+        mla = fam.mla
+        return ModelConfig(
+            family=fam.family,
+            num_heads=mla.num_heads if mla is not None else text.num_attention_heads,
+            num_kv_heads=1,
+            head_dim=mla.latent_dim if mla is not None else 0,
+            attention_bias=False,
+            o_proj_bias=False,
+            qk_norm=False,
+            zero_centred_norm=False,
+            attn_output_gate=False,
+            gdn=None,
+            **common,
+        )
+    rope_type = (getattr(text, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        raise UnsupportedModelError(
+            f"rope_type {rope_type!r} depends on sequence length; views need static RoPE"
+        )
+    gdn = None
+    if LINEAR_ATTENTION in fam.layer_types:
+        gdn = GDNConfig(
+            num_k_heads=text.linear_num_key_heads,
+            num_v_heads=text.linear_num_value_heads,
+            k_dim=text.linear_key_head_dim,
+            v_dim=text.linear_value_head_dim,
+            conv_kernel=text.linear_conv_kernel_dim,
+        )
+    bias = bool(getattr(text, "attention_bias", False))
+    return ModelConfig(
+        family=fam.family,
+        num_heads=text.num_attention_heads,
+        num_kv_heads=text.num_key_value_heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads,
+        attention_bias=bias,
+        o_proj_bias=bias,
+        qk_norm=True,
+        zero_centred_norm=True,
+        attn_output_gate=True,
+        gdn=gdn,
+        **common,
     )

@@ -27,6 +27,16 @@ from cothink.ops.attention import partial_attention
 LatentAttend = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+class UpProjection(nn.Module):
+    """kv_b_proj's weight [H * (dn + dv), r], never applied as a linear: its per-head blocks W_UK and
+    W_UV are absorbed into the query and the output (not an nn.Linear, so no fast-path replacement
+    of linears repacks it)."""
+
+    def __init__(self, in_features: int, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+
 class MultiLatentAttention(nn.Module):
     """Parameters under the checkpoint's names: q_proj (or q_a_proj, q_a_layernorm, q_b_proj),
     kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj."""
@@ -44,7 +54,7 @@ class MultiLatentAttention(nn.Module):
             self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden_size, cfg.latent_dim, bias=cfg.bias)
         self.kv_a_layernorm = RMSNorm(r, MLA_LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(r, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False)
+        self.kv_b_proj = UpProjection(r, h * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = nn.Linear(h * cfg.v_head_dim, hidden_size, bias=cfg.bias)
 
     def latent(self, x: torch.Tensor) -> torch.Tensor:

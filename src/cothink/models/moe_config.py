@@ -95,6 +95,11 @@ class KdaConfig:
     def v_dim(self) -> int:
         return self.head_dim
 
+    @property
+    def decay_shape(self) -> tuple[int, ...]:
+        """Shape of one token's log decay g: one per key channel of each head."""
+        return (self.num_heads, self.head_dim)
+
     def record_bytes(self, itemsize: int) -> int:
         """Bytes per token of one layer's replayable records: pre-conv rows in the model dtype, the
         per-channel log decay g [H, K] and beta [H] in fp32."""
@@ -312,8 +317,8 @@ def check_kimi_layer_lists(raw: dict[str, Any]) -> None:
         )
 
 
-def load_family_config(folder: str | Path) -> FamilyConfig:
-    """The family extras of a local checkpoint folder's config.json (any refusal typed)."""
+def load_hf_family_config(folder: str | Path) -> Any:
+    """The transformers config of a local MoE / Kimi Linear checkpoint folder (any refusal typed)."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
@@ -321,9 +326,13 @@ def load_family_config(folder: str | Path) -> FamilyConfig:
     if raw.get("model_type") == "kimi_linear":
         check_kimi_layer_lists(raw)
     try:
-        hf = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        return AutoConfig.from_pretrained(str(folder), local_files_only=True)
     except (StrictDataclassError, TypeError, ValueError) as e:  # transformers' field validation
         raise UnsupportedModelError(
             f"config.json in {folder} is not a valid {raw.get('model_type')!r} config: {e}"
         ) from e
-    return family_config_from_hf(hf)
+
+
+def load_family_config(folder: str | Path) -> FamilyConfig:
+    """The family extras of a local checkpoint folder's config.json (any refusal typed)."""
+    return family_config_from_hf(load_hf_family_config(folder))

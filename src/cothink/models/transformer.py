@@ -1,4 +1,5 @@
 """The decoder in plain PyTorch: Llama, Qwen2, Qwen3 and the Qwen3.5 hybrid (Gated DeltaNet, gated attention).
+The MoE and Kimi Linear families' parts (sparse MLPs, KDA, MLA) come from models/families.py.
 
 Module and parameter names follow the Hugging Face checkpoints so weights load by name. The model
 never touches memory itself: token mixing goes through a `ForwardContext`, which the execution
@@ -21,7 +22,7 @@ from torch import nn
 
 from cothink.models.config import FULL_ATTENTION, GDNConfig, ModelConfig
 from cothink.models.packing import FastLinear
-from cothink.ops.gdn import causal_conv, delta_rule, l2norm
+from cothink.ops.gdn import affine_summary, causal_conv, delta_rule, l2norm
 
 
 class ForwardContext(Protocol):
@@ -245,6 +246,11 @@ class GatedDeltaNet(nn.Module):
         """Post-conv rows [n, conv_dim] -> delta-rule inputs q, k [n, HV, K] and v [n, HV, V], fp32."""
         return split_heads(self.cfg, post_conv)
 
+    @staticmethod
+    def affine_summary(k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """[B | A] of a run of tokens, g [n, HV] per head (ops/gdn.py)."""
+        return affine_summary(k, v, g, beta)
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         t, g = x.shape[0], self.cfg
         if self.in_proj is not None:
@@ -262,16 +268,25 @@ class GatedDeltaNet(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
-        if cfg.layer_types[layer] == FULL_ATTENTION:
-            self.self_attn = Attention(cfg, layer)
-        else:
+        linear = cfg.layer_types[layer] != FULL_ATTENTION
+        # ---- MoE / Kimi Linear families (models/families.py): their mixers and sparse MLPs ----
+        mixer, mlp = None, None
+        if cfg.family_config is not None:
+            from cothink.models.families import family_mixer, family_mlp  # it imports this module
+
+            mixer, mlp = family_mixer(cfg, layer, linear), family_mlp(cfg, layer)
+        if mixer is not None:  # Kimi's KDA or MLA
+            self.self_attn = mixer
+        elif linear:
             self.linear_attn = GatedDeltaNet(cfg, layer)
-        self.mlp = MLP(cfg)
+        else:
+            self.self_attn = Attention(cfg, layer)
+        self.mlp = mlp if mlp is not None else MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.zero_centred_norm)
 
     @property
-    def mixer(self) -> Attention | GatedDeltaNet:
+    def mixer(self) -> nn.Module:
         """The token mixer: full attention, or Gated DeltaNet (kept under its Hugging Face name)."""
         return self.self_attn if hasattr(self, "self_attn") else self.linear_attn
 
@@ -306,7 +321,7 @@ class CausalLM(nn.Module):
     @property
     def fused(self) -> bool:
         """Whether the projections are fused (the fast path; False: the eager modules)."""
-        return all(layer.mlp.gate_up_proj is not None for layer in self.model.layers)
+        return all(getattr(layer.mlp, "gate_up_proj", None) is not None for layer in self.model.layers)
 
     def forward(
         self, input_ids: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor,

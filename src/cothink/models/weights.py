@@ -9,7 +9,10 @@ import torch
 from safetensors import safe_open
 
 from cothink.errors import UnsupportedModelError
-from cothink.models.config import ModelConfig, VisionConfig
+from cothink.models.config import LINEAR_ATTENTION, ModelConfig, VisionConfig
+from cothink.models.hybrid_weights import split_qwen3_next_projections
+from cothink.models.kda import fuse_kda_convs
+from cothink.models.moe import KIMI_EXPERT_NAMES, QWEN_EXPERT_NAMES, fuse_expert_weights
 from cothink.models.packing import pack_linears
 from cothink.models.quantize import check_quantize, quantize_int8
 from cothink.models.transformer import CausalLM
@@ -105,6 +108,8 @@ def load_weights(
     state = read_state_dict(folder, dtype)
     if cfg.tie_word_embeddings or "lm_head.weight" not in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    if cfg.family_config is not None:
+        to_family_layout(cfg, state)
     _check_layout(model, state, f"checkpoint in {folder}", cfg.family)
     model.load_state_dict(state, assign=True)
     model = model.to(device).eval()
@@ -115,3 +120,39 @@ def load_weights(
     elif fuse and torch.device(device).type == "cpu":
         pack_linears(model, dtype)  # the CPU kernel for each dtype and row count (models/packing.py)
     return model
+
+
+# Kimi Linear's checkpoint names -> the modules' (transformers holds the forget gate's tensors under
+# `forget_gate.` in memory; a checkpoint may carry either spelling)
+_KIMI_RENAMES = ((".block_sparse_moe.", ".mlp."), (".self_attn.forget_gate.", ".self_attn."))
+
+
+def to_family_layout(cfg: ModelConfig, state: dict[str, torch.Tensor]) -> None:
+    """Bring a MoE / Kimi Linear checkpoint's tensors to the layout of cothink's modules, in place:
+    experts stacked into the fused [E, 2I, H] / [E, H, I] pair (from per-expert tensors or already
+    fused), Qwen3-Next's grouped Gated DeltaNet projections split into Qwen3.5's, Kimi's KDA convs
+    concatenated and its MoE renamed from `block_sparse_moe` to `mlp`. UnsupportedModelError names a
+    missing or misshapen tensor; anything else unexpected is named by the layout check after."""
+    fam = cfg.family_config
+    assert fam is not None
+    kimi = fam.family == "kimi_linear"
+    names, moe_name = (KIMI_EXPERT_NAMES, "block_sparse_moe") if kimi else (QWEN_EXPERT_NAMES, "mlp")
+    for layer, sparse in enumerate(fam.sparse_layers):  # under the checkpoint's names, so errors name them
+        prefix = f"model.layers.{layer}"
+        if sparse:
+            fuse_expert_weights(state, f"{prefix}.{moe_name}.experts", fam.moe, names)
+        if fam.layer_types[layer] != LINEAR_ATTENTION:
+            continue
+        if kimi:
+            assert fam.kda is not None
+            fuse_kda_convs(state, f"{prefix}.self_attn", fam.kda)
+        elif f"{prefix}.linear_attn.in_proj_qkvz.weight" in state:  # Qwen3-Next's grouped layout
+            assert cfg.gdn is not None
+            split_qwen3_next_projections(state, f"{prefix}.linear_attn", cfg.gdn)
+    if kimi:
+        for key in list(state):
+            new = key
+            for old, repl in _KIMI_RENAMES:
+                new = new.replace(old, repl)
+            if new != key:
+                state[new] = state.pop(key)

@@ -512,7 +512,7 @@ def _kv_tokens_for_budget(path_or_name: str | Path, dtype: torch.dtype, budget: 
     except ValueError as exc:
         raise InvalidParameterError(str(exc), param="memory_budget") from None
     cfg = load_config(resolve_model_path(path_or_name))
-    per_token = 2 * len(cfg.attention_layers) * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    per_token = cfg.kv_bytes_per_token(dtype.itemsize)
     return max(1, total // per_token) if per_token else 1
 
 

@@ -296,7 +296,7 @@ def pool_geometry(engine: Engine) -> PoolGeometry:
         try:
             layers = len(cfg.attention_layers)
             elem = torch_element_size(getattr(runner, "dtype", None))
-            per_page = 2 * layers * cfg.num_kv_heads * cfg.head_dim * stats.page_size * elem
+            per_page = cfg.kv_bytes_per_token(elem) * stats.page_size if layers else 0
         except (AttributeError, TypeError):
             per_page = 0
     return PoolGeometry(total, stats.page_size, per_page)
