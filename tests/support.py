@@ -120,6 +120,22 @@ def _qwen35(layer_types: list[str], seed: int | None = None, **kw: Any) -> Spec:
     return Spec("qwen3_5", {**config, **kw}, seed)
 
 
+def _qwen35_vl(layer_types: list[str]) -> Spec:
+    return Spec("qwen3_5_mm", {
+        "text_config": {**_QWEN35_TEXT, "num_hidden_layers": len(layer_types), "layer_types": layer_types,
+                        "max_position_embeddings": 4096,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.5, "mrope_section": [4, 2, 2],
+                                            "mrope_interleaved": True}},
+        "vision_config": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                              patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                              num_position_embeddings=16),
+        "image_token_id": 296, "video_token_id": 297,
+        "vision_start_token_id": 298, "vision_end_token_id": 299,
+        "tie_word_embeddings": False,
+    })
+
+
 TINY_SPECS: dict[str, Spec] = {
     # Llama: default RoPE, GQA 4/2, untied embeddings; seed 14: greedy output is not repetitive (engine tests)
     "llama": _llama(seed=14),
@@ -166,6 +182,10 @@ TINY_SPECS: dict[str, Spec] = {
         "vision_start_token_id": 298, "vision_end_token_id": 299,
         "tie_word_embeddings": True,
     }, extra_tensors=True),
+    # Qwen3.5 multimodal for the vision tests: rotary dim 16 with sections [4, 2, 2] (each axis owns at
+    # least two frequencies, so a wrong position shows), a hybrid stack and a one-layer one
+    "qwen35_vl": _qwen35_vl([FULL, LINEAR, FULL]),
+    "qwen35_vl_1l": _qwen35_vl([FULL]),
 }
 
 

@@ -1,0 +1,414 @@
+"""Image and video blocks through the engine, against transformers' Qwen3.5 multimodal model (fp32).
+
+Blocks holding text, images of different shapes, clips and live frame groups, written one after
+another, read as one sequence: logits and greedy tokens equal transformers' forward on the blocks'
+tokens concatenated (its own get_rope_index positions, its own placement of the tower's features).
+One-layer models (a block's memory does not depend on its view) read through views in any order equal
+the reference on the tokens concatenated in view order, and an image swapped under a later block moves
+that block by the span difference without touching its keys. Bad input is refused with the block left
+as it was; the vision tower's work is scheduled one image or frame group per step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import cothink
+from cothink.errors import InvalidParameterError
+from cothink.execution.step import StepItem
+from cothink.models.image_processing import preprocess_frames, preprocess_image, preprocess_video
+
+TOL = 1e-4  # fp32 logits over a whole multimodal sequence (transformers rotates at absolute positions)
+IMAGE, VIDEO, VS, VE = 296, 297, 298, 299
+BANNED = [IMAGE, VIDEO, VS, VE]
+PIXELS = dict(patch_size=4, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+
+
+def _folder(tiny_model, name: str, root: Path) -> Path:
+    """The tiny checkpoint with small pixel budgets (an image is a few merged tokens)."""
+    folder = root / name
+    if not folder.exists():
+        shutil.copytree(tiny_model(name).folder, folder)
+        (folder / "preprocessor_config.json").write_text(json.dumps({**PIXELS, "min_pixels": 64,
+                                                                     "max_pixels": 40 * 40}))
+        (folder / "video_preprocessor_config.json").write_text(json.dumps({**PIXELS, "min_pixels": 64,
+                                                                           "max_pixels": 4 * 24 * 24}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def folders(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("vision-models")
+    return lambda name: _folder(tiny_model, name, root)
+
+
+def _image(h: int, w: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+def _run(coro):
+    return asyncio.run(coro)
+
+
+class Reference:
+    """transformers' multimodal forward on blocks' tokens concatenated: pixels in order of appearance."""
+
+    def __init__(self, tm, runner):
+        self.tm, self.vision = tm, runner.vision
+        self.images: dict[int, list] = {}  # block id -> preprocessed images / groups in order
+
+    def note(self, block, pixels: list) -> None:
+        self.images.setdefault(block.id, []).extend(pixels)
+
+    @torch.no_grad()
+    def logits(self, view: list, extra: list[int] = ()) -> torch.Tensor:
+        ids = [t for b in view for t in b.tokens] + list(extra)
+        pixels = [p for b in view for p in self.images.get(b.id, [])]
+        types = [1 if t == IMAGE else 2 if t == VIDEO else 0 for t in ids]
+        kw: dict = {}
+        images = [p for p in pixels if not hasattr(p, "timestamp")]
+        groups = [p for p in pixels if hasattr(p, "timestamp")]
+        if images:
+            kw.update(pixel_values=torch.cat([p.pixel_values for p in images]),
+                      image_grid_thw=torch.tensor([[1, p.grid.h, p.grid.w] for p in images]))
+        if groups:
+            kw.update(pixel_values_videos=torch.cat([p.pixel_values for p in groups]),
+                      video_grid_thw=torch.tensor([[1, p.grid.h, p.grid.w] for p in groups]))
+        out = self.tm.ref(input_ids=torch.tensor([ids]), mm_token_type_ids=torch.tensor([types]),
+                          use_cache=False, **kw)
+        return out.logits[0].float()
+
+    def greedy(self, view: list, n: int) -> tuple[list[int], torch.Tensor]:
+        """n greedy tokens (placeholder ids banned) by full recomputation; their log-probabilities."""
+        out, rows = [], []
+        for _ in range(n):
+            row = self.logits(view, out)[-1]
+            rows.append(torch.log_softmax(row, -1))
+            masked = row.clone()
+            masked[BANNED] = -float("inf")
+            out.append(int(masked.argmax()))
+        return out, torch.stack(rows)
+
+
+async def _write_sequence(engine, ref: Reference, chunks: list[tuple[str, object]]) -> list:
+    """Each (kind, value) into its own block, read after every block before it."""
+    vision = engine.runner.vision
+    view = []
+    for i, (kind, value) in enumerate(chunks):
+        block = engine.block(f"b{i}")
+        view.append(block)
+        if kind == "text":
+            await engine.extend(block, token_ids=value, view=list(view))
+        elif kind == "image":
+            await engine.extend(block, image=value, view=list(view))
+            ref.note(block, [preprocess_image(value, vision.image)])
+        elif kind == "video":
+            await engine.extend(block, video=value, view=list(view))
+            ref.note(block, preprocess_video(value, vision.video))
+        else:  # a live stream: frame groups appended to one block
+            for t, group in enumerate(value):
+                await engine.extend(block, frames=group, timestamp=0.5 * t, view=list(view))
+                ref.note(block, [preprocess_frames(group, 0.5 * t, vision.video)])
+    return view
+
+
+SEQUENCE = [
+    ("text", [5, 6, 7]),
+    ("image", _image(40, 16, 1)),  # tall: 5 x 2 merged tokens
+    ("text", [8, 9]),
+    ("image", _image(12, 44, 2)),  # wide
+    ("video", [_image(30, 20, 3 + i) for i in range(4)]),  # two frame groups
+    ("frames", [[_image(24, 24, 10), _image(24, 24, 11)], [_image(24, 24, 12)]]),
+    ("text", [10, 11]),
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "native"])
+def test_sequential_blocks_equal_transformers(folders, tiny_model, backend, record_error):
+    """Text, tall and wide images, a clip and a live stream in blocks written one after another
+    (prefill chunks of 3 tokens: chunk boundaries fall inside images), then a greedy generation with
+    log-probabilities: every token and log-probability equals transformers on the whole sequence."""
+    if backend == "native" and not cothink.ops.native.available():
+        pytest.skip("native kernels unavailable")
+    engine = cothink.Engine.from_pretrained(folders("qwen35_vl"), max_prefill_chunk=3,
+                                            attention_backend=backend)
+    ref = Reference(tiny_model("qwen35_vl"), engine.runner)
+
+    async def main():
+        async with engine:
+            view = await _write_sequence(engine, ref, SEQUENCE)
+            spans = sum(b.position_span for b in view)
+            tokens = sum(len(b) for b in view)
+            assert spans < tokens  # an image spans max(rows, cols) positions, not its token count
+            p = await engine.probe(view, [12, 13], [" yes", " no"])
+            out = engine.block("out")
+            gen = engine.generate([*view, out], max_tokens=6, banned_token_ids=BANNED, logprobs=3,
+                                  stop_at_eos=False)
+            pieces = [piece async for piece in gen]
+            return view, out, p, pieces
+
+    view, out, p, pieces = _run(main())
+    want, logps = ref.greedy(view, 6)
+    assert [t for piece in pieces for t in piece.token_ids] == want
+    assert out.tokens == want
+    # the probe's answer: the logits after its question
+    row = torch.log_softmax(ref.logits(view, [12, 13])[-1], -1)
+    yes, no = float(row[256].exp()), float(row[257].exp())
+    assert abs(p[" yes"] - yes / (yes + no)) < TOL
+    # every generated token's log-probability and its top alternatives, as the reference's
+    got = [lp for piece in pieces for lp in piece.logprobs]
+    for lp, row in zip(got, logps, strict=True):
+        assert abs(lp.logprob - float(row[lp.token_id])) < TOL
+        for token, logprob in lp.top:
+            assert abs(logprob - float(row[token])) < TOL
+    record_error("vision, sequential", f"qwen35_vl {backend}",
+                 max(abs(lp.logprob - float(row[lp.token_id])) for lp, row in zip(got, logps)))
+
+
+def test_logprobs_and_logits_equal_transformers(folders, tiny_model, record_error):
+    """The engine's per-token logits over a view of image blocks (runner.step, 'all' rows) equal the
+    reference's rows for the same tokens."""
+    engine = cothink.Engine.from_pretrained(folders("qwen35_vl"), max_prefill_chunk=4)
+    ref = Reference(tiny_model("qwen35_vl"), engine.runner)
+
+    async def main():
+        async with engine:
+            return await _write_sequence(engine, ref, SEQUENCE[:5])
+
+    view = _run(main())
+    tail = engine.runner.new_block("tail")
+    got = engine.runner.step([StepItem(tail, [20, 21, 22], [*view, tail], "all")])[0]
+    want = ref.logits(view, [20, 21, 22])[-3:]
+    assert record_error("vision, sequential", "qwen35_vl", float((got - want).abs().max())) < TOL
+
+
+# ---- one layer: views in any order ----------------------------------------------------------------
+def _one_layer_blocks(engine, ref):
+    """Blocks written alone (each its own view): text, an image with text after it in the same block,
+    a wide image, a clip of two groups, a block ending on an image, text."""
+    vision = engine.runner.vision
+
+    async def main():
+        async with engine:
+            blocks = [engine.block(f"b{i}") for i in range(6)]
+            a, i1, i2, v, k, c = blocks
+            await engine.extend(a, token_ids=[5, 6, 7, 8])
+            img = _image(40, 16, 1)
+            await engine.extend(i1, token_ids=[9])
+            await engine.extend(i1, image=img)
+            await engine.extend(i1, token_ids=[10, 11])
+            ref.note(i1, [preprocess_image(img, vision.image)])
+            wide = _image(12, 44, 2)
+            await engine.extend(i2, image=wide)
+            ref.note(i2, [preprocess_image(wide, vision.image)])
+            clip = [_image(30, 20, 3 + j) for j in range(4)]
+            await engine.extend(v, video=clip)
+            ref.note(v, preprocess_video(clip, vision.video))
+            square = _image(24, 24, 9)
+            await engine.extend(k, token_ids=[12])
+            await engine.extend(k, image=square)
+            ref.note(k, [preprocess_image(square, vision.image)])
+            await engine.extend(c, token_ids=[13, 14, 15])
+            return blocks
+
+    return _run(main())
+
+
+def test_one_layer_views_in_random_orders(folders, tiny_model, record_error):
+    engine = cothink.Engine.from_pretrained(folders("qwen35_vl_1l"))
+    ref = Reference(tiny_model("qwen35_vl_1l"), engine.runner)
+    blocks = _one_layer_blocks(engine, ref)
+    rng = random.Random(0)
+    worst = 0.0
+    for trial in range(8):
+        order = rng.sample(blocks, k=rng.randint(2, len(blocks)))
+        tail = engine.runner.new_block(f"tail{trial}")
+        got = engine.runner.step([StepItem(tail, [20, 21], [*order, tail], "all")])[0]
+        want = ref.logits(order, [20, 21])[-2:]
+        worst = max(worst, float((got - want).abs().max()))
+        engine.runner.free(tail)
+    assert record_error("vision, one layer views", "qwen35_vl_1l", worst) < TOL
+
+
+@pytest.mark.parametrize("same_size", [True, False])
+def test_swapped_image_moves_later_blocks_by_the_span_difference(folders, tiny_model, same_size):
+    """[ctx, bad, thoughts] -> [ctx, good, thoughts]: thoughts (written while the bad image was
+    visible) moves by span(good) - span(bad), its stored keys are not rewritten, and in one layer the
+    swapped view equals transformers on [ctx, good, thoughts]."""
+    engine = cothink.Engine.from_pretrained(folders("qwen35_vl_1l"))
+    ref = Reference(tiny_model("qwen35_vl_1l"), engine.runner)
+    vision = engine.runner.vision
+    bad_px = _image(24, 24, 1)
+    good_px = _image(24, 24, 2) if same_size else _image(40, 16, 2)
+
+    async def main():
+        async with engine:
+            ctx, bad, good, thoughts = (engine.block(n) for n in ("ctx", "bad", "good", "thoughts"))
+            await engine.extend(ctx, token_ids=[5, 6, 7])
+            await engine.extend(bad, image=bad_px, view=[ctx, bad])
+            await engine.extend(good, image=good_px, view=[ctx, good])
+            await engine.extend(thoughts, token_ids=[8, 9, 10, 11], view=[ctx, bad, thoughts])
+            return ctx, bad, good, thoughts
+
+    ctx, bad, good, thoughts = _run(main())
+    ref.note(bad, [preprocess_image(bad_px, vision.image)])
+    ref.note(good, [preprocess_image(good_px, vision.image)])
+    store = engine.runner.store
+    slots = store.slots(thoughts, 0, len(thoughts))
+    keys = store.pool.k[:, slots].clone()
+    assert (good.position_span == bad.position_span) == same_size
+    tail = engine.runner.new_block("tail")
+    got = engine.runner.step([StepItem(tail, [20], [ctx, good, thoughts, tail], "all")])[0]
+    assert torch.equal(store.pool.k[:, slots], keys)  # nothing re-rotated
+    want = ref.logits([ctx, good, thoughts], [20])[-1:]
+    assert float((got - want).abs().max()) < TOL
+    # the thoughts' own logits under the new view, recomputed: equal to the reference's rows too
+    peek = engine.runner.new_block("peek")
+    got = engine.runner.step([StepItem(peek, thoughts.tokens[-1:], [ctx, good, thoughts, peek], "last",
+                                       [len(ctx), len(good), len(thoughts) - 1])])[0]
+    want = ref.logits([ctx, good, thoughts])[-1:]
+    assert float((got - want).abs().max()) < TOL
+
+
+# ---- memory operations ----------------------------------------------------------------------------
+def test_memory_operations_on_image_blocks(folders, tiny_model, tmp_path):
+    """Truncate and fork refuse to cut an image (naming the block); truncating at its edge works; a
+    snapshot and a spill bring an image block back with its positions; the features are transient."""
+    engine = cothink.Engine.from_pretrained(folders("qwen35_vl"), memory_budget="64MiB")
+    ref = Reference(tiny_model("qwen35_vl"), engine.runner)
+    vision = engine.runner.vision
+    img = _image(40, 16, 3)
+
+    async def main():
+        async with engine:
+            ctx, pic = engine.block("ctx"), engine.block("pic")
+            await engine.extend(ctx, token_ids=[5, 6])
+            await engine.extend(pic, token_ids=[7], view=[ctx, pic])
+            await engine.extend(pic, image=img, view=[ctx, pic])
+            await engine.extend(pic, token_ids=[8, 9], view=[ctx, pic])
+            assert engine.memory().vision_bytes_used == 0  # written: the features are gone
+            return ctx, pic
+
+    ctx, pic = _run(main())
+    ref.note(pic, [preprocess_image(img, vision.image)])
+    span, n = pic.position_span, len(pic)
+    assert span == 1 + 1 + 5 + 1 + 2  # text, vision-start, max(5, 2), vision-end, text
+    for cut in (2, 5, len(pic) - 3):  # after vision-start, inside, before vision-end
+        with pytest.raises(InvalidParameterError, match="pic"):
+            engine.truncate(pic, cut)
+    assert len(pic) == n and pic.position_span == span
+    fork = engine.fork(pic)
+    assert fork.vision == pic.vision and fork.position_span == span
+
+    def logits(view):
+        tail = engine.runner.new_block()
+        out = engine.runner.step([StepItem(tail, [20], [*view, tail], "all")])[0]
+        engine.runner.free(tail)
+        return out
+
+    want = ref.logits([ctx, pic], [20])[-1:]
+    assert float((logits([ctx, pic]) - want).abs().max()) < TOL
+    assert float((logits([ctx, fork]) - want).abs().max()) < TOL
+
+    async def save():
+        async with engine:
+            await engine.save(tmp_path / "snap.safetensors", [pic])
+
+    _run(save())
+    (restored,) = engine.load(tmp_path / "snap.safetensors")
+    assert restored.vision == pic.vision and restored.tokens == pic.tokens
+    assert torch.equal(logits([ctx, restored]), logits([ctx, pic]))
+    engine.truncate(fork, 1 + 1 + 10 + 1)  # right after vision-end: allowed
+    assert fork.position_span == 8 and len(fork.vision) == 1
+    engine.truncate(fork, 1)
+    assert fork.vision == [] and fork.position_span == 1
+    engine.seal(pic)
+    assert torch.equal(logits([ctx, pic]), logits([ctx, restored]))
+
+
+# ---- bad input ------------------------------------------------------------------------------------
+def test_bad_input_is_refused_and_changes_nothing(folders, tiny_model, tmp_path):
+    engine = cothink.Engine.from_pretrained(folders("qwen35_vl"), max_image_tokens=12)
+    text_only = cothink.Engine.from_pretrained(tiny_model("qwen35").folder)
+    corrupt = tmp_path / "bad.png"
+    corrupt.write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+
+    async def main():
+        async with engine, text_only:
+            block = engine.block("b")
+            await engine.extend(block, token_ids=[5, 6])
+            before = (list(block.tokens), len(block), block.position_span, list(block.vision),
+                      engine.memory().total_bytes_used)
+            cases = [
+                ("image", dict(image=str(corrupt))),  # undecodable bytes
+                ("image", dict(image=b"GIF89a....")),
+                ("image", dict(image=np.zeros((0, 5, 3), dtype=np.uint8))),  # empty
+                ("image", dict(image=Image.new("RGB", (0, 0)))),
+                ("image", dict(image=np.zeros((2, 500, 3), dtype=np.uint8))),  # aspect ratio 250
+                ("image", dict(image=_image(64, 64, 0))),  # 16 tokens > max_image_tokens=12
+                ("image", dict(image=np.zeros((8, 8), dtype=np.float32))),  # not HxWx3 uint8
+                ("image", dict(image=str(tmp_path / "missing.png"))),
+                ("video", dict(video=[_image(24, 24, 0), _image(24, 32, 1)])),  # sizes differ
+                ("frames", dict(frames=[_image(24, 24, 0), _image(16, 24, 1)], timestamp=1.0)),
+                ("frames", dict(frames=[_image(24, 24, 0)])),  # no timestamp
+                ("image", dict(image=_image(24, 24, 0), token_ids=[5])),  # two inputs
+            ]
+            for param, kwargs in cases:
+                with pytest.raises(InvalidParameterError) as info:
+                    await engine.extend(block, **kwargs)
+                assert info.value.param == param, (kwargs, info.value)
+                after = (list(block.tokens), len(block), block.position_span, list(block.vision),
+                         engine.memory().total_bytes_used)
+                assert after == before, kwargs
+            plain = text_only.block()
+            for param, kwargs in [("image", dict(image=_image(24, 24, 0))),
+                                  ("frames", dict(frames=[_image(24, 24, 0)], timestamp=0.0))]:
+                with pytest.raises(InvalidParameterError, match="no vision tower") as info:
+                    await text_only.extend(plain, **kwargs)
+                assert info.value.param == param and len(plain) == 0
+            await engine.extend(block, image=_image(24, 24, 0))  # the block still takes a good image
+            assert len(block) == 2 + 2 + 9
+
+    _run(main())
+
+
+# ---- scheduling ------------------------------------------------------------------------------------
+def test_encoding_is_interleaved_with_an_interactive_generation(folders):
+    """While a background coroutine streams frame groups, each is encoded in a step of its own
+    (never two encodes in one step), and the interactive generation gets a token in the steps
+    between them."""
+    engine = cothink.Engine.from_pretrained(folders("qwen35_vl"))
+
+    async def main():
+        async with engine:
+            ctx, out, stream = engine.block("ctx"), engine.block("out"), engine.block("stream")
+            await engine.extend(ctx, token_ids=[5, 6, 7])
+            gen = engine.generate([ctx, out], max_tokens=40, priority="interactive", name="talker",
+                                  banned_token_ids=BANNED, stop_at_eos=False)
+            frames = [[_image(24, 24, 2 * i), _image(24, 24, 2 * i + 1)] for i in range(4)]
+
+            async def camera():
+                await engine.extend(stream, video=[f for pair in frames for f in pair], name="camera")
+
+            await asyncio.gather(gen.collect(), camera())
+            return stream
+
+    _run(main())
+    steps = list(engine.timeline)
+    encodes = [i for i, s in enumerate(steps) if any(it.kind == "encode" for it in s.items)]
+    assert len(encodes) == 4  # one frame group per step
+    assert all(sum(it.kind == "encode" for it in steps[i].items) == 1 for i in encodes)
+    talker = [i for i, s in enumerate(steps) if any(it.coroutine == "talker" for it in s.items)]
+    first, last = encodes[0], encodes[-1]
+    # the interactive generation is served in every step while the encodes run
+    assert all(any(it.coroutine == "talker" for it in steps[i].items) for i in encodes if i <= talker[-1])
+    assert sum(first <= i <= last for i in talker) >= min(len(range(first, last + 1)), len(talker))
