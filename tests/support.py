@@ -78,7 +78,7 @@ _NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 class Spec:
     """A tiny model: which transformers classes build it, with which config keywords and seed."""
 
-    family: str  # llama | qwen2 | qwen3 | qwen3_5 | qwen3_5_mm
+    family: str  # llama | qwen2 | qwen3 | qwen3_5 | qwen3_5_mm | qwen3_vl
     config: dict[str, Any]
     seed: int | None = None  # None: a stable hash of the name
     extra_tensors: bool = False  # add fake mtp.* tensors to the safetensors file
@@ -186,6 +186,21 @@ TINY_SPECS: dict[str, Spec] = {
     # least two frequencies, so a wrong position shows), a hybrid stack and a one-layer one
     "qwen35_vl": _qwen35_vl([FULL, LINEAR, FULL]),
     "qwen35_vl_1l": _qwen35_vl([FULL]),
+    # Qwen3-VL: the Qwen3 decoder with full-width multimodal RoPE, a vision tower with DeepStack features
+    # added after the first decoder layers
+    "qwen3_vl": Spec("qwen3_vl", {
+        "text_config": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.1,
+                            max_position_embeddings=4096,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
+        "vision_config": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                              patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                              num_position_embeddings=16, deepstack_visual_indexes=[0, 1]),
+        "image_token_id": 296, "video_token_id": 297,
+        "vision_start_token_id": 298, "vision_end_token_id": 299,
+        "tie_word_embeddings": False,
+    }),
 }
 
 
@@ -214,6 +229,7 @@ def _build_reference(spec: Spec, seed: int) -> torch.nn.Module:
         "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
         "qwen3_5": (tf.Qwen3_5TextConfig, tf.Qwen3_5ForCausalLM),
         "qwen3_5_mm": (tf.Qwen3_5Config, tf.Qwen3_5ForConditionalGeneration),
+        "qwen3_vl": (tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration),
     }
     config_cls, model_cls = classes[spec.family]
     torch.manual_seed(seed)

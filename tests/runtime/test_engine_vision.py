@@ -132,16 +132,18 @@ SEQUENCE = [
 ]
 
 
-@pytest.mark.parametrize("backend", ["torch", "native"])
-def test_sequential_blocks_equal_transformers(folders, tiny_model, backend, record_error):
+@pytest.mark.parametrize("model,backend", [("qwen35_vl", "torch"), ("qwen35_vl", "native"),
+                                           ("qwen3_vl", "native")])
+def test_sequential_blocks_equal_transformers(folders, tiny_model, model, backend, record_error):
     """Text, tall and wide images, a clip and a live stream in blocks written one after another
     (prefill chunks of 3 tokens: chunk boundaries fall inside images), then a greedy generation with
-    log-probabilities: every token and log-probability equals transformers on the whole sequence."""
+    log-probabilities: every token and log-probability equals transformers on the whole sequence.
+    Qwen3-VL adds its DeepStack features after the first decoder layers."""
     if backend == "native" and not cothink.ops.native.available():
         pytest.skip("native kernels unavailable")
-    engine = cothink.Engine.from_pretrained(folders("qwen35_vl"), max_prefill_chunk=3,
+    engine = cothink.Engine.from_pretrained(folders(model), max_prefill_chunk=3,
                                             attention_backend=backend)
-    ref = Reference(tiny_model("qwen35_vl"), engine.runner)
+    ref = Reference(tiny_model(model), engine.runner)
 
     async def main():
         async with engine:
@@ -170,7 +172,7 @@ def test_sequential_blocks_equal_transformers(folders, tiny_model, backend, reco
         assert abs(lp.logprob - float(row[lp.token_id])) < TOL
         for token, logprob in lp.top:
             assert abs(logprob - float(row[token])) < TOL
-    record_error("vision, sequential", f"qwen35_vl {backend}",
+    record_error("vision, sequential", f"{model} {backend}",
                  max(abs(lp.logprob - float(row[lp.token_id])) for lp, row in zip(got, logps)))
 
 
