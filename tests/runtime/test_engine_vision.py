@@ -414,3 +414,58 @@ def test_encoding_is_interleaved_with_an_interactive_generation(folders):
     # the interactive generation is served in every step while the encodes run
     assert all(any(it.coroutine == "talker" for it in steps[i].items) for i in encodes if i <= talker[-1])
     assert sum(first <= i <= last for i in talker) >= min(len(range(first, last + 1)), len(talker))
+
+
+def test_generation_right_after_an_image(folders, tiny_model):
+    """A generation whose view ends with an image block recomputes the logits after its vision-end
+    token (the peek reads the block one token short): greedy tokens as transformers'."""
+    engine = cothink.Engine.from_pretrained(folders("qwen35_vl"))
+    ref = Reference(tiny_model("qwen35_vl"), engine.runner)
+    img = _image(36, 20, 4)
+
+    async def main():
+        async with engine:
+            ctx, pic, out = engine.block("ctx"), engine.block("pic"), engine.block("out")
+            await engine.extend(ctx, token_ids=[5, 6, 7])
+            await engine.extend(pic, image=img, view=[ctx, pic])
+            result = await engine.generate([ctx, pic, out], max_tokens=4, banned_token_ids=BANNED,
+                                           stop_at_eos=False).collect()
+            return ctx, pic, result
+
+    ctx, pic, result = _run(main())
+    ref.note(pic, [preprocess_image(img, engine.runner.vision.image)])
+    assert result.token_ids == ref.greedy([ctx, pic], 4)[0]
+
+
+def test_features_count_in_memory_admission(folders):
+    """An encode step asks admission for its features' bytes; they are held until the extend that
+    writes them leaves the scheduler."""
+    from cothink.scheduler.budget import MemoryBudget
+    from cothink.scheduler.policy import Priority
+    from cothink.scheduler.work import EncodeWork, ExtendWork, VisionInput, VisionUnit
+
+    engine = cothink.Engine.from_pretrained(folders("qwen35_vl"))
+    store = engine.runner.store
+    px = preprocess_image(_image(24, 24, 0), engine.runner.vision.image)
+    row = engine._feature_row_bytes()
+    assert row == 64 * 4  # hidden x float32, no DeepStack
+
+    async def main():
+        block = engine.block()
+        unit = VisionUnit(px.pixel_values, px.grid, 1, px.merged_rows, px.merged_cols)
+        extend = ExtendWork("c", Priority(), [block], 1, [VS, *[IMAGE] * px.tokens, VE], VisionInput([unit]))
+        encode = EncodeWork("c", Priority(), 2, extend, row)
+        budget = MemoryBudget(store)
+        (growth,) = encode.growth(1)
+        assert budget.bytes_needed(growth) == px.tokens * row and budget.pages(growth) == 0
+        encode.compute(engine.runner)
+        encode.after_step([], engine.runner)
+        assert encode.finished and encode.successor() is extend
+        assert store.vision_bytes == px.tokens * row == engine.memory().vision_bytes_used
+        assert engine.memory().total_bytes_used == store.total_bytes()
+        encode.release_memory(store)  # done well: the extend keeps them
+        assert store.vision_bytes == px.tokens * row
+        extend.release_memory(store)
+        assert store.vision_bytes == 0 and engine.memory().vision_bytes_used == 0
+
+    _run(main())
