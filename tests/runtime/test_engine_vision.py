@@ -469,3 +469,39 @@ def test_features_count_in_memory_admission(folders):
         assert store.vision_bytes == 0 and engine.memory().vision_bytes_used == 0
 
     _run(main())
+
+
+def test_an_image_being_written_is_read_only_once_whole(folders):
+    """Other items read a block up to the vision-start of an image still being written (a partial
+    image is no sequence the model was trained on); the writer's own chunks continue it exactly."""
+    from cothink.execution.step import VisionChunk
+    from cothink.memory.block import VisionSpan
+
+    engine = cothink.Engine.from_pretrained(folders("qwen35_vl"))
+    runner = engine.runner
+    px = preprocess_image(_image(40, 16, 5), runner.vision.image)
+    feats = runner.vision.encode(px.pixel_values, px.grid).merged
+    ctx, pic = runner.new_block("ctx"), runner.new_block("pic")
+    runner.extend(ctx, [5, 6])
+    runner.extend(pic, [7], [ctx, pic])
+    run = VisionSpan(2, px.merged_rows, px.merged_cols)
+    runner.step([StepItem(pic, [VS, IMAGE, IMAGE, IMAGE], [ctx, pic], "none",
+                          vision=VisionChunk((run,), torch.arange(1, 4), feats[:3]))])
+    assert px.merged_cols == 2  # three placeholders: row 0 and the first of row 1, counter 2 at the grid
+    assert len(pic) == 5 and pic.readable_length == 1 and pic.position_span == 2 + 1 + 1
+    assert runner.cached_logits([ctx, pic]) is None
+    with pytest.raises(InvalidParameterError, match="pic"):
+        runner.fork(pic)
+
+    def read(view, lengths=None):
+        tail = runner.new_block()
+        out = runner.step([StepItem(tail, [20], [*view, tail], "last", lengths)])[0]
+        runner.free(tail)
+        return out
+
+    assert torch.equal(read([ctx, pic]), read([ctx, pic], [2, 1]))
+    rest = px.tokens - 3
+    runner.step([StepItem(pic, [IMAGE] * rest + [VE], [ctx, pic], "last",
+                          vision=VisionChunk((), torch.arange(rest), feats[3:]))])
+    assert pic.readable_length == len(pic) == 2 + px.tokens + 1
+    assert not torch.equal(read([ctx, pic]), read([ctx, pic], [2, 1]))

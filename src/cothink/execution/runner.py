@@ -257,7 +257,10 @@ class ModelRunner:
 
     def cached_logits(self, prefix: list[Block]) -> torch.Tensor | None:
         """Logits after the last token of `prefix` (a view ending with a non-empty block), if the
-        last write of that block computed them under this same view; else None."""
+        last write of that block computed them under this same view; else None (also while an
+        image in it is being written: readers see it only once whole)."""
+        if any(b.readable_length != b.length for b in prefix):
+            return None
         return self.cache.last_logits(prefix)
 
     def step(self, items: list[StepItem], *, validate: bool = True) -> list[torch.Tensor]:

@@ -233,7 +233,9 @@ class ViewBatch:
 
     def _plan(self, item: StepItem, row: int) -> ItemPlan:
         store, n, start = self.store, len(item.token_ids), item.block.length
-        before = item.read_lengths if item.read_lengths is not None else [b.length for b in item.view[:-1]]
+        before = item.read_lengths
+        if before is None:  # (an image another item is writing is read only once whole)
+            before = [b.readable_length for b in item.view[:-1]]
         key = view_key(item.view, [*before, start])
         plan = ItemPlan(slice(row, row + n), start, [*before, start + n], key)
         if not store.attn_slot:

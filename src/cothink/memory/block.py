@@ -294,6 +294,13 @@ class Block:
         """The span of the block's first n tokens (a view reading a prefix of it)."""
         return span_at(self.vision, n) if self.vision else n
 
+    @property
+    def readable_length(self) -> int:
+        """How much of the block other items read: all of it, except an image being written, which
+        they see only once whole (up to its vision-start token until then)."""
+        run = self.vision_run_cut_by(self.length) if self.vision else None
+        return self.length if run is None else run.start - 1
+
     def vision_run_cut_by(self, n: int) -> VisionSpan | None:
         """The image or frame group that keeping only the first n tokens would cut, if any."""
         return next((run for run in self.vision if run.cuts(n)), None)

@@ -405,7 +405,7 @@ class GenerateWork(Work):
 
     def prefix(self) -> list[Block]:
         """The view up to its last non-empty block: whose last token the next token follows."""
-        last = max((i for i, b in enumerate(self.view) if b.length), default=-1)
+        last = max((i for i, b in enumerate(self.view) if b.readable_length), default=-1)
         return self.view[: last + 1]
 
     def growth(self, n: int) -> list[Growth]:
@@ -420,9 +420,10 @@ class GenerateWork(Work):
         # without that token; nothing in the view is written.
         prefix = self.prefix()
         self._peek = runner.new_block(f"{self.coroutine}-peek")
-        lengths = [b.length for b in prefix]
+        lengths = [b.readable_length for b in prefix]
         lengths[-1] -= 1
-        return [StepItem(self._peek, [prefix[-1].tokens[-1]], [*prefix, self._peek], "last", lengths)]
+        last = prefix[-1].tokens[lengths[-1]]
+        return [StepItem(self._peek, [last], [*prefix, self._peek], "last", lengths)]
 
     def after_step(self, logits: list[torch.Tensor], runner: ModelRunner) -> None:
         if self._peek is not None:
