@@ -57,7 +57,8 @@ __all__ = [
     "fast_and_eager", "fresh_runner", "ids", "load_runner", "make_engine", "make_tokenizer", "max_err",
     "one_torch_thread", "perturb", "prefill_then_decode", "random_ids", "record_error", "replay",
     "running_server", "smollm2_dir", "smollm2_runner", "snapshot", "sse_events", "tiny_chat_model_dir",
-    "tiny_engine", "tiny_folder", "tiny_hybrid_moe", "tiny_kimi_config", "tiny_model", "until",
+    "tiny_engine", "tiny_folder", "tiny_hybrid_moe", "tiny_kimi_config", "tiny_model", "tiny_vision_folder",
+    "until",
     "write_blocks_with_random_views",
 ]
 
@@ -340,6 +341,28 @@ class Zoo:
 
 
 ZOO = Zoo()
+
+
+_VISION_PIXELS = dict(patch_size=4, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+                      image_std=[0.5] * 3, min_pixels=64)
+
+
+def tiny_vision_folder(name: str) -> Path:
+    """A tiny multimodal checkpoint of the zoo with small pixel budgets (an image is a few merged
+    tokens: at most 40 x 40 pixels; a clip 4 x 24 x 24 pixels over all its frames)."""
+    folder = ZOO.root() / f"{name}-pixels"
+    if not folder.exists():
+        tmp = ZOO.root() / f"{name}-pixels.tmp"
+        shutil.copytree(ZOO(name).folder, tmp, dirs_exist_ok=True)
+        (tmp / "preprocessor_config.json").write_text(json.dumps({**_VISION_PIXELS, "max_pixels": 40 * 40}))
+        (tmp / "video_preprocessor_config.json").write_text(
+            json.dumps({**_VISION_PIXELS, "max_pixels": 4 * 24 * 24}))
+        # no special tokens (loading would otherwise add an end-of-text token outside the vocabulary)
+        config = json.loads((tmp / "tokenizer_config.json").read_text())
+        config.update(eos_token=None, pad_token=None, unk_token=None, bos_token=None)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config))
+        tmp.rename(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

@@ -12,15 +12,14 @@ as it was; the vision tower's work is scheduled one image or frame group per ste
 from __future__ import annotations
 
 import asyncio
-import json
 import random
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
+
+from support import tiny_vision_folder
 
 import cothink
 from cothink.errors import InvalidParameterError
@@ -30,25 +29,11 @@ from cothink.models.image_processing import preprocess_frames, preprocess_image,
 TOL = 1e-4  # fp32 logits over a whole multimodal sequence (transformers rotates at absolute positions)
 IMAGE, VIDEO, VS, VE = 296, 297, 298, 299
 BANNED = [IMAGE, VIDEO, VS, VE]
-PIXELS = dict(patch_size=4, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-
-
-def _folder(tiny_model, name: str, root: Path) -> Path:
-    """The tiny checkpoint with small pixel budgets (an image is a few merged tokens)."""
-    folder = root / name
-    if not folder.exists():
-        shutil.copytree(tiny_model(name).folder, folder)
-        (folder / "preprocessor_config.json").write_text(json.dumps({**PIXELS, "min_pixels": 64,
-                                                                     "max_pixels": 40 * 40}))
-        (folder / "video_preprocessor_config.json").write_text(json.dumps({**PIXELS, "min_pixels": 64,
-                                                                           "max_pixels": 4 * 24 * 24}))
-    return folder
 
 
 @pytest.fixture(scope="module")
-def folders(tiny_model, tmp_path_factory):
-    root = tmp_path_factory.mktemp("vision-models")
-    return lambda name: _folder(tiny_model, name, root)
+def folders():
+    return tiny_vision_folder
 
 
 def _image(h: int, w: int, seed: int) -> np.ndarray:

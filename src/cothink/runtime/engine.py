@@ -45,6 +45,7 @@ from cothink.memory.snapshot import (
 from cothink.memory.store import MemoryStats, parse_bytes
 from cothink.models.image_processing import (
     ImageLike,
+    ImageProcessorConfig,
     placeholder_ids,
     preprocess_frames,
     preprocess_image,
@@ -399,10 +400,7 @@ class Engine:
                 f"this model has no vision tower: it cannot read an {kind}", param=kind)
         cfg = vision.config
         if kind == "image":
-            image_cfg = vision.image
-            if self.limits.max_image_tokens is not None:
-                image_cfg = replace(image_cfg, max_image_tokens=self.limits.max_image_tokens)
-            pixels = await asyncio.to_thread(preprocess_image, value, image_cfg)
+            pixels = await asyncio.to_thread(preprocess_image, value, self.image_processor())
             groups: list[tuple[list[int], Any]] = [([], pixels)]
         else:
             if self.tokenizer is None:
@@ -426,6 +424,15 @@ class Engine:
             raise InputTooLongError(f"the {kind} takes {len(tokens)} tokens, over the limit of {limit}",
                                     param=kind)
         return tokens, VisionInput(units)
+
+    def image_processor(self) -> ImageProcessorConfig:
+        """How images are preprocessed: the checkpoint's config, with the engine's max_image_tokens."""
+        vision = self.runner.vision
+        if vision is None:
+            raise InvalidParameterError("this model has no vision tower", param="image")
+        if self.limits.max_image_tokens is None:
+            return vision.image
+        return replace(vision.image, max_image_tokens=self.limits.max_image_tokens)
 
     def _feature_row_bytes(self) -> int:
         """Bytes of one placeholder's features: its merged row and one row per DeepStack layer."""

@@ -20,6 +20,7 @@ from cothink.server.openai_features import structured_for
 from cothink.server.schemas import GenerateRequest, ProbeRequest, ProbeResult
 from cothink.server.sessions import BlockEntry, CoroutineEntry, Session
 from cothink.server.state import ServerState
+from cothink.server.vision_parts import VisualInput
 
 if TYPE_CHECKING:
     from cothink.runtime.engine import Generation
@@ -110,18 +111,22 @@ async def do_extend(
     view_ids: list[str] | None = None,
     priority: str | None = None,
     name: str | None = None,
+    visual: VisualInput | None = None,
 ) -> None:
     """Write `ids` into `entry`'s block under `view_ids` (default: the block alone; the engine
-    checks that the view ends with it)."""
+    checks that the view ends with it). With `visual`, an image or frame group instead (`ids`
+    ignored)."""
     state.check_open()
     view = session.view(view_ids) if view_ids is not None else [entry]
+    data: dict[str, Any] = {"token_ids": ids} if visual is None else visual.engine_input
+    count = len(ids) if visual is None else visual.tokens
     with coroutine_entry(
-        state, session, "extend", name, view, entry, len(ids), {"cothink.tokens": len(ids)}
+        state, session, "extend", name, view, entry, count, {"cothink.tokens": count}
     ) as entered:
         await state.wait(
             state.engine.extend(
                 entry.block,
-                token_ids=ids,
+                **data,
                 view=[v.block for v in view],
                 priority=priority,
                 name=entered.co.id,
