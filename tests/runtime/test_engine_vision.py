@@ -266,6 +266,36 @@ def test_swapped_image_moves_later_blocks_by_the_span_difference(folders, tiny_m
     assert float((got - want).abs().max()) < TOL
 
 
+@pytest.mark.parametrize("same_size", [True, False])
+def test_swap_in_a_deep_model_equals_the_slow_reference(folders, same_size):
+    """In the hybrid model, thoughts keeps the memory it computed under the bad image: the swapped
+    view's logits equal the slow reference that rotates every stored key by its block's new offset
+    (the sum of spans) and replays the Gated DeltaNet records over the new concatenation."""
+    from reference import reference_logits
+
+    engine = cothink.Engine.from_pretrained(folders("qwen35_vl"))
+    bad_px = _image(24, 24, 1)
+    good_px = _image(24, 24, 2) if same_size else _image(40, 16, 2)
+
+    async def main():
+        async with engine:
+            ctx, bad, good, thoughts = (engine.block(n) for n in ("ctx", "bad", "good", "thoughts"))
+            await engine.extend(ctx, token_ids=[5, 6, 7])
+            await engine.extend(bad, image=bad_px, view=[ctx, bad])
+            await engine.extend(good, image=good_px, view=[ctx, good])
+            await engine.extend(thoughts, token_ids=[8, 9, 10, 11], view=[ctx, bad, thoughts])
+            return ctx, bad, good, thoughts
+
+    ctx, bad, good, thoughts = _run(main())
+    runner = engine.runner
+    for view in ([ctx, bad, thoughts], [ctx, good, thoughts]):
+        want = reference_logits(runner, view, [20, 21])
+        tail = runner.new_block()
+        got = runner.step([StepItem(tail, [20, 21], [*view, tail], "all")])[0]
+        runner.free(tail)
+        assert float((got.double() - want).abs().max()) < TOL
+
+
 # ---- memory operations ----------------------------------------------------------------------------
 def test_memory_operations_on_image_blocks(folders, tiny_model, tmp_path):
     """Truncate and fork refuse to cut an image (naming the block); truncating at its edge works; a
