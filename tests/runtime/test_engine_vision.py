@@ -520,3 +520,28 @@ def test_an_image_being_written_is_read_only_once_whole(folders):
                           vision=VisionChunk((), torch.arange(rest), feats[3:]))])
     assert pic.readable_length == len(pic) == 2 + px.tokens + 1
     assert not torch.equal(read([ctx, pic]), read([ctx, pic], [2, 1]))
+
+
+def test_cancelling_an_image_extend_while_it_encodes(folders):
+    """A caller cancelled while its clip is being encoded: the block stays empty, the features
+    encoded so far are released, and the block takes a new writer at once."""
+    engine = cothink.Engine.from_pretrained(folders("qwen35_vl"))
+    clip = [_image(24, 24, i) for i in range(24)]  # twelve frame groups, one encoded per step
+
+    async def main():
+        async with engine:
+            block = engine.block("clip")
+            task = asyncio.create_task(engine.extend(block, video=clip, name="camera"))
+            while not any(it.kind == "encode" for s in engine.timeline for it in s.items):
+                await asyncio.sleep(0.001)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert len(block) == 0 and block.vision == []
+            assert engine.memory().vision_bytes_used == 0
+            await engine.extend(block, token_ids=[5, 6])  # no BlockBusyError
+            assert block.tokens == [5, 6]
+            encodes = sum(it.kind == "encode" for s in engine.timeline for it in s.items)
+            return encodes
+
+    assert 1 <= _run(main()) < 12

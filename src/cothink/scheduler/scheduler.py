@@ -333,7 +333,7 @@ class Scheduler:
                 work.first_scheduled = now
                 self.accounting.of(work.coroutine).queue_wait_s += now - work.submitted
                 self._event(work, "scheduled", now - work.submitted)
-            self.shares.charge(work, n)
+            self.shares.charge(work, work.cost(n))
             read = sum(sum(b.length for b in i.view[:-1]) + i.block.length for i in items)
             plan.planned.append(Planned(work, n, items, read))
         return plan

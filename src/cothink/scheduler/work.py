@@ -122,6 +122,10 @@ class Work:
         """Hand over the work's scratch blocks for freeing (when the work leaves the scheduler)."""
         return []
 
+    def cost(self, n: int) -> int:
+        """What a step of n scheduled tokens costs this work's coroutine in its fair share."""
+        return n
+
     def compute(self, runner: ModelRunner) -> None:
         """This step's work other than the forward pass (`computes`), on the compute thread. It
         never raises: a failure is kept and raised by `after_step` on the event loop."""
@@ -288,6 +292,9 @@ class EncodeWork(Work):
 
     def growth(self, n: int) -> list[Growth]:
         return [Growth(None, 0, extra_bytes=self._next.tokens * self.feature_row_bytes)]
+
+    def cost(self, n: int) -> int:
+        return self._next.tokens  # a whole image or frame group is encoded, however few tokens were granted
 
     def items(self, n: int, runner: ModelRunner) -> list[StepItem]:
         return []
