@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Body, Depends, Query, Request
 
-from cothink.server.coroutines import do_extend, input_ids
-from cothink.server.vision_parts import visual_input
+from cothink.server.coroutines import do_extend, extend_from, input_ids
 from cothink.server.errors import APIError
 from cothink.server.schemas import (
     BlockCreate,
@@ -124,12 +123,7 @@ async def extend_block(
 ) -> BlockInfo:
     entry = session.block(block_id)
     async with abort_on_disconnect(request):
-        if body.image is not None or body.frames is not None:
-            visual = await visual_input(state, body.image, body.frames, body.timestamp)
-            await do_extend(state, session, entry, [], body.view, body.priority, body.name, visual)
-        else:
-            ids = await input_ids(state, body.text, body.token_ids)
-            await do_extend(state, session, entry, ids, body.view, body.priority, body.name)
+        await extend_from(state, session, entry, body)
     return block_info(state, session, entry)
 
 

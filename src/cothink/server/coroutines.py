@@ -17,10 +17,10 @@ from opentelemetry import trace
 from cothink.observability.logs import coroutine_var
 from cothink.server.errors import APIError, from_exception
 from cothink.server.openai_features import structured_for
-from cothink.server.schemas import GenerateRequest, ProbeRequest, ProbeResult
+from cothink.server.schemas import ExtendRequest, GenerateRequest, ProbeRequest, ProbeResult
 from cothink.server.sessions import BlockEntry, CoroutineEntry, Session
 from cothink.server.state import ServerState
-from cothink.server.vision_parts import VisualInput
+from cothink.server.vision_parts import VisualInput, visual_input
 
 if TYPE_CHECKING:
     from cothink.runtime.engine import Generation
@@ -132,6 +132,16 @@ async def do_extend(
                 name=entered.co.id,
             )
         )
+
+
+async def extend_from(state: ServerState, session: Session, entry: BlockEntry, body: ExtendRequest) -> None:
+    """An extend request's input (text, token ids, an image or a frame group) written into `entry`."""
+    if body.image is not None or body.frames is not None:
+        visual = await visual_input(state, body.image, body.frames, body.timestamp)
+        await do_extend(state, session, entry, [], body.view, body.priority, body.name, visual)
+    else:
+        ids = await input_ids(state, body.text, body.token_ids)
+        await do_extend(state, session, entry, ids, body.view, body.priority, body.name)
 
 
 # ---------------------------------------------------------------------------------------- generate
