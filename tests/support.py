@@ -187,6 +187,7 @@ TINY_SPECS: dict[str, Spec] = {
     # least two frequencies, so a wrong position shows), a hybrid stack and a one-layer one
     "qwen35_vl": _qwen35_vl([FULL, LINEAR, FULL]),
     "qwen35_vl_1l": _qwen35_vl([FULL]),
+    "qwen35_vl_1l_linear": _qwen35_vl([LINEAR]),
     # Qwen3-VL: the Qwen3 decoder with full-width multimodal RoPE, a vision tower with DeepStack features
     # added after the first decoder layers
     "qwen3_vl": Spec("qwen3_vl", {

@@ -210,9 +210,12 @@ def _one_layer_blocks(engine, ref):
     return _run(main())
 
 
-def test_one_layer_views_in_random_orders(folders, tiny_model, record_error):
-    engine = cothink.Engine.from_pretrained(folders("qwen35_vl_1l"))
-    ref = Reference(tiny_model("qwen35_vl_1l"), engine.runner)
+@pytest.mark.parametrize("model", ["qwen35_vl_1l", "qwen35_vl_1l_linear"])
+def test_one_layer_views_in_random_orders(folders, tiny_model, model, record_error):
+    """Full attention (3-D positions, spans) and Gated DeltaNet (image features through the state
+    composition of views) alone."""
+    engine = cothink.Engine.from_pretrained(folders(model))
+    ref = Reference(tiny_model(model), engine.runner)
     blocks = _one_layer_blocks(engine, ref)
     rng = random.Random(0)
     worst = 0.0
@@ -223,7 +226,7 @@ def test_one_layer_views_in_random_orders(folders, tiny_model, record_error):
         want = ref.logits(order, [20, 21])[-2:]
         worst = max(worst, float((got - want).abs().max()))
         engine.runner.free(tail)
-    assert record_error("vision, one layer views", "qwen35_vl_1l", worst) < TOL
+    assert record_error("vision, one layer views", model, worst) < TOL
 
 
 @pytest.mark.parametrize("same_size", [True, False])
@@ -299,7 +302,8 @@ def test_swap_in_a_deep_model_equals_the_slow_reference(folders, same_size):
 # ---- memory operations ----------------------------------------------------------------------------
 def test_memory_operations_on_image_blocks(folders, tiny_model, tmp_path):
     """Truncate and fork refuse to cut an image (naming the block); truncating at its edge works; a
-    snapshot and a spill bring an image block back with its positions; the features are transient."""
+    snapshot and a spill bring an image block back with its positions; sealing keeps its logits; the
+    features are transient."""
     engine = cothink.Engine.from_pretrained(folders("qwen35_vl"), memory_budget="64MiB")
     ref = Reference(tiny_model("qwen35_vl"), engine.runner)
     vision = engine.runner.vision
@@ -344,6 +348,10 @@ def test_memory_operations_on_image_blocks(folders, tiny_model, tmp_path):
     (restored,) = engine.load(tmp_path / "snap.safetensors")
     assert restored.vision == pic.vision and restored.tokens == pic.tokens
     assert torch.equal(logits([ctx, restored]), logits([ctx, pic]))
+    engine._residency.spill(restored)  # written to disk, then read back when named
+    assert restored.spilled is not None and restored.vision == pic.vision
+    engine.pin(restored)
+    assert restored.spilled is None and torch.equal(logits([ctx, restored]), logits([ctx, pic]))
     engine.truncate(fork, 1 + 1 + 10 + 1)  # right after vision-end: allowed
     assert fork.position_span == 8 and len(fork.vision) == 1
     engine.truncate(fork, 1)
