@@ -254,8 +254,8 @@ class Block:
     Attention keys are stored with RoPE at block-local positions: 0..n-1 for text; a block holding
     images or frame groups (`vision`) gives each token its local 3-D position (`local_positions`).
     The view, not the block, decides where the block sits: at the sum of the spans before it.
-    `version` changes whenever existing content changes (truncate),
-    which invalidates every cache keyed on it.
+    `version` changes whenever existing content changes (truncate), which invalidates every cache
+    keyed on it.
     """
 
     id: int
