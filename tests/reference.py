@@ -5,8 +5,9 @@ blocks of `view` must give, computed in float64 with none of cothink's attention
 code (only the runner's module weights and what the runner stored for each block):
 
 - full attention: every stored key (rotated at block-local position i) is rotated further by its block's
-  view offset o (RoPE rotations compose: R(o) R(i) = R(o + i)), new keys and queries are rotated at their
-  absolute view positions, and plain causal softmax attention runs over the concatenation;
+  view offset o, the sum of the spans before it (RoPE rotations compose: R(o) R(i) = R(o + i)), new keys
+  and queries (text) are rotated at their absolute view positions, and plain causal softmax attention
+  runs over the concatenation;
 - Gated DeltaNet: the view blocks' stored pre-conv rows, log decays g and betas are concatenated with the
   new tokens' ones, the depthwise causal conv runs over the whole concatenation from a zero history, and
   the delta rule is replayed one token at a time in an explicit Python loop.
@@ -112,9 +113,12 @@ def reference_logits(runner, view: list, token_ids: list[int]) -> torch.Tensor:
     """
     cfg, store, model = runner.config, runner.store, runner.model
     rope = RefRope(runner)
-    lengths = [b.length for b in view]  # one position per text token
-    offsets = [sum(lengths[:j]) for j in range(len(view))]
-    past = sum(lengths)
+    lengths = [b.length for b in view]
+    # a block's span: one position per text token, max(rows, cols) for an image's grid (stored keys of
+    # an image sit at 3-D positions; moving them by o on every axis is the 1-D rotation by o)
+    spans = [b.position_span for b in view]
+    offsets = [sum(spans[:j]) for j in range(len(view))]
+    past = sum(spans)
     n = len(token_ids)
     new_pos = torch.arange(past, past + n)
     eps, zc = cfg.rms_norm_eps, cfg.zero_centred_norm
@@ -165,7 +169,7 @@ def _attention_layer(runner, rope, attn, slot, view, lengths, offsets, h, new_po
         # R(offset) R(i) = R(offset + i); unscaled: the stored key already carries the YaRN factor once
         keys.append(rope.rotate(stored_k, torch.full((length,), offset), scaled=False))
         values.append(store.pool.v[slot, slots].to(DT))
-        key_pos.append(torch.arange(offset, offset + length))
+        key_pos.append(torch.full((length,), offset))  # every view key precedes the new tokens
     keys.append(rope.rotate(k, new_pos))
     values.append(v)
     key_pos.append(new_pos)

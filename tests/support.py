@@ -57,7 +57,8 @@ __all__ = [
     "fast_and_eager", "fresh_runner", "ids", "load_runner", "make_engine", "make_tokenizer", "max_err",
     "one_torch_thread", "perturb", "prefill_then_decode", "random_ids", "record_error", "replay",
     "running_server", "smollm2_dir", "smollm2_runner", "snapshot", "sse_events", "tiny_chat_model_dir",
-    "tiny_engine", "tiny_folder", "tiny_hybrid_moe", "tiny_kimi_config", "tiny_model", "until",
+    "tiny_engine", "tiny_folder", "tiny_hybrid_moe", "tiny_kimi_config", "tiny_model", "tiny_vision_folder",
+    "until",
     "write_blocks_with_random_views",
 ]
 
@@ -78,7 +79,7 @@ _NO_SPECIAL = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
 class Spec:
     """A tiny model: which transformers classes build it, with which config keywords and seed."""
 
-    family: str  # llama | qwen2 | qwen3 | qwen3_5 | qwen3_5_mm
+    family: str  # llama | qwen2 | qwen3 | qwen3_5 | qwen3_5_mm | qwen3_vl
     config: dict[str, Any]
     seed: int | None = None  # None: a stable hash of the name
     extra_tensors: bool = False  # add fake mtp.* tensors to the safetensors file
@@ -118,6 +119,22 @@ def _qwen35(layer_types: list[str], seed: int | None = None, **kw: Any) -> Spec:
     config = {**_QWEN35_TEXT, "num_hidden_layers": len(layer_types), "layer_types": layer_types,
               "tie_word_embeddings": False}
     return Spec("qwen3_5", {**config, **kw}, seed)
+
+
+def _qwen35_vl(layer_types: list[str]) -> Spec:
+    return Spec("qwen3_5_mm", {
+        "text_config": {**_QWEN35_TEXT, "num_hidden_layers": len(layer_types), "layer_types": layer_types,
+                        "max_position_embeddings": 4096,
+                        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                                            "partial_rotary_factor": 0.5, "mrope_section": [4, 2, 2],
+                                            "mrope_interleaved": True}},
+        "vision_config": dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                              patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                              num_position_embeddings=16),
+        "image_token_id": 296, "video_token_id": 297,
+        "vision_start_token_id": 298, "vision_end_token_id": 299,
+        "tie_word_embeddings": False,
+    })
 
 
 # Qwen3.5-MoE text: Qwen3.5's attention and Gated DeltaNet, a sparse MoE block in every layer (16 experts,
@@ -237,6 +254,26 @@ TINY_SPECS: dict[str, Spec] = {
         "tie_word_embeddings": True,
     }, extra_tensors=True),
     **MOE_SPECS,
+    # Qwen3.5 multimodal for the vision tests: rotary dim 16 with sections [4, 2, 2] (each axis owns at
+    # least two frequencies, so a wrong position shows), a hybrid stack and a one-layer one
+    "qwen35_vl": _qwen35_vl([FULL, LINEAR, FULL]),
+    "qwen35_vl_1l": _qwen35_vl([FULL]),
+    "qwen35_vl_1l_linear": _qwen35_vl([LINEAR]),
+    # Qwen3-VL: the Qwen3 decoder with full-width multimodal RoPE, a vision tower with DeepStack features
+    # added after the first decoder layers
+    "qwen3_vl": Spec("qwen3_vl", {
+        "text_config": dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, initializer_range=0.1,
+                            max_position_embeddings=4096,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                             "mrope_section": [4, 2, 2], "mrope_interleaved": True}),
+        "vision_config": dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                              patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                              num_position_embeddings=16, deepstack_visual_indexes=[0, 1]),
+        "image_token_id": 296, "video_token_id": 297,
+        "vision_start_token_id": 298, "vision_end_token_id": 299,
+        "tie_word_embeddings": False,
+    }),
 }
 
 
@@ -274,6 +311,7 @@ def _build_reference(spec: Spec, seed: int) -> torch.nn.Module:
         "qwen3_5_moe_mm": (tf.Qwen3_5MoeConfig, tf.Qwen3_5MoeForConditionalGeneration),
         "qwen3_next": (tf.Qwen3NextConfig, tf.Qwen3NextForCausalLM),
         "kimi_linear": (tf.KimiLinearConfig, tf.KimiLinearForCausalLM),
+        "qwen3_vl": (tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration),
     }
     config_cls, model_cls = classes[spec.family]
     torch.manual_seed(seed)
@@ -405,6 +443,28 @@ class Zoo:
 
 
 ZOO = Zoo()
+
+
+_VISION_PIXELS = dict(patch_size=4, temporal_patch_size=2, merge_size=2, image_mean=[0.5] * 3,
+                      image_std=[0.5] * 3, min_pixels=64)
+
+
+def tiny_vision_folder(name: str) -> Path:
+    """A tiny multimodal checkpoint of the zoo with small pixel budgets (an image is a few merged
+    tokens: at most 40 x 40 pixels; a clip 4 x 24 x 24 pixels over all its frames)."""
+    folder = ZOO.root() / f"{name}-pixels"
+    if not folder.exists():
+        tmp = ZOO.root() / f"{name}-pixels.tmp"
+        shutil.copytree(ZOO(name).folder, tmp, dirs_exist_ok=True)
+        (tmp / "preprocessor_config.json").write_text(json.dumps({**_VISION_PIXELS, "max_pixels": 40 * 40}))
+        (tmp / "video_preprocessor_config.json").write_text(
+            json.dumps({**_VISION_PIXELS, "max_pixels": 4 * 24 * 24}))
+        # no special tokens (loading would otherwise add an end-of-text token outside the vocabulary)
+        config = json.loads((tmp / "tokenizer_config.json").read_text())
+        config.update(eos_token=None, pad_token=None, unk_token=None, bos_token=None)
+        (tmp / "tokenizer_config.json").write_text(json.dumps(config))
+        tmp.rename(folder)
+    return folder
 
 
 @pytest.fixture(scope="session")

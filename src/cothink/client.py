@@ -230,13 +230,22 @@ class SessionCalls:
         text: str | None = None,
         *,
         token_ids: list[int] | None = None,
+        image: Any = None,
+        frames: Sequence[Any] | None = None,
+        timestamp: float | None = None,
         view: Sequence[BlockLike] | None = None,
         priority: str | None = None,
     ) -> Call[BlockRef]:
+        """Append text, token ids, an image or one frame group of a live stream (at `timestamp`
+        seconds). Images and frames: encoded file bytes, a local path, a PIL image, an HxWx3 uint8
+        array or a data: URL; they travel as data: URLs."""
         body = _clean(
             {
                 "text": text,
                 "token_ids": token_ids,
+                "image": data_url(image) if image is not None else None,
+                "frames": [data_url(f) for f in frames] if frames is not None else None,
+                "timestamp": timestamp,
                 "view": _view(view) if view else None,
                 "priority": priority,
             }
@@ -327,6 +336,27 @@ class SessionCalls:
 # The builders each transport turns into methods that send their call; a session's `stream` is sent as a
 # stream of events.
 CLIENT_METHODS = "health models session restore delete_snapshot".split()
+def data_url(image: Any) -> str:
+    """An image as a data: URL (base64): files and bytes as they are, arrays and PIL images as PNG.
+    A URL string goes as it is (the server takes only data: URLs)."""
+    import base64
+    import io
+    from pathlib import Path
+
+    if isinstance(image, str) and (image.startswith("data:") or "://" in image):
+        return image
+    if isinstance(image, (str, Path)):
+        image = Path(image).read_bytes()
+    if not isinstance(image, (bytes, bytearray)):
+        from PIL import Image
+
+        picture = Image.fromarray(image) if not isinstance(image, Image.Image) else image
+        out = io.BytesIO()
+        picture.save(out, format="PNG")
+        image = out.getvalue()
+    return "data:application/octet-stream;base64," + base64.b64encode(bytes(image)).decode()
+
+
 SESSION_METHODS = "block blocks get_block extend truncate fork delete_block generate start probe".split()
 SESSION_METHODS += "coroutines coroutine cancel snapshot delete".split()
 

@@ -350,7 +350,9 @@ class NativeBackend(TorchBackend):
             store_slots=torch.cat([p.new_slots for p in batch.plans]) if batch.has_attention else None,
             plan=plan, items=items, threads=None if batch.rows <= NATIVE_MAX_ROWS else 1,
         )
-        if self.fused is not None and len(items) == len(batch.plans) and batch.rows <= NATIVE_MAX_ROWS:
+        # (a step with image placeholders takes the per-module path, which injects their features)
+        if (self.fused is not None and len(items) == len(batch.plans) and batch.rows <= NATIVE_MAX_ROWS
+                and batch.vision is None):
             step.path = "fused"
             step.layers = self.fused.layers(FusedStep(
                 pool_k=batch.store.pool.k, pool_v=batch.store.pool.v, store_slots=step.store_slots,

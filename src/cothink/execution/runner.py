@@ -30,10 +30,16 @@ from cothink.execution.threads import run_compute
 from cothink.memory.block import Block
 from cothink.memory.snapshot import ModelIdentity
 from cothink.memory.store import BlockStore
-from cothink.models.config import ModelConfig, load_config
-from cothink.ops.rope import Rotary
+from cothink.models.config import ModelConfig, VisionConfig, load_config
+from cothink.models.image_processing import (
+    ImageProcessorConfig,
+    VideoProcessorConfig,
+    load_processor_configs,
+)
 from cothink.models.transformer import CausalLM
-from cothink.models.weights import load_weights
+from cothink.models.vision import PatchGrid, VisionFeatures, VisionTower
+from cothink.models.weights import load_vision_tower, load_weights
+from cothink.ops.rope import Rotary
 
 _LOGITS_MODES = ("all", "last", "none")
 
@@ -51,6 +57,21 @@ class ForwardResult:
         return self.batch.path
 
 
+@dataclass
+class Vision:
+    """A multimodal model's vision side: the tower and the checkpoint's pixel preprocessing."""
+
+    config: VisionConfig
+    tower: VisionTower
+    image: ImageProcessorConfig
+    video: VideoProcessorConfig
+
+    def encode(self, pixels: torch.Tensor, grid: PatchGrid) -> VisionFeatures:
+        """One image or frame group's patches -> its features (context-free: each is encoded alone)."""
+        with torch.inference_mode():
+            return self.tower(pixels.to(self.tower.patch_embed.proj.weight.device), [grid])
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -62,9 +83,11 @@ class ModelRunner:
         max_context: int | None = None,
         dense_summary_min_tokens: int | None = None,
         attention_backend: str | ExecutionBackend = "auto",
+        vision: Vision | None = None,
     ):
         cfg = model.config
         self.model, self.config, self.tokenizer = model, cfg, tokenizer
+        self.vision = vision  # None: a text-only model (images are refused)
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.rotary = Rotary(cfg.hf_text_config, cfg.rotary_head_dim, self.device)
@@ -185,10 +208,9 @@ class ModelRunner:
                 raise InvalidViewError(f"block {b.name!r} is spilled to disk: reload it first", param="view")
         if len({b.id for b in view}) != len(view):
             raise InvalidViewError("a block appears twice in the view", param="view")
-        spans = [b.position_span for b in view]
         if read_lengths is not None:
-            if len(read_lengths) != len(spans) - 1 or any(
-                not 0 <= n <= s for n, s in zip(read_lengths, spans)
+            if len(read_lengths) != len(view) - 1 or any(
+                not 0 <= n <= b.length for n, b in zip(read_lengths, view)
             ):
                 raise InvalidViewError(
                     "read_lengths must give, for each block before the writer, 0..len(block)",
@@ -210,7 +232,7 @@ class ModelRunner:
         views grow; the rest of the rule holds from submission on."""
         spans = [b.position_span for b in view]
         if read_lengths is not None:
-            spans[:-1] = read_lengths
+            spans[:-1] = [b.span_at(n) for b, n in zip(view, read_lengths)]
         total = sum(spans) + new_tokens
         if total > self.max_context:
             raise InputTooLongError(
@@ -226,14 +248,19 @@ class ModelRunner:
             raise BlockSealedError(f"block {item.block.name!r} is sealed: it cannot be written", param="view")
         if not item.view or item.view[-1] is not item.block:
             raise InvalidViewError(f"the view must end with the written block {item.block.name!r}")
-        self.check_view(item.view, len(item.token_ids), item.read_lengths)
+        self.check_view(item.view, item.positions_added, item.read_lengths)
+        if item.vision is not None and self.rotary.mrope_axes is None:
+            raise InvalidViewError("image placeholders need a multimodal model", param="vision")
         if not item.token_ids:
             raise EmptyInputError(f"no tokens to append to block {item.block.name!r}")
         self.check_token_ids(item.token_ids)
 
     def cached_logits(self, prefix: list[Block]) -> torch.Tensor | None:
         """Logits after the last token of `prefix` (a view ending with a non-empty block), if the
-        last write of that block computed them under this same view; else None."""
+        last write of that block computed them under this same view; else None (also while an
+        image in it is being written: readers see it only once whole)."""
+        if any(b.readable_length != b.length for b in prefix):
+            return None
         return self.cache.last_logits(prefix)
 
     def step(self, items: list[StepItem], *, validate: bool = True) -> list[torch.Tensor]:
@@ -277,7 +304,7 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self.model(
                 torch.tensor(ids, device=self.device), batch, batch.logit_rows().to(self.device),
-                batch.metadata.layers,
+                batch.metadata.layers, batch.vision,
             )
         out, row = [], 0
         for item in batch.items:
@@ -297,6 +324,17 @@ class ModelRunner:
         batch.commit(keep)
         batch.remember_logits(result.logits, keep)
         return result.logits
+
+
+def _has_vision_weights(folder: Path) -> bool:
+    """Whether the checkpoint holds a vision tower (a multimodal config may ship without one)."""
+    from safetensors import safe_open
+
+    for path in folder.glob("*.safetensors"):
+        with safe_open(str(path), framework="pt") as f:
+            if any(k.startswith(("model.visual.", "visual.")) for k in f.keys()):
+                return True
+    return False
 
 
 def load_model(
@@ -323,6 +361,10 @@ def load_model(
     cfg: ModelConfig = load_config(folder)
     # on the compute thread, where the forward passes run: no second OpenMP pool (execution/threads.py)
     model = run_compute(load_weights, cfg, folder, dtype, device, fuse=fast, quantize=quantize)
+    vision = None
+    if cfg.vision is not None and _has_vision_weights(folder):
+        tower = run_compute(load_vision_tower, cfg.vision, folder, dtype, device)
+        vision = Vision(cfg.vision, tower, *load_processor_configs(folder, cfg.vision))
     has_tokenizer = any((folder / f).exists() for f in ("tokenizer.json", "tokenizer_config.json"))
     tokenizer = AutoTokenizer.from_pretrained(str(folder), local_files_only=True) if has_tokenizer else None
-    return ModelRunner(model, tokenizer, **limits)
+    return ModelRunner(model, tokenizer, vision=vision, **limits)

@@ -15,7 +15,7 @@ import torch
 
 from cothink.execution.cache import ExecutionCache, LastLogits, ViewKey, WriterState
 from cothink.execution.linear_state import LinearState, apply_block, empty_state, run_tokens
-from cothink.memory.block import Block, view_key
+from cothink.memory.block import Block, VisionSpan, local_positions, view_key
 from cothink.memory.store import BlockStore
 from cothink.models.transformer import GatedDeltaNet
 from cothink.ops.rope import Rotary
@@ -24,12 +24,25 @@ if TYPE_CHECKING:  # the backends read this module's geometry
     from cothink.execution.attention_backends import ExecutionBackend, StepMetadata
 
 
+@dataclass(frozen=True)
+class VisionChunk:
+    """The vision part of an item's tokens: which of them are image or frame-group placeholders, the
+    tower's features that replace their embeddings, and the runs that begin among them."""
+
+    runs: tuple[VisionSpan, ...]  # runs whose first placeholder is one of the item's tokens (block indices)
+    rows: torch.Tensor  # [k] long: the placeholders among the item's tokens (0..n-1)
+    features: torch.Tensor  # [k, hidden]: their input embeddings
+    deepstack: tuple[torch.Tensor, ...] = ()  # per DeepStack layer [k, hidden], added after that layer
+
+
 @dataclass
 class StepItem:
     """Append `token_ids` to `block` (the last block of `view`); `logits` is 'all', 'last' or 'none'.
 
     `read_lengths`, if given, reads only that many tokens of each block before the writer (a view of
     an earlier state of those blocks; used to recompute the logits after a view's last token).
+    `vision`, if given, makes some of the tokens image placeholders (their features, their 3-D
+    positions); `span_added` is then how far the tokens move the block's span (for the context check).
     """
 
     block: Block
@@ -37,10 +50,48 @@ class StepItem:
     view: list[Block] | None = None
     logits: str = "all"
     read_lengths: list[int] | None = None
+    vision: VisionChunk | None = None
+    span_added: int | None = None  # None: one position per token
 
     def __post_init__(self) -> None:
         if self.view is None:
             self.view = [self.block]
+
+    @property
+    def positions_added(self) -> int:
+        """How many positions the item's tokens add to its view (the context check)."""
+        return len(self.token_ids) if self.span_added is None else self.span_added
+
+
+@dataclass(frozen=True)
+class BatchVision:
+    """A step's vision input: placeholder rows of the flattened batch and what they take (the model
+    reads it through `embed` and `after_layer`; models/transformer.py CausalLM.forward)."""
+
+    rows: torch.Tensor  # [k] long
+    features: torch.Tensor  # [k, hidden]
+    deepstack: tuple[torch.Tensor, ...]  # per DeepStack layer [k, hidden]
+
+    @staticmethod
+    def gather(items: list[StepItem], starts: list[int]) -> BatchVision | None:
+        chunks = [(item.vision, row) for item, row in zip(items, starts) if item.vision is not None]
+        if not chunks:
+            return None
+        rows = torch.cat([c.rows + row for c, row in chunks])
+        features = torch.cat([c.features for c, _ in chunks])
+        layers = min(len(c.deepstack) for c, _ in chunks)
+        deepstack = tuple(torch.cat([c.deepstack[i] for c, _ in chunks]) for i in range(layers))
+        return BatchVision(rows, features, deepstack)
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """The token embeddings x [T, hidden] with the placeholder rows replaced by the features."""
+        return x.index_copy(0, self.rows.to(x.device), self.features.to(x.device, x.dtype))
+
+    def after_layer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """DeepStack: decoder layer `layer`'s output plus that layer's features at the placeholders."""
+        if layer >= len(self.deepstack):
+            return x
+        return x.index_add(0, self.rows.to(x.device), self.deepstack[layer].to(x.device, x.dtype))
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +188,10 @@ class ViewBatch:
         self.cache = cache if cache is not None else ExecutionCache()
         self.scale = store.cfg.attention_scale
         self._read_slots: dict[tuple[int, int], tuple[torch.Tensor, tuple[int, int] | None]] = {}
-        self.plans = [self._plan(item, row) for item, row in zip(items, self._starts(items))]
+        starts = self._starts(items)
+        self.plans = [self._plan(item, row) for item, row in zip(items, starts)]
+        # placeholder rows and their features (None: a text-only step)
+        self.vision = BatchVision.gather(items, starts)
         # [T, 1, rot] the rotation of this step's keys, row by row (None: no attention layer)
         self.key_rotation = self._key_rotation() if store.attn_slot else None
         # this step's keys go to the slots after each writer's old tokens
@@ -179,23 +233,31 @@ class ViewBatch:
 
     def _plan(self, item: StepItem, row: int) -> ItemPlan:
         store, n, start = self.store, len(item.token_ids), item.block.length
-        before = item.read_lengths if item.read_lengths is not None else [b.length for b in item.view[:-1]]
+        before = item.read_lengths
+        if before is None:  # (an image another item is writing is read only once whole)
+            before = [b.readable_length for b in item.view[:-1]]
         key = view_key(item.view, [*before, start])
         plan = ItemPlan(slice(row, row + n), start, [*before, start + n], key)
         if not store.attn_slot:
             return plan
-        # text tokens: a block's position span is its length, so the writer starts sum(before[j:])
-        # positions after block j does
-        distance = sum(before)
-        for block, length in zip(item.view[:-1], before):
-            if length:
-                cos, sin = self._rotation(distance + start, n)  # positions relative to this block
-                slots, span = self._block_slots(block, length)
-                run = KeyRun(slots, cos, sin, False, RunKey(block.id, length), span)
-                plan.runs.append(run)
-            distance -= length
-        cos, sin = plan.rotation = self._rotation(start, n)  # positions relative to the writer block
+        # The writer block's new tokens sit at their local positions: text at the block's span
+        # (one scalar per token, the 1-D rotary), placeholders at their 3-D positions. A query
+        # reading block j is rotated to its position relative to j: local + the spans from j on.
         block = item.block
+        pos3 = None
+        if item.vision is not None:
+            pos3 = local_positions([*block.vision, *item.vision.runs], start, start + n)
+        first = block.span_at(start)
+        spans = [b.span_at(length) for b, length in zip(item.view[:-1], before)]
+        distance = sum(spans)
+        for b, length, span in zip(item.view[:-1], before, spans):
+            if length:
+                cos, sin = self._table(first, distance, n, pos3)
+                slots, slot_span = self._block_slots(b, length)
+                run = KeyRun(slots, cos, sin, False, RunKey(b.id, length), slot_span)
+                plan.runs.append(run)
+            distance -= span
+        cos, sin = plan.rotation = self._table(first, 0, n, pos3)  # positions in the writer block
         slots, span = store.slots_and_span(block, 0, start + n)
         plan.new_slots, plan.new_span = slots[start:], store.span(block, start, start + n)
         if n == 1:  # a single new token sees its whole block: one run
@@ -217,6 +279,16 @@ class ViewBatch:
     def _rotation(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Prepared rotation tables (Rotary.prepare) for positions first..first+n-1, in the pool's dtype."""
         return self.rotary.prepared(range(first, first + n), self.store.dtype)
+
+    def _table(
+        self, first: int, shift: int, n: int, pos3: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotation tables of an item's n new tokens moved `shift` positions on: text tokens sit at
+        first..first+n-1 (pos3 None: the 1-D table), others at their 3-D local positions pos3 (the
+        same scalar shift on every axis)."""
+        if pos3 is None:
+            return self._rotation(first + shift, n)
+        return self.rotary.prepared3(pos3 + shift, self.store.dtype)
 
     def _key_rotation(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotation of this step's keys, row by row: each item's at its writer positions."""
@@ -303,6 +375,8 @@ class ViewBatch:
                 rec.beta.append(beta)
             item.block.length = plan.start + len(item.token_ids)
             item.block.tokens.extend(item.token_ids)
+            if item.vision is not None:
+                item.block.vision.extend(item.vision.runs)
             if states:
                 layers = [states[s] for s in range(len(states))]
                 self.cache.set_writer_state(item.block, WriterState(self.key_after(i), layers))

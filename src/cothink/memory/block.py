@@ -178,13 +178,84 @@ class SealedRecords:
         pass
 
 
+@dataclass(frozen=True, slots=True)
+class VisionSpan:
+    """The placeholder tokens of one image or one frame group in a block: a merged grid of `rows` x
+    `cols` tokens, row-major, from block token `start` (models/mrope.py states the position rule)."""
+
+    start: int
+    rows: int
+    cols: int
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.cols
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.tokens
+
+    @property
+    def advance(self) -> int:
+        """How far the run moves the block's position counter."""
+        return max(self.rows, self.cols)
+
+    def cuts(self, n: int) -> bool:
+        """Whether keeping the first n tokens would cut this image inside its vision-start ..
+        vision-end tokens (the tokens just before `start` and at `stop`)."""
+        return self.start - 1 < n <= self.stop
+
+
+def span_at(runs: list[VisionSpan], n: int) -> int:
+    """How many positions the first n tokens of a block with these vision runs span: their largest
+    local position + 1. A text token advances the counter by one, a whole run by max(rows, cols); a
+    prefix that ends inside a run reaches its largest row or column so far."""
+    c = idx = 0
+    for run in runs:
+        if n <= run.start:
+            break
+        c += run.start - idx
+        if n < run.stop:  # inside the run: tokens 0..k-1 of a row-major grid
+            k = n - run.start
+            return c + max((k - 1) // run.cols, min(k, run.cols) - 1) + 1
+        c, idx = c + run.advance, run.stop
+    return c + max(0, n - idx)
+
+
+def local_positions(runs: list[VisionSpan], start: int, stop: int) -> torch.Tensor:
+    """Local 3-D positions [3, stop - start] (int64; rows t, h, w) of block tokens start..stop-1: a
+    text token at counter c gets (c, c, c); a run's token (row r, column q) gets (c, c + r, c + q)."""
+    parts: list[torch.Tensor] = []
+
+    def text(c: int, a: int, b: int) -> None:  # tokens a..b-1 are text, token a at counter c
+        lo, hi = max(a, start), min(b, stop)
+        if lo < hi:
+            parts.append(torch.arange(c + lo - a, c + hi - a).expand(3, -1))
+
+    c = idx = 0
+    for run in runs:
+        if run.start >= stop:
+            break
+        text(c, idx, run.start)
+        c += run.start - idx
+        lo, hi = max(run.start, start), min(run.stop, stop)
+        if lo < hi:
+            k = torch.arange(lo - run.start, hi - run.start)
+            parts.append(torch.stack([torch.full_like(k, c), c + k // run.cols, c + k % run.cols]))
+        c, idx = c + run.advance, run.stop
+    text(c, idx, max(stop, idx))
+    return torch.cat(parts, dim=1) if parts else torch.zeros(3, 0, dtype=torch.long)
+
+
 @dataclass(eq=False)
 class Block:
     """A growing segment of memory, written by one writer at a time, readable from any view.
 
-    Attention keys are stored with RoPE at block-local positions 0..n-1. The view, not the block,
-    decides where the block sits. `version` changes whenever existing content changes (truncate),
-    which invalidates every cache keyed on it.
+    Attention keys are stored with RoPE at block-local positions: 0..n-1 for text; a block holding
+    images or frame groups (`vision`) gives each token its local 3-D position (`local_positions`).
+    The view, not the block, decides where the block sits: at the sum of the spans before it.
+    `version` changes whenever existing content changes (truncate), which invalidates every cache
+    keyed on it.
     """
 
     id: int
@@ -197,6 +268,8 @@ class Block:
     linear: list[LinearRecords | SealedRecords] = field(default_factory=list, repr=False)
     sealed: bool = False  # immutable: extend, truncate and fork are refused (BlockSealedError)
     pinned: bool = False  # never spilled to disk
+    # the placeholder runs of its images and frame groups, in order (empty for a text block)
+    vision: list[VisionSpan] = field(default_factory=list, repr=False)
     last_read: int = 0  # logical clock of the last submitted work that read it (spill order)
     spilled: Path | None = field(default=None, repr=False)  # its memory is in this file, not resident
     spilled_bytes: int = 0  # the block memory that file holds
@@ -213,8 +286,24 @@ class Block:
 
     @property
     def position_span(self) -> int:
-        """How far the block advances positions in a view (one per text token)."""
-        return self.length
+        """How far the block advances positions in a view: its largest local position + 1 (its
+        length for text; an image adds max(rows, cols) for its grid)."""
+        return span_at(self.vision, self.length) if self.vision else self.length
+
+    def span_at(self, n: int) -> int:
+        """The span of the block's first n tokens (a view reading a prefix of it)."""
+        return span_at(self.vision, n) if self.vision else n
+
+    @property
+    def readable_length(self) -> int:
+        """How much of the block other items read: all of it, except an image being written, which
+        they see only once whole (up to its vision-start token until then)."""
+        run = self.vision_run_cut_by(self.length) if self.vision else None
+        return self.length if run is None else run.start - 1
+
+    def vision_run_cut_by(self, n: int) -> VisionSpan | None:
+        """The image or frame group that keeping only the first n tokens would cut, if any."""
+        return next((run for run in self.vision if run.cuts(n)), None)
 
     def __hash__(self) -> int:
         return self.id

@@ -13,13 +13,13 @@ Spilled blocks use the same format (one block per file).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from cothink.errors import PoolExhaustedError, SnapshotError, SnapshotMismatchError
-from cothink.memory.block import Block, GrowingTensor, LinearRecords, SealedRecords
+from cothink.memory.block import Block, GrowingTensor, LinearRecords, SealedRecords, VisionSpan
 from cothink.memory.store import BlockStore
 
 FORMAT = "cothink-snapshot"
@@ -46,6 +46,8 @@ class BlockHeader:
     pinned: bool
     linear: list[str]  # per linear layer: "records" or "sealed"
     summary_covers: list[int]
+    # the block's image and frame-group runs: [first placeholder, merged rows, merged columns]
+    vision: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,10 @@ def block_tensors(store: BlockStore, block: Block, prefix: str) -> tuple[Tensors
         covers.append(rec.summary_covers if covered else 0)
         if covered:
             tensors[f"{prefix}.{j}.summary"] = rec.summary.to("cpu", copy=True)
-    header = BlockHeader(block.name, n, list(block.tokens[:n]), block.sealed, block.pinned, kinds, covers)
+    runs = [[r.start, r.rows, r.cols] for r in block.vision if r.start < n]
+    header = BlockHeader(
+        block.name, n, list(block.tokens[:n]), block.sealed, block.pinned, kinds, covers, runs
+    )
     return tensors, header
 
 
@@ -140,6 +145,7 @@ def restore_block(
         old.release()
     block.linear = linear
     block.tokens = list(header.tokens)
+    block.vision = [VisionSpan(*run) for run in header.vision]
     block.length = n
     if not same_content:
         block.version += 1

@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from cothink.errors import BlockFreedError, BlockSealedError, PoolExhaustedError, UnknownBlockError
+from cothink.errors import (
+    BlockFreedError,
+    BlockSealedError,
+    InvalidParameterError,
+    PoolExhaustedError,
+    UnknownBlockError,
+)
 from cothink.memory.block import Block, GrowingTensor, LinearRecords, SealedRecords
 from cothink.memory.pool import KVPool
 from cothink.models.config import ModelConfig
@@ -29,12 +35,15 @@ class MemoryStats:
     total_pages: int = 0
     linear_bytes_used: int = 0
     spilled_bytes: int = 0  # block memory written to disk (not resident)
-    total_bytes_used: int = 0  # kv_bytes_used + linear_bytes_used: what the memory budget bounds
+    # kv_bytes_used + linear_bytes_used + vision_bytes_used: what the memory budget bounds
+    total_bytes_used: int = 0
     budget_bytes: int | None = None  # the engine's memory_budget (None: only the KV pool bounds memory)
     kv_bytes_per_token: int = 0  # one token's K and V in every attention layer
     linear_bytes_per_token: int = 0  # one token's GDN records in every linear layer (unsealed block)
     sealed_blocks: int = 0
     spilled_blocks: int = 0
+    # vision features encoded and not yet written into their blocks (transient; in the total)
+    vision_bytes_used: int = 0
 
 
 def parse_bytes(value: int | str | None) -> int | None:
@@ -84,6 +93,8 @@ class BlockStore:
         self._ids = itertools.count(1)
         self.budget_bytes: int | None = None  # set by the engine (memory_budget)
         self.spilled_bytes = 0  # kept up to date by whoever spills blocks
+        # vision features encoded and waiting to be written (held and dropped by the works that own them)
+        self.vision_bytes = 0
 
     # ---- lifecycle -------------------------------------------------------------------------
     def new_block(self, name: str | None = None) -> Block:
@@ -122,7 +133,7 @@ class BlockStore:
             self.spilled_bytes -= block.spilled_bytes
             block.spilled.unlink(missing_ok=True)
             block.spilled, block.spilled_bytes = None, 0
-        block.pages, block.linear, block.tokens = [], [], []
+        block.pages, block.linear, block.tokens, block.vision = [], [], [], []
         block.freed = True
         del self.blocks[block.id]
 
@@ -132,6 +143,12 @@ class BlockStore:
         self.check(block)
         if block.sealed:
             raise BlockSealedError(f"block {block.name!r} is sealed: it cannot be forked", param="block")
+        cut = block.vision_run_cut_by(block.length)
+        if cut is not None:
+            raise InvalidParameterError(
+                f"cannot fork block {block.name!r} while its image at tokens {cut.start - 1}..{cut.stop} "
+                "is partly written", param="block",
+            )
         child = self.new_block(name or f"{block.name}-fork")
         # Only the committed content: a running step may have reserved pages and appended records
         # beyond block.length that it has not published yet.
@@ -142,6 +159,7 @@ class BlockStore:
         for page in child.pages:
             self.pool.retain(page)
         child.linear = [rec.share(n) for rec in block.linear]
+        child.vision = [run for run in block.vision if run.start < n]
         return child
 
     def truncate(self, block: Block, n: int) -> None:
@@ -151,12 +169,20 @@ class BlockStore:
             raise BlockSealedError(f"block {block.name!r} is sealed: it cannot be truncated", param="block")
         if not 0 <= n <= block.length:
             raise ValueError(f"cannot truncate block {block.name!r} of {block.length} tokens to {n}")
+        cut = block.vision_run_cut_by(n)
+        if cut is not None:
+            raise InvalidParameterError(
+                f"cannot truncate block {block.name!r} to {n} tokens: that cuts the image at tokens "
+                f"{cut.start - 1}..{cut.stop} (keep {cut.start - 1} or {cut.stop + 1} tokens or more)",
+                param="n",
+            )
         if n == block.length:
             return
         self._drop_pages_after(block, n)
         for rec in block.linear:
             rec.truncate(n)
         del block.tokens[n:]
+        block.vision = [run for run in block.vision if run.stop <= n]
         block.length, block.version = n, block.version + 1
 
     def _drop_pages_after(self, block: Block, n: int) -> None:
@@ -266,7 +292,7 @@ class BlockStore:
         return total
 
     def total_bytes(self) -> int:
-        return self.pool.used_pages * self.pool.bytes_per_page + self.linear_bytes()
+        return self.pool.used_pages * self.pool.bytes_per_page + self.linear_bytes() + self.vision_bytes
 
     def stats(self) -> MemoryStats:
         linear = self.linear_bytes()
@@ -282,10 +308,11 @@ class BlockStore:
             total_pages=self.pool.num_pages,
             linear_bytes_used=linear,
             spilled_bytes=self.spilled_bytes,
-            total_bytes_used=kv + linear,
+            total_bytes_used=kv + linear + self.vision_bytes,
             budget_bytes=self.budget_bytes,
             kv_bytes_per_token=self.kv_bytes_per_token,
             linear_bytes_per_token=self.linear_bytes_per_token,
             sealed_blocks=sum(b.sealed for b in self.blocks.values()),
             spilled_blocks=sum(b.spilled is not None for b in self.blocks.values()),
+            vision_bytes_used=self.vision_bytes,
         )

@@ -31,7 +31,10 @@ _FAMILIES = {
     "qwen3": "qwen3",
     "qwen3_5": "qwen3_5",  # multimodal layout; the text decoder sits under text_config
     "qwen3_5_text": "qwen3_5",
+    "qwen3_vl": "qwen3",  # Qwen3-VL: the Qwen3 decoder (multimodal RoPE) under text_config, a vision tower
 }
+# multimodal layouts: the text decoder's config is the checkpoint's text_config
+_MULTIMODAL = ("qwen3_5", "qwen3_vl")
 
 
 @dataclass(frozen=True)
@@ -250,7 +253,7 @@ def load_config(folder: str | Path) -> ModelConfig:
         raise UnsupportedModelError(
             f"model_type {hf.model_type!r} is not supported; cothink runs {supported}"
         )
-    text = hf.get_text_config() if family == "qwen3_5" else hf
+    text = hf.get_text_config() if hf.model_type in _MULTIMODAL else hf
     cfg = config_from_hf(text, family, eos=_eos_ids(hf) or _eos_ids(text))
     vision = vision_config_from_hf(hf)
     return cfg if vision is None else replace(cfg, vision=vision)

@@ -39,6 +39,16 @@ class ForwardContext(Protocol):
 DecoderLayers = Callable[[torch.Tensor, ForwardContext], torch.Tensor]
 
 
+class VisionInput(Protocol):
+    """Image and video placeholders of a step (execution/step.py BatchVision)."""
+
+    def embed(self, x: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [T, hidden] -> the same with the placeholder rows replaced by features."""
+
+    def after_layer(self, layer: int, x: torch.Tensor) -> torch.Tensor:
+        """Decoder layer `layer`'s output -> the same plus its DeepStack features (Qwen3-VL)."""
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, zero_centred: bool = False):
         super().__init__()
@@ -325,17 +335,22 @@ class CausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor,
-        layers: DecoderLayers | None = None,
+        layers: DecoderLayers | None = None, vision: VisionInput | None = None,
     ) -> torch.Tensor:
         """input_ids [T] -> float32 logits for the rows `logit_rows` (distinct ascending indices into
         T). `layers`, if given, runs the decoder layers in place of the modules (a backend that runs
-        them in one call: the native backend's fused decode step)."""
+        them in one call: the native backend's fused decode step). `vision`, if given, gives the
+        image placeholders their features (and DeepStack features after the first layers)."""
         x = self.model.embed_tokens(input_ids)
+        if vision is not None:
+            x = vision.embed(x)
         if layers is not None:
             x = layers(x, ctx)
         else:
-            for layer in self.model.layers:
+            for i, layer in enumerate(self.model.layers):
                 x = layer(x, ctx)
+                if vision is not None:
+                    x = vision.after_layer(i, x)
         if logit_rows.numel() == 0:
             return x.new_empty(0, self.config.vocab_size, dtype=torch.float32)
         # every row (decode steps): no gather

@@ -29,6 +29,10 @@ class Rotary:
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_text_config, torch.device("cpu"))
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
         self.scaling = float(scaling)
+        # multimodal RoPE (Qwen3.5, Qwen3-VL): which axis (0 t, 1 h, 2 w) rotates each frequency under
+        # the interleaved layout; None for 1-D models
+        section = params.get("mrope_section")
+        self.mrope_axes = _mrope_axes(self.inv_freq.numel(), section, device) if section else None
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of shape [len(positions), rotary_dim] in fp32 (halves duplicated, HF layout).
@@ -76,6 +80,15 @@ class Rotary:
             table = self._prepared[dtype] = self.prepare(self._cos, self._sin, dtype)
         return table
 
+    def prepared3(self, pos3: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prepared tables (`prepare`) for 3-D positions pos3 [3, T] (rows t, h, w): each frequency
+        rotates by its axis's position. At equal axes this is the 1-D table at that position."""
+        assert self.mrope_axes is not None, "3-D positions need a multimodal RoPE (mrope_section)"
+        freqs = pos3.to(self.inv_freq.device, torch.float32)[:, :, None] * self.inv_freq  # [3, T, F]
+        freqs = freqs.gather(0, self.mrope_axes.expand(freqs.shape[1], -1)[None])[0]  # [T, F]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return self.prepare(emb.cos() * self.scaling, emb.sin() * self.scaling, dtype)
+
     def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -110,3 +123,13 @@ class Rotary:
         rotated_half = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
         out = rot * cos + rotated_half * sin
         return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+def _mrope_axes(num_freqs: int, section: list[int], device: torch.device | str) -> torch.Tensor:
+    """The interleaved layout: frequency j follows h if j % 3 == 1 and j < 3 * section[1], w if
+    j % 3 == 2 and j < 3 * section[2], t otherwise (transformers' Qwen3.5 / Qwen3-VL rotary)."""
+    j = torch.arange(num_freqs)
+    axis = torch.zeros(num_freqs, dtype=torch.long)
+    axis[(j % 3 == 1) & (j < 3 * section[1])] = 1
+    axis[(j % 3 == 2) & (j < 3 * section[2])] = 2
+    return axis.to(device)

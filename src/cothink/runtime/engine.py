@@ -11,11 +11,13 @@ import asyncio
 import functools
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from cothink.errors import (
@@ -28,7 +30,7 @@ from cothink.errors import (
 )
 from cothink.execution.runner import ModelRunner, load_model
 from cothink.execution.sampling import SamplerState, SamplingParams, TokenConstraint
-from cothink.memory.block import Block
+from cothink.memory.block import Block, span_at
 from cothink.memory.snapshot import (
     LoadedSnapshot,
     capture_blocks,
@@ -42,6 +44,14 @@ from cothink.memory.snapshot import (
     write_snapshot,
 )
 from cothink.memory.store import MemoryStats, parse_bytes
+from cothink.models.image_processing import (
+    ImageLike,
+    ImageProcessorConfig,
+    placeholder_ids,
+    preprocess_frames,
+    preprocess_image,
+    preprocess_video,
+)
 from cothink.models.text import stop_token_ids as turn_end_ids
 from cothink.ops import native
 from cothink.runtime.residency import Residency
@@ -52,6 +62,7 @@ from cothink.scheduler.policy import Priority, PriorityClass, SchedulerConfig, S
 from cothink.scheduler.scheduler import Occupancy, Scheduler
 from cothink.runtime.generation import Generation
 from cothink.scheduler.work import (
+    EncodeWork,
     ExtendWork,
     FutureWork,
     GenerateWork,
@@ -59,6 +70,8 @@ from cothink.scheduler.work import (
     Piece,
     ProbeWork,
     StopRule,
+    VisionInput,
+    VisionUnit,
 )
 
 __all__ = [
@@ -102,6 +115,8 @@ class EngineLimits:
     # seal the block of every generation that finishes with "stop" or "length" (docs/runtime.md, Memory)
     auto_seal: bool = False
     spill_dir: str | Path | None = None  # default: <cache dir>/spill/<pid>-<n>
+    # refuse an image that would take more placeholder tokens (None: the checkpoint's pixel budget only)
+    max_image_tokens: int | None = None
     # how each step's works are chosen: the engine's policy, or a replacement under test (StepPolicy)
     policy: StepPolicy = plan_step
 
@@ -178,7 +193,7 @@ class Engine:
         EngineClosedError; the running step completes first; nothing hangs."""
         scheduler = self._scheduler
         for work in list(scheduler.works):
-            if isinstance(work, FutureWork):
+            if isinstance(work, (FutureWork, EncodeWork)):
                 scheduler.fail(work, EngineClosedError("the engine stopped"))
             scheduler.cancel(work)
         if self._loop_task is not None:
@@ -336,26 +351,111 @@ class Engine:
         token_ids: list[int] | None = None,
         view: list[Block] | None = None,
         *,
+        image: ImageLike | None = None,
+        video: Sequence[ImageLike] | np.ndarray | None = None,
+        frames: Sequence[ImageLike] | np.ndarray | None = None,
+        fps: float | None = None,
+        timestamp: float | None = None,
         priority: Priority | str | None = None,
         name: str | None = None,
         deadline: float | datetime | None = None,
     ) -> None:
         """Append input to `block`, read under `view` (default [block]); returns once it is in memory.
+
+        The input is one of: `text`, `token_ids`, `image` (a PIL image, an HxWx3 uint8 array or a
+        local file path: vision-start, its placeholders, vision-end), `video` (frames sampled at `fps`,
+        default the checkpoint's: per group of two frames its timestamp text, then as an image) or
+        `frames` (one frame group of a live stream, at `timestamp` seconds, under a fixed per-frame
+        pixel budget). Images are encoded by the vision tower as scheduled work first; a bad image
+        raises InvalidParameterError and leaves the block as it was.
         `deadline` (seconds from now, or an aware datetime): past it, the work is dropped unrun
         (DeadlineExceededError)."""
         self._require_running()
         due = _deadline(deadline)
-        tokens = self._tokens(text, token_ids)
-        view = self._view(view if view is not None else [block], len(tokens), writer=block)
+        visual = {k: v for k, v in (("image", image), ("video", video), ("frames", frames)) if v is not None}
+        if visual:
+            if len(visual) > 1 or text is not None or token_ids is not None:
+                raise InvalidParameterError(
+                    "give exactly one of text, token_ids, image, video or frames", param=next(iter(visual)))
+            kind, value = next(iter(visual.items()))
+            tokens, vision = await self._vision_input(kind, value, fps, timestamp)
+        else:
+            tokens, vision = self._tokens(text, token_ids), None
+        span = span_at(vision.runs(), len(tokens)) if vision is not None else len(tokens)
+        view = self._view(view if view is not None else [block], span, writer=block)
         work = ExtendWork(
             self._name(name),
             Priority.parse(priority, PriorityClass.BACKGROUND),
             view,
             self._scheduler.next_seq(),
             tokens,
+            vision,
         )
-        self._scheduler.submit(work, deadline=due)
-        await self._wait(work)
+        if vision is None:
+            self._scheduler.submit(work, deadline=due)
+            await self._wait(work)
+            return
+        encode = EncodeWork(work.coroutine, work.priority, self._scheduler.next_seq(), work,
+                            self._feature_row_bytes())
+        self._scheduler.submit(encode, deadline=due)
+        try:
+            await work.future
+        except asyncio.CancelledError:
+            self._scheduler.cancel(encode)
+            self._scheduler.cancel(work)
+            raise
+
+    async def _vision_input(
+        self, kind: str, value: Any, fps: float | None, timestamp: float | None
+    ) -> tuple[list[int], VisionInput]:
+        """An image, clip or frame group -> the extend's tokens and its units (preprocessed off the
+        event loop; every check raises InvalidParameterError naming `kind` before anything is written)."""
+        vision = self.runner.vision
+        if vision is None:
+            raise InvalidParameterError(
+                f"this model has no vision tower: it cannot read an {kind}", param=kind)
+        cfg = vision.config
+        if kind == "image":
+            pixels = await asyncio.to_thread(preprocess_image, value, self.image_processor())
+            groups: list[tuple[list[int], Any]] = [([], pixels)]
+        else:
+            if self.tokenizer is None:
+                raise InvalidParameterError(f"{kind} needs a tokenizer for its timestamps", param=kind)
+            if kind == "video":
+                found = await asyncio.to_thread(preprocess_video, value, vision.video, fps=fps)
+            else:
+                if isinstance(timestamp, bool) or not isinstance(timestamp, (int, float)):
+                    raise InvalidParameterError("frames need timestamp= (seconds, a number)", param="frames")
+                found = [await asyncio.to_thread(preprocess_frames, value, float(timestamp), vision.video)]
+            groups = [(self.tokenizer.encode(g.text, add_special_tokens=False), g) for g in found]
+        tokens: list[int] = []
+        units: list[VisionUnit] = []
+        for prefix, px in groups:
+            tokens.extend(prefix)
+            first = len(tokens) + 1  # after vision-start
+            units.append(VisionUnit(px.pixel_values, px.grid, first, px.merged_rows, px.merged_cols))
+            tokens.extend(placeholder_ids(cfg, px.tokens, video=kind != "image"))
+        limit = self.limits.max_input_tokens
+        if limit is not None and len(tokens) > limit:
+            raise InputTooLongError(f"the {kind} takes {len(tokens)} tokens, over the limit of {limit}",
+                                    param=kind)
+        return tokens, VisionInput(units)
+
+    def image_processor(self) -> ImageProcessorConfig:
+        """How images are preprocessed: the checkpoint's config, with the engine's max_image_tokens."""
+        vision = self.runner.vision
+        if vision is None:
+            raise InvalidParameterError("this model has no vision tower", param="image")
+        if self.limits.max_image_tokens is None:
+            return vision.image
+        return replace(vision.image, max_image_tokens=self.limits.max_image_tokens)
+
+    def _feature_row_bytes(self) -> int:
+        """Bytes of one placeholder's features: its merged row and one row per DeepStack layer."""
+        vision = self.runner.vision
+        assert vision is not None
+        size = torch.empty((), dtype=vision.tower.dtype).element_size()
+        return vision.config.out_hidden_size * size * (1 + len(vision.config.deepstack_layers))
 
     def generate(
         self,

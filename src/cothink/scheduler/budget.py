@@ -2,8 +2,8 @@
 
 The budget answers admit, wait or fail for each candidate of a step against the pages that will
 be free when the step runs and, with a memory budget, against the bytes left under it (KV pages
-plus Gated DeltaNet records and summaries: `BlockStore.total_bytes`); it never fails works itself
-(the scheduler does, after planning).
+plus Gated DeltaNet records and summaries plus vision features waiting to be written:
+`BlockStore.total_bytes`); it never fails works itself (the scheduler does, after planning).
 """
 
 from __future__ import annotations
@@ -65,12 +65,12 @@ class MemoryBudget:
         per_token = store.linear_bytes_per_token
         block = growth.block
         if block is None:
-            return kv + growth.length * per_token
+            return kv + growth.length * per_token + growth.extra_bytes
         new_tokens = max(0, growth.length - block.length)
         copied = 0
         if per_token and block.linear and (growth.fork or block.linear[0].rows.diverges_on_append()):
             copied = block.length * per_token
-        return kv + (new_tokens * per_token + copied if per_token else 0)
+        return kv + (new_tokens * per_token + copied if per_token else 0) + growth.extra_bytes
 
     def admit(self, work: Work, n: int) -> Admission:
         growth = work.growth(n)

@@ -4,7 +4,9 @@ step loop. One step is schedule -> run -> postprocess:
 - schedule (event-loop thread): choose (work, tokens) pairs (`plan_step`), fail what admission
   refused, sample every chosen generation's next token in one batched stage, build step items;
 - run (a worker thread): one forward pass over all items (`ModelRunner.step`), holding the memory
-  lock, so the event loop keeps serving agents and HTTP handlers during long steps;
+  lock, so the event loop keeps serving agents and HTTP handlers during long steps; then the
+  step's other compute (at most one image or frame group through the vision tower: `EncodeWork`,
+  so a long clip is encoded over many steps, between which everyone else's tokens are served);
 - postprocess (event-loop thread): hand each work its logits, emit pieces and results, account.
 
 A running step only computes: pages are reserved before it and records, lengths and caches are
@@ -185,6 +187,7 @@ class Scheduler:
         self.works.remove(work)
         self._release_writer(work)
         self.budget.forget(work)
+        work.release_memory(self.runner.store)
         for block in work.scratch_blocks():
             self.runner.free(block)
         for b in work.reads:
@@ -263,6 +266,14 @@ class Scheduler:
                 path = result.path
             else:
                 logits = []
+            computing = [p.work for p in plan.planned if p.work.computes]
+            if computing:  # not a forward pass: no memory lock (it reads and writes no block)
+                job = loop.run_in_executor(self._executor, self._compute, computing)
+                try:
+                    await asyncio.shield(job)
+                except asyncio.CancelledError:
+                    await asyncio.wait([job])
+                    raise
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a failed step changes no memory; fail its works, keep serving
@@ -288,6 +299,13 @@ class Scheduler:
         finally:
             self.ownership.memory_lock.release()
 
+    def _compute(self, works: list[Work]) -> None:
+        """Worker thread: the step's compute other than the forward pass (each work keeps its own
+        result or failure)."""
+        use_threads(self.threads.max_threads)
+        for work in works:
+            work.compute(self.runner)
+
     # ---- schedule ---------------------------------------------------------------------------------
     def schedule(self) -> StepPlan:
         self._drop_overdue()
@@ -303,6 +321,9 @@ class Scheduler:
         for work in choice.refused:
             self.fail(work, self.budget.refusal(work))
         chosen = [(w, n) for w, n in choice.chosen if not w.finished]
+        computing = [w for w, _ in chosen if w.computes]
+        if len(computing) > 1:  # one vision encode per step: a step's length stays bounded
+            chosen = [(w, n) for w, n in chosen if not w.computes or w is computing[0]]
         for work in set(from_cache) - {w for w, _ in chosen}:
             work.next_logits = None  # not this step: the view may change before its turn
         self._sample([w for w, _ in chosen if isinstance(w, GenerateWork)])
@@ -315,7 +336,7 @@ class Scheduler:
                 work.first_scheduled = now
                 self.accounting.of(work.coroutine).queue_wait_s += now - work.submitted
                 self._event(work, "scheduled", now - work.submitted)
-            self.shares.charge(work, n)
+            self.shares.charge(work, work.cost(n))
             read = sum(sum(b.length for b in i.view[:-1]) + i.block.length for i in items)
             plan.planned.append(Planned(work, n, items, read))
         return plan
@@ -355,7 +376,7 @@ class Scheduler:
         try:
             items = work.items(n, self.runner)
             for item in items:
-                self.runner.check_context(item.view, len(item.token_ids), item.read_lengths)
+                self.runner.check_context(item.view, item.positions_added, item.read_lengths)
             return items
         except InputTooLongError as exc:
             if isinstance(work, GenerateWork):  # the context is full: a generation ends there
@@ -405,6 +426,9 @@ class Scheduler:
                 self._event(work, "piece", len(work.out.token_ids) - emitted_before, text=text)
             if work.finished:
                 self._release_writer(work)
+                successor = work.successor()
+                if successor is not None:  # it takes over the block at once: no other writer between
+                    self.submit(successor, deadline=work.deadline)
                 if self.auto_seal and isinstance(work, GenerateWork) and work.outcome in ("stop", "length"):
                     self.runner.seal(work.block)  # between steps: no forward pass is running
         self.steps += 1

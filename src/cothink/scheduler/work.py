@@ -1,4 +1,4 @@
-"""Works: the request state of extend, generate and probe calls.
+"""Works: the request state of extend, generate, probe and vision-encode calls.
 
 A work is plain state: no reference to the engine, no allocation or sampling in its constructor.
 The scheduler asks it for step items (`items`, which may allocate scratch blocks through the
@@ -18,8 +18,10 @@ import torch
 
 from cothink.execution.runner import ModelRunner
 from cothink.execution.sampling import Sampled, SamplerState, TokenLogprob
-from cothink.execution.step import StepItem
-from cothink.memory.block import Block
+from cothink.execution.step import StepItem, VisionChunk
+from cothink.memory.block import Block, VisionSpan, span_at
+from cothink.memory.store import BlockStore
+from cothink.models.vision import PatchGrid, VisionFeatures
 from cothink.models.text import IncrementalDecoder
 from cothink.scheduler.policy import Priority
 
@@ -49,10 +51,13 @@ class Growth:
     block: Block | None
     length: int
     fork: bool = False
+    extra_bytes: int = 0  # memory outside blocks the step creates (vision features)
 
 
 class Work:
     kind: ClassVar[str] = "work"
+    # whether a step of this work runs `compute` on the compute thread (work that is not a forward pass)
+    computes: ClassVar[bool] = False
 
     def __init__(self, coroutine: str, priority: Priority, view: list[Block], seq: int):
         self.coroutine, self.priority, self.view, self.seq = coroutine, priority, view, seq
@@ -117,6 +122,21 @@ class Work:
         """Hand over the work's scratch blocks for freeing (when the work leaves the scheduler)."""
         return []
 
+    def cost(self, n: int) -> int:
+        """What a step of n scheduled tokens costs this work's coroutine in its fair share."""
+        return n
+
+    def compute(self, runner: ModelRunner) -> None:
+        """This step's work other than the forward pass (`computes`), on the compute thread. It
+        never raises: a failure is kept and raised by `after_step` on the event loop."""
+
+    def successor(self) -> Work | None:
+        """The work that continues this one once it has finished well (submitted in its place)."""
+        return None
+
+    def release_memory(self, store: BlockStore) -> None:
+        """Give back memory outside blocks that the work holds (when it leaves the scheduler)."""
+
 
 class FutureWork(Work):
     """A work whose caller awaits one result (extend, probe)."""
@@ -141,12 +161,82 @@ class FutureWork(Work):
                 self.future.set_exception(exc)
 
 
+@dataclass(frozen=True)
+class VisionUnit:
+    """One image or frame group of an extend: its patches, and where its placeholders sit among the
+    extend's tokens."""
+
+    pixels: torch.Tensor  # [grid.patches, patch_dim]
+    grid: PatchGrid  # t = 1
+    offset: int  # the extend's token index of its first placeholder
+    rows: int  # merged grid rows
+    cols: int  # merged grid columns
+
+    @property
+    def tokens(self) -> int:
+        return self.rows * self.cols
+
+
+@dataclass
+class VisionInput:
+    """The images and frame groups of one extend, and their features once encoded (transient memory:
+    counted in the store's vision_bytes from encoding until the extend leaves the scheduler)."""
+
+    units: list[VisionUnit]
+    features: list[VisionFeatures] = field(default_factory=list)  # per encoded unit, in order
+    held_bytes: int = 0
+
+    def runs(self) -> list[VisionSpan]:
+        """The units' placeholder runs, at their token indices in the extend."""
+        return [VisionSpan(u.offset, u.rows, u.cols) for u in self.units]
+
+    def keep(self, features: VisionFeatures, store: BlockStore) -> None:
+        self.features.append(features)
+        nbytes = feature_bytes(features)
+        self.held_bytes += nbytes
+        store.vision_bytes += nbytes
+
+    def drop(self, store: BlockStore) -> None:
+        """Release the features (idempotent)."""
+        store.vision_bytes -= self.held_bytes
+        self.held_bytes = 0
+        self.features = []
+
+    def chunk(self, a: int, b: int, base: int) -> VisionChunk | None:
+        """The vision part of the extend's tokens a..b-1, for a block that held `base` tokens before
+        the extend; None when none of them is a placeholder."""
+        runs, rows, feats, stacks = [], [], [], []
+        for unit, f in zip(self.units, self.features, strict=True):
+            lo, hi = max(a, unit.offset), min(b, unit.offset + unit.tokens)
+            if lo >= hi:
+                continue
+            if a <= unit.offset < b:
+                runs.append(VisionSpan(base + unit.offset, unit.rows, unit.cols))
+            rows.append(torch.arange(lo - a, hi - a))
+            feats.append(f.merged[lo - unit.offset : hi - unit.offset])
+            stacks.append([d[lo - unit.offset : hi - unit.offset] for d in f.deepstack])
+        if not rows:
+            return None
+        deepstack = tuple(torch.cat(layer) for layer in zip(*stacks))
+        return VisionChunk(tuple(runs), torch.cat(rows), torch.cat(feats), deepstack)
+
+
+def feature_bytes(features: VisionFeatures) -> int:
+    return sum(t.numel() * t.element_size() for t in (features.merged, *features.deepstack))
+
+
 class ExtendWork(FutureWork):
     kind = "extend"
 
-    def __init__(self, coroutine: str, priority: Priority, view: list[Block], seq: int, tokens: list[int]):
+    def __init__(
+        self, coroutine: str, priority: Priority, view: list[Block], seq: int, tokens: list[int],
+        vision: VisionInput | None = None,
+    ):
         super().__init__(coroutine, priority, view, seq)
         self.pending = list(tokens)
+        self.total = len(tokens)
+        self.vision = vision  # images or frame groups among the tokens (encoded by an EncodeWork first)
+        self._runs = vision.runs() if vision is not None else []
         self._chunk = 0
 
     def wanted_tokens(self) -> int:
@@ -155,12 +245,90 @@ class ExtendWork(FutureWork):
     def items(self, n: int, runner: ModelRunner) -> list[StepItem]:
         self._chunk = n
         last = n == len(self.pending)
-        return [StepItem(self.block, self.pending[:n], self.view, "last" if last else "none")]
+        item = StepItem(self.block, self.pending[:n], self.view, "last" if last else "none")
+        if self.vision is not None:
+            done = self.total - len(self.pending)
+            item.vision = self.vision.chunk(done, done + n, self.block.length - done)
+            # the block's position counter continues from its span before the extend
+            item.span_added = span_at(self._runs, done + n) - span_at(self._runs, done)
+        return [item]
 
     def after_step(self, logits: list[torch.Tensor], runner: ModelRunner) -> None:
         del self.pending[: self._chunk]
         if not self.pending:
             self._resolve(None)
+
+    def release_memory(self, store: BlockStore) -> None:
+        if self.vision is not None:
+            self.vision.drop(store)
+
+
+class EncodeWork(Work):
+    """Encode an extend's images and frame groups with the vision tower, one per step, on the compute
+    thread; then hand over to the extend that writes them (`successor`).
+
+    It is the writer of the extend's block from submission (other writers get BlockBusyError), so
+    the block is untouched until every image is encoded: a failure leaves it as it was. Its step
+    cost for the scheduler is the next unit's placeholder count."""
+
+    kind = "encode"
+    computes = True
+
+    def __init__(
+        self, coroutine: str, priority: Priority, seq: int, extend: ExtendWork, feature_row_bytes: int
+    ):
+        super().__init__(coroutine, priority, extend.view, seq)
+        assert extend.vision is not None
+        self.extend, self.vision = extend, extend.vision
+        self.feature_row_bytes = feature_row_bytes  # one placeholder's features (merged + DeepStack)
+        self._result: VisionFeatures | BaseException | None = None
+
+    @property
+    def _next(self) -> VisionUnit:
+        return self.vision.units[len(self.vision.features)]
+
+    def wanted_tokens(self) -> int:
+        return self._next.tokens
+
+    def growth(self, n: int) -> list[Growth]:
+        return [Growth(None, 0, extra_bytes=self._next.tokens * self.feature_row_bytes)]
+
+    def cost(self, n: int) -> int:
+        return self._next.tokens  # a whole image or frame group is encoded, however few tokens were granted
+
+    def items(self, n: int, runner: ModelRunner) -> list[StepItem]:
+        return []
+
+    def compute(self, runner: ModelRunner) -> None:
+        unit = self._next
+        try:
+            assert runner.vision is not None
+            self._result = runner.vision.encode(unit.pixels, unit.grid)
+        except Exception as exc:  # raised on the event loop by after_step
+            self._result = exc
+
+    def after_step(self, logits: list[torch.Tensor], runner: ModelRunner) -> None:
+        result, self._result = self._result, None
+        if isinstance(result, BaseException):
+            raise result
+        assert result is not None
+        self.vision.keep(result, runner.store)
+        self.served += self.vision.units[len(self.vision.features) - 1].tokens
+        if len(self.vision.features) == len(self.vision.units):
+            self.finished, self.outcome = True, "done"
+
+    def successor(self) -> Work | None:
+        return self.extend if self.outcome == "done" else None
+
+    def fail(self, exc: BaseException) -> None:
+        if self.finished:
+            return
+        self.finished, self.outcome = True, outcome_of(exc)
+        self.extend.fail(exc)
+
+    def release_memory(self, store: BlockStore) -> None:
+        if self.outcome != "done":  # the extend never runs: its features go now
+            self.vision.drop(store)
 
 
 @dataclass
@@ -244,7 +412,7 @@ class GenerateWork(Work):
 
     def prefix(self) -> list[Block]:
         """The view up to its last non-empty block: whose last token the next token follows."""
-        last = max((i for i, b in enumerate(self.view) if b.length), default=-1)
+        last = max((i for i, b in enumerate(self.view) if b.readable_length), default=-1)
         return self.view[: last + 1]
 
     def growth(self, n: int) -> list[Growth]:
@@ -259,9 +427,10 @@ class GenerateWork(Work):
         # without that token; nothing in the view is written.
         prefix = self.prefix()
         self._peek = runner.new_block(f"{self.coroutine}-peek")
-        lengths = [b.length for b in prefix]
+        lengths = [b.readable_length for b in prefix]
         lengths[-1] -= 1
-        return [StepItem(self._peek, [prefix[-1].tokens[-1]], [*prefix, self._peek], "last", lengths)]
+        last = prefix[-1].tokens[lengths[-1]]
+        return [StepItem(self._peek, [last], [*prefix, self._peek], "last", lengths)]
 
     def after_step(self, logits: list[torch.Tensor], runner: ModelRunner) -> None:
         if self._peek is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Body, Depends, Query, Request
 
-from cothink.server.coroutines import do_extend, input_ids
+from cothink.server.coroutines import do_extend, extend_from, input_ids
 from cothink.server.errors import APIError
 from cothink.server.schemas import (
     BlockCreate,
@@ -109,7 +109,7 @@ async def delete_block(
 @router.post(
     "/{session_id}/blocks/{block_id}/extend",
     response_model=BlockInfo,
-    summary="Append text or tokens",
+    summary="Append text, tokens, an image or a frame group",
     description="Writes the input into the block, attending to `view` (default: the block alone); "
     "replies once it is in memory. 409 while a coroutine is writing the block.",
     responses=errors_doc(409, 413, 429, 503),
@@ -123,8 +123,7 @@ async def extend_block(
 ) -> BlockInfo:
     entry = session.block(block_id)
     async with abort_on_disconnect(request):
-        ids = await input_ids(state, body.text, body.token_ids)
-        await do_extend(state, session, entry, ids, body.view, body.priority, body.name)
+        await extend_from(state, session, entry, body)
     return block_info(state, session, entry)
 
 

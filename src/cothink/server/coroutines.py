@@ -17,9 +17,10 @@ from opentelemetry import trace
 from cothink.observability.logs import coroutine_var
 from cothink.server.errors import APIError, from_exception
 from cothink.server.openai_features import structured_for
-from cothink.server.schemas import GenerateRequest, ProbeRequest, ProbeResult
+from cothink.server.schemas import ExtendRequest, GenerateRequest, ProbeRequest, ProbeResult
 from cothink.server.sessions import BlockEntry, CoroutineEntry, Session
 from cothink.server.state import ServerState
+from cothink.server.vision_parts import VisualInput, visual_input
 
 if TYPE_CHECKING:
     from cothink.runtime.engine import Generation
@@ -110,23 +111,37 @@ async def do_extend(
     view_ids: list[str] | None = None,
     priority: str | None = None,
     name: str | None = None,
+    visual: VisualInput | None = None,
 ) -> None:
     """Write `ids` into `entry`'s block under `view_ids` (default: the block alone; the engine
-    checks that the view ends with it)."""
+    checks that the view ends with it). With `visual`, an image or frame group instead (`ids`
+    ignored)."""
     state.check_open()
     view = session.view(view_ids) if view_ids is not None else [entry]
+    data: dict[str, Any] = {"token_ids": ids} if visual is None else visual.engine_input
+    count = len(ids) if visual is None else visual.tokens
     with coroutine_entry(
-        state, session, "extend", name, view, entry, len(ids), {"cothink.tokens": len(ids)}
+        state, session, "extend", name, view, entry, count, {"cothink.tokens": count}
     ) as entered:
         await state.wait(
             state.engine.extend(
                 entry.block,
-                token_ids=ids,
+                **data,
                 view=[v.block for v in view],
                 priority=priority,
                 name=entered.co.id,
             )
         )
+
+
+async def extend_from(state: ServerState, session: Session, entry: BlockEntry, body: ExtendRequest) -> None:
+    """An extend request's input (text, token ids, an image or a frame group) written into `entry`."""
+    if body.image is not None or body.frames is not None:
+        visual = await visual_input(state, body.image, body.frames, body.timestamp)
+        await do_extend(state, session, entry, [], body.view, body.priority, body.name, visual)
+    else:
+        ids = await input_ids(state, body.text, body.token_ids)
+        await do_extend(state, session, entry, ids, body.view, body.priority, body.name)
 
 
 # ---------------------------------------------------------------------------------------- generate

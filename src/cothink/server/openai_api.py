@@ -46,6 +46,7 @@ from cothink.server.openai_features import (
 from cothink.server.quota import Hold
 from cothink.server.streaming import EventStream, abort_on_disconnect, cancel_on_disconnect, sse
 from cothink.server.state import ServerState, get_state, principal
+from cothink.server.vision_parts import PromptImages
 
 router = APIRouter(prefix="/v1", tags=["openai"])
 _STARTED = int(time.time())
@@ -169,8 +170,9 @@ class Outcome:
 class Run:
     """The blocks and generations of one request; release() gives every block back."""
 
-    def __init__(self, state: ServerState, request_id: str, account: str):
+    def __init__(self, state: ServerState, request_id: str, account: str, images: PromptImages | None = None):
         self.state, self.id, self.account = state, request_id, account
+        self.images = images  # the prompt's images (server/vision_parts.py); None: text only
         self.blocks: list[Block] = []
         self.gens: list = []
         self.prompt_tokens = 0
@@ -222,7 +224,10 @@ class Run:
             cache.make_room(pages)  # cached prefixes give their pages back before a request waits
             bases, cached = [], []
             for i, ids in enumerate(prompts):
-                base, hit = state.call(cache.start, self.account, ids, f"{self.id}-p{i}")
+                if self.images is not None:  # placeholder ids do not name pixels: no prefix reuse
+                    base, hit = state.call(state.engine.block, f"{self.id}-p{i}"), 0
+                else:
+                    base, hit = state.call(cache.start, self.account, ids, f"{self.id}-p{i}")
                 bases.append(base)
                 cached.append(hit)
                 self.blocks.append(base)
@@ -230,13 +235,15 @@ class Run:
             await state.wait(
                 asyncio.gather(
                     *(
+                        self.images.write(b, ids, self.id) if self.images is not None else
                         state.engine.extend(b, token_ids=ids[hit:], priority="interactive", name=self.id)
                         for b, ids, hit in zip(bases, prompts, cached)
                     )
                 )
             )
             for base, ids in zip(bases, prompts):
-                state.call(cache.insert, self.account, ids, base)
+                if self.images is None:
+                    state.call(cache.insert, self.account, ids, base)
             targets = []
             for i, base in enumerate(bases):
                 forks = [state.call(state.engine.fork, base, f"{self.id}-p{i}-{j}") for j in range(1, p.n)]
@@ -529,7 +536,7 @@ def _completion_chunk(request_id, created, model, index, text, finish) -> dict:
 
 async def _chat_prompt(
     state: ServerState, req: ChatCompletionRequest, tools: list[dict] | None = None
-) -> list[int]:
+) -> tuple[list[int], PromptImages | None]:
     tok = state.tokenizer
     if tok is None:
         raise APIError(
@@ -540,10 +547,15 @@ async def _chat_prompt(
             "messages",
         )
     messages = []
+    images: PromptImages | None = None
     for i, m in enumerate(req.messages):
         if isinstance(m.content, list):
             parts = []
-            for part in m.content:
+            for j, part in enumerate(m.content):
+                if part.type == "image_url":  # a marker in the text; the image is written in its place
+                    images = images or PromptImages(state.engine)
+                    parts.append(images.add(part.image_url, f"messages.{i}.content.{j}"))
+                    continue
                 if part.type != "text":
                     raise APIError(
                         400,
@@ -582,10 +594,10 @@ async def _chat_prompt(
             ) from None
     else:
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-    ids = await state.encode(text, "messages")
+    ids = await images.expand(state, text, "messages") if images else await state.encode(text, "messages")
     if not ids:
         raise APIError(400, "the conversation is empty", "invalid_request_error", "empty_input", "messages")
-    return ids
+    return ids, images
 
 
 @router.post(
@@ -605,11 +617,11 @@ async def chat_completions(
     tools = validate_tools(req.tools)
     params.structured = structured_for(state, req.response_format, tools, req.tool_choice)
     calls = params.structured.tool_calls
-    prompt = await _chat_prompt(state, req, tools if req.tool_choice != "none" else None)
+    prompt, images = await _chat_prompt(state, req, tools if req.tool_choice != "none" else None)
     request_id = f"chatcmpl-{secrets.token_urlsafe(18)}"
     coroutine_var.set(request_id)
     created, model = int(time.time()), state.settings.model_name
-    run = Run(state, request_id, principal(request))
+    run = Run(state, request_id, principal(request), images)
     await _run_or_release(request, run, [prompt], params, _stop_ids(state))
     include = bool(req.stream_options and req.stream_options.include_usage)
 

@@ -106,8 +106,11 @@ class CompletionRequest(Lenient):
 
 
 class ContentPart(Lenient):
-    type: str = Field(description="Only 'text' is supported")
+    type: str = Field(description="'text', or 'image_url' (multimodal models)")
     text: str | None = None
+    image_url: dict[str, Any] | None = Field(
+        None, description="{'url': 'data:image/...;base64,...'}: data: URLs only (nothing is fetched)"
+    )
 
 
 class ChatMessage(Lenient):
@@ -269,6 +272,11 @@ class BlockList(BaseModel):
 class ExtendRequest(Strict):
     text: str | None = Field(None, description="Text to append (tokenized without special tokens)")
     token_ids: list[TokenId] | None = Field(None, description="Token ids to append")
+    image: str | None = Field(None, description="An image to append, as a data: URL (multimodal models)")
+    frames: list[str] | None = Field(
+        None, description="One frame group of a live stream (1-2 frames as data: URLs), with `timestamp`"
+    )
+    timestamp: float | None = Field(None, ge=0, description="Seconds of the frame group in its stream")
     view: list[BlockId] | None = Field(
         None,
         min_length=1,
@@ -279,8 +287,11 @@ class ExtendRequest(Strict):
 
     @model_validator(mode="after")
     def _one_input(self) -> ExtendRequest:
-        if (self.text is None) == (self.token_ids is None):
-            raise ValueError("give exactly one of text or token_ids")
+        given = [x for x in (self.text, self.token_ids, self.image, self.frames) if x is not None]
+        if len(given) != 1:
+            raise ValueError("give exactly one of text, token_ids, image or frames")
+        if self.frames is not None and self.timestamp is None:
+            raise ValueError("frames need a timestamp")
         return self
 
 

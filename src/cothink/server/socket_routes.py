@@ -11,7 +11,7 @@ from fastapi import APIRouter, WebSocket, WebSocketDisconnect
 from pydantic import TypeAdapter, ValidationError
 
 from cothink.observability.logs import session_var
-from cothink.server.coroutines import Running, do_extend, do_probe, input_ids, start_generation
+from cothink.server.coroutines import Running, do_probe, extend_from, start_generation
 from cothink.server.errors import APIError, from_exception, validation_error
 from cothink.server.schemas import WsCancel, WsExtend, WsGenerate, WsMessage, WsProbe
 from cothink.server.sessions import Session
@@ -144,8 +144,7 @@ class _SessionSocket:
     async def run_extend(self, msg: WsExtend) -> None:
         try:
             entry = self.session.block(msg.block)
-            ids = await input_ids(self.state, msg.text, msg.token_ids)
-            await do_extend(self.state, self.session, entry, ids, msg.view, msg.priority, msg.name)
+            await extend_from(self.state, self.session, entry, msg)
             await self.send({"type": "extended", "block": entry.id, "length": entry.block.length}, msg.id)
         except Exception as exc:
             await self.send_error(exc, msg.id)
