@@ -19,6 +19,8 @@ from typing import Any, TextIO
 
 DEFAULT_MODEL = "smollm2"
 DTYPES = ("float32", "bfloat16")
+# models/quantize.py QUANTIZE_MODES, named here so a parser imports no torch (a test keeps them equal)
+QUANTIZE_MODES = ("int8", "int4")
 # the CPU features cothink's kernels and torch's CPU kernels take faster paths with (x86 flags, Arm
 # features), as /proc/cpuinfo names them
 CPU_FLAGS = (
@@ -71,7 +73,7 @@ def stream_generation(
     rate = (count - 1) / decode_s if count > 1 and decode_s > 0 else float("nan")
     print(
         f"[{count} tokens; load {t_loaded - t0:.2f}s, prompt {len(ids)} tokens + first token {first:.2f}s, "
-        f"decode {rate:.1f} tok/s, {dtype}{', int8 weights' if quantize else ''}]",
+        f"decode {rate:.1f} tok/s, {dtype}{f', {quantize} weights' if quantize else ''}]",
         file=err,
     )
     return count
@@ -199,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
         q.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: float32)")
         q.add_argument(
-            "--quantize", choices=("int8",), default=None, help="int8 weights (Llama, Qwen2, Qwen3)"
+            "--quantize", choices=QUANTIZE_MODES, default=None,
+            help="weight-only int8 or 4-bit linears (Llama, Qwen2, Qwen3)"
         )
 
     p = sub.add_parser(

@@ -67,18 +67,23 @@ def _conversation(runner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         ("qwen35", torch.bfloat16, None),
         ("qwen3", torch.bfloat16, "int8"),
         ("qwen35_mm", torch.float32, None),  # the multimodal checkpoint's text model
+        ("llama", torch.float32, "int4"),  # 4-bit groups (scale and offset per 32 weights)
+        ("llama3", torch.bfloat16, "int4"),
+        ("qwen3", torch.float32, "int4"),
     ],
 )
 def test_fused_decode_is_the_per_module_path_to_the_bit(
     tiny_model, fused_calls, c_linears, name, dtype, quantize, threads
 ):
     """llama3 adds biases on every projection and tied embeddings; int8 weights (with row scales)
-    take the same C kernel as in the module path. On 2 threads the C kernels split their products
-    and attention over them (and torch's prefill matmuls run on both)."""
+    and 4-bit weights (group scales and offsets) take the same C kernel as in the module path. On 2
+    threads the C kernels split their products and attention over them (and torch's prefill matmuls
+    run on both)."""
     fused = tiny_model(name).runner(dtype=dtype, quantize=quantize)
     modules = tiny_model(name).runner(dtype=dtype, quantize=quantize)
     assert fused.fused_decode is not None
-    assert fused.fused_decode.weights == (torch.int8 if quantize else dtype)
+    storage = {None: dtype, "int8": torch.int8, "int4": torch.uint8}[quantize]
+    assert fused.fused_decode.weights == storage
     modules.fused_decode = None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)

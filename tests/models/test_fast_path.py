@@ -145,7 +145,7 @@ def test_int8_refuses_unsupported_families_and_modes(tiny_model):
     with pytest.raises(UnsupportedModelError, match="quantize"):
         tiny_model("qwen35").runner(quantize="int8")
     with pytest.raises(InvalidParameterError, match="quantize"):
-        tiny_model("llama").runner(quantize="int4")
+        tiny_model("llama").runner(quantize="int3")
 
 
 async def test_engine_from_pretrained_int8(tiny_model):

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any, Sequence, TypeVar
 
 from cothink.agents.base import AgentEvent
+from cothink.cli import QUANTIZE_MODES
 from cothink.agents.think_narrate import NarratorSync, Reaction, ThinkNarrate
 
 DEFAULT_MODEL = "smollm2"
@@ -410,7 +411,10 @@ def configure_parser(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype (default: float32)"
     )
-    p.add_argument("--quantize", choices=("int8",), default=None, help="int8 weights (Llama, Qwen3)")
+    p.add_argument(
+        "--quantize", choices=QUANTIZE_MODES, default=None,
+        help="weight-only int8 or 4-bit linears (Llama, Qwen2, Qwen3)",
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0; decoding is greedy)")
     p.add_argument(
         "--narrate-every",

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cothink.cli import QUANTIZE_MODES
+
 if TYPE_CHECKING:
     import torch
     from rich.console import Console
@@ -72,7 +74,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         help="soak duration in seconds per model (default: 30 with --quick, 600 otherwise)",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="compute dtype")
-    p.add_argument("--quantize", choices=("int8",), default=None, help="int8 weights (Llama, Qwen3)")
+    p.add_argument(
+        "--quantize", choices=QUANTIZE_MODES, default=None,
+        help="weight-only int8 or 4-bit linears (Llama, Qwen2, Qwen3)",
+    )
     p.add_argument(
         "--threads",
         default="auto",

@@ -6,10 +6,10 @@ backend, `use_native_modules` replaces, in a model whose projections are fused (
 plain module by its native subclass here, sharing its parameters: the norms (with the residual add
 before them, and per head for the q/k norms), SiLU x up, the attention output gate, Gated DeltaNet's
 gates, output norm and a decoding token's conv + delta rule, and the linears (`NativeCpuLinear`,
-`NativeInt8Linear`). Each takes its kernel where the input is one the kernel reads and otherwise runs
-the plain module's torch code; the kernels make the torch path's roundings to the model dtype
-(tests/ops/test_native.py). `use_torch_modules` puts the plain modules back. The eager modules
-(`fast=False`) are never replaced.
+`NativeInt8Linear`, `NativeInt4Linear`). Each takes its kernel where the input is one the kernel reads
+and otherwise runs the plain module's torch code; the kernels make the torch path's roundings to the
+model dtype (tests/ops/test_native.py; 4-bit products: within float32 rounding, models/quant4.py).
+`use_torch_modules` puts the plain modules back. The eager modules (`fast=False`) are never replaced.
 
 NATIVE_MAX_ROWS: rows up to which the C linear runs a product (and a decode step can take the fused
 decode step, execution/fused_decode.py). Measured on a 2-core AMD EPYC Zen 3 with AVX2
@@ -30,6 +30,7 @@ from torch import nn
 
 from cothink.models.config import GDNConfig
 from cothink.models.packing import CpuLinear
+from cothink.models.quant4 import Int4Linear
 from cothink.models.quantize import Int8Linear
 from cothink.models.transformer import (
     CausalLM,
@@ -141,8 +142,8 @@ def token_shape(g: GDNConfig) -> native.GdnShape:
 class NativeLinear:
     """A linear whose products of up to NATIVE_MAX_ROWS rows run in cothink's C kernel (`native.linear`;
     its operands from `operands`), and whose logits come out of that call in float32 (`float_forward`).
-    Mixed into the fast path's linears (`NativeCpuLinear`, `NativeInt8Linear`); the fused decode step
-    (execution/fused_decode.py) reads their operands."""
+    Mixed into the fast path's linears (`NativeCpuLinear`, `NativeInt8Linear`, `NativeInt4Linear`); the
+    fused decode step (execution/fused_decode.py) reads their operands."""
 
     _native_rows = 0  # set by `_fit_native` once the operands exist
     _native_dtype: torch.dtype | None = None  # the activations' dtype the kernel takes (None: any of its)
@@ -227,6 +228,31 @@ class NativeInt8Linear(NativeLinear, Int8Linear):
         return super().forward(x)
 
 
+class NativeInt4Linear(NativeLinear, Int4Linear):
+    """Int4Linear with its products of up to NATIVE_MAX_ROWS rows in the C kernel (the dequantized
+    product within float32 rounding, models/quant4.py; bias included, rounded once)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__(weight, bias)
+        # the C kernel reads the bias in x's dtype
+        self._fit_native(None if self.bias is None else self.bias.dtype)
+
+    @classmethod
+    def of(cls, other: Int4Linear) -> NativeInt4Linear:
+        layer = super().of(other)
+        layer._fit_native(None if layer.bias is None else layer.bias.dtype)
+        return layer
+
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        return self.weight_packed, self.weight_scale, self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if self._takes_native(rows):
+            return self._native(rows).view(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
+
 def _norm(cls: type[RMSNorm]) -> Callable[[RMSNorm], RMSNorm]:
     def make(norm: RMSNorm) -> RMSNorm:
         new = cls(norm.weight.shape[0], norm.eps, norm.zero_centred)
@@ -254,13 +280,13 @@ def _cpu_linear(cls: type[CpuLinear]) -> Callable[[CpuLinear], CpuLinear]:
 _NATIVE: dict[type[nn.Module], type[nn.Module]] = {
     RMSNorm: NativeRMSNorm, GatedRMSNorm: NativeGatedRMSNorm, SiluMul: NativeSiluMul,
     SigmoidGate: NativeSigmoidGate, DecayGates: NativeDecayGates, DeltaRecurrence: NativeDeltaRecurrence,
-    CpuLinear: NativeCpuLinear, Int8Linear: NativeInt8Linear,
+    CpuLinear: NativeCpuLinear, Int8Linear: NativeInt8Linear, Int4Linear: NativeInt4Linear,
 }
 _MAKE: dict[type[nn.Module], Callable[[type[nn.Module]], Callable[[nn.Module], nn.Module]]] = {
     RMSNorm: _norm, GatedRMSNorm: _gated_norm, SiluMul: lambda cls: lambda _m: cls(),
     SigmoidGate: lambda cls: lambda _m: cls(), DecayGates: lambda cls: lambda _m: cls(),
     DeltaRecurrence: lambda cls: lambda m: cls(m.cfg), CpuLinear: _cpu_linear,
-    Int8Linear: lambda cls: cls.of,
+    Int8Linear: lambda cls: cls.of, Int4Linear: lambda cls: cls.of,
 }
 
 

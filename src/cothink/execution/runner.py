@@ -348,7 +348,8 @@ def load_model(
 ) -> ModelRunner:
     """Load a local Hugging Face folder (or the embedded name 'smollm2') as a ModelRunner.
 
-    `quantize="int8"`: weight-only int8 linears (Llama and Qwen3 families; models/quantize.py).
+    `quantize="int8"` / `"int4"`: weight-only int8 / 4-bit linears (Llama, Qwen2 and Qwen3 families;
+    models/quantize.py, models/quant4.py).
     `fast=False` keeps the plain per-projection modules (the eager path the fast one is tested
     against). `limits` go to ModelRunner: kv_tokens (pool size), page_size, max_context,
     dense_summary_min_tokens, attention_backend ("auto", "torch", "native" or "reference").

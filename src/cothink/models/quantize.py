@@ -25,7 +25,7 @@ from torch import nn
 from cothink.errors import InvalidParameterError, UnsupportedModelError
 from cothink.models.packing import FastLinear, can_pack, replace_linears, widened_matmul
 
-QUANTIZE_MODES = ("int8",)
+QUANTIZE_MODES = ("int8", "int4")  # "int4": models/quant4.py
 # Families whose every linear is a plain projection of the residual stream, validated for quality.
 # The Qwen3.5 hybrid's Gated DeltaNet gates (a few output rows driving exp/softplus decays) are not.
 INT8_FAMILIES = ("llama", "qwen2", "qwen3")

@@ -14,6 +14,7 @@ from cothink.models.hybrid_weights import split_qwen3_next_projections
 from cothink.models.kda import fuse_kda_convs
 from cothink.models.moe import KIMI_EXPERT_NAMES, QWEN_EXPERT_NAMES, fuse_expert_weights
 from cothink.models.packing import pack_linears
+from cothink.models.quant4 import checkpoint_gguf, quantize_int4
 from cothink.models.quantize import check_quantize, quantize_int8
 from cothink.models.transformer import CausalLM
 from cothink.models.vision import VisionTower
@@ -101,7 +102,8 @@ def load_weights(
 
     `fuse` concatenates the projections that share an input (models/transformer.py, the fast
     path) and, on CPU, gives the linears the kernel for their dtype and row count (models/packing.py);
-    `quantize="int8"` makes the linear weights int8 (models/quantize.py)."""
+    `quantize="int8"` makes the linear weights int8 (models/quantize.py), "int4" 4-bit groups
+    (models/quant4.py)."""
     check_quantize(quantize, cfg.family)
     with torch.device("meta"):
         model = CausalLM(cfg)
@@ -117,6 +119,8 @@ def load_weights(
         model.fuse_projections()
     if quantize == "int8":
         quantize_int8(model)
+    elif quantize == "int4":  # an embedded model's 4-bit GGUF tensors as they are, where it has them
+        quantize_int4(model, checkpoint_gguf(folder))
     elif fuse and torch.device(device).type == "cpu":
         pack_linears(model, dtype)  # the CPU kernel for each dtype and row count (models/packing.py)
     return model

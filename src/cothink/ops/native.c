@@ -25,7 +25,7 @@
 
 /* The version of this library's interface (the ct_* signatures and the tables they read), raised with
  * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
-#define CT_ABI_VERSION 2
+#define CT_ABI_VERSION 3
 
 int ct_abi_version(void) { return CT_ABI_VERSION; }
 
@@ -685,11 +685,15 @@ void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int6
  * not by memory. */
 #define LINEAR_PREFETCH 2048
 
-/* Weight storage of ct_linear: the model dtype (x's: float32 or bfloat16), or int8 with a bfloat16
- * scale per output row (weight-only quantization, models/quantize.py). */
-enum { WT_F32 = 0, WT_BF16 = 1, WT_INT8 = 2 };
+/* Weight storage of ct_linear: the model dtype (x's: float32 or bfloat16), int8 with a bfloat16
+ * scale per output row (weight-only quantization, models/quantize.py), or 4-bit groups (WT_Q4, below;
+ * models/quant4.py). */
+enum { WT_F32 = 0, WT_BF16 = 1, WT_INT8 = 2, WT_Q4 = 3 };
 
-static inline int64_t weight_size(int wt) { return wt == WT_F32 ? 4 : (wt == WT_BF16 ? 2 : 1); }
+/* bytes of one weight row of k elements */
+static inline int64_t weight_row_bytes(int wt, int64_t k) {
+    return wt == WT_F32 ? 4 * k : (wt == WT_BF16 ? 2 * k : (wt == WT_INT8 ? k : k / 2));
+}
 
 /* Eight int8 as float32 (exact). GCC lowers a vector conversion from int8 to scalar code, so x86 with
  * AVX2 takes the two instructions it has for it (sign-extend, convert). */
@@ -729,7 +733,7 @@ static inline __attribute__((always_inline)) void linear_group(const float *xf, 
                                                                 const bf16 *scale, const void *bias, void *y,
                                                                 int64_t ys, int64_t m, int64_t n, int64_t k,
                                                                 int bf, int wt, int y_f32) {
-    int64_t size = weight_size(wt);
+    int64_t size = wt == WT_F32 ? 4 : (wt == WT_BF16 ? 2 : 1);
     for (int64_t r = 0; r < n; r++) {
         const char *wr = (const char *)w + r * k * size;
         v8 acc[LINEAR_GROUP] = {0}, w0, w1;
@@ -751,9 +755,76 @@ static inline __attribute__((always_inline)) void linear_group(const float *xf, 
     }
 }
 
+/* 4-bit weights (WT_Q4): a row of k weights is k / Q4_GROUP groups of Q4_GROUP; a group is 16 bytes,
+ * byte b holding element b in its low nibble and element b + 16 in its high one (q in 0..15, the
+ * layout of GGUF's Q4_0 and Q4_1 blocks), and a float32 scale and offset, interleaved per row as
+ * [k / Q4_GROUP, 2]. Weight j of group g is q_j * scale_g + offset_g in float32, two roundings
+ * (the torch reference's `q * scale + offset`; ct_q4_dequant writes exactly these). */
+#define Q4_GROUP 32
+
+/* The 32 codes of one group as four float32 vectors of elements 0-7, 8-15, 16-23, 24-31 (exact). */
+static inline void ld_q4(const uint8_t *p, v8 *q) {
+#if defined(__AVX2__)
+    __m128i b = _mm_loadu_si128((const __m128i *)p), mask = _mm_set1_epi8(0x0f);
+    __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+    __m256 f[4] = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)),
+                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))),
+                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)),
+                   _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)))};
+    memcpy(q, f, sizeof f);
+#else
+    float f[Q4_GROUP];
+    for (int b = 0; b < 16; b++) {
+        f[b] = (float)(p[b] & 0x0f);
+        f[b + 16] = (float)(p[b] >> 4);
+    }
+    memcpy(q, f, sizeof f);
+#endif
+}
+
+/* y[i, r] = x[i] . w[r] for m <= LINEAR_GROUP rows of xf (float32, natural order) and every 4-bit
+ * weight row r, as sum over groups g of (scale_g * (x_g . q_g) + offset_g * sum(x_g)) with xsum
+ * [m, k / Q4_GROUP] the rows' group sums: the dequantized product regrouped, equal to it within
+ * float32 rounding (not to the bit; models/quant4.py states the bound). One fixed order of sums per
+ * output, so a row's result does not depend on the others nor on the thread count. */
+static inline __attribute__((always_inline)) void linear_group_q4(const float *xf, const float *xsum,
+                                                                   const uint8_t *w, const float *sm,
+                                                                   const void *bias, void *y, int64_t ys,
+                                                                   int64_t m, int64_t n, int64_t k, int bf,
+                                                                   int y_f32) {
+    int64_t groups = k / Q4_GROUP;
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *wr = w + r * (k / 2);
+        const float *smr = sm + r * groups * 2;
+        v8 acc[LINEAR_GROUP] = {0}, q[4];
+        float off[LINEAR_GROUP] = {0};
+        for (int64_t g = 0; g < groups; g++) {
+            ld_q4(wr + g * 16, q);
+            float scale = smr[2 * g], offset = smr[2 * g + 1];
+            for (int64_t i = 0; i < m; i++) {
+                const float *xg = xf + i * k + g * Q4_GROUP;
+                v8 d = ld8(xg) * q[0] + ld8(xg + 8) * q[1] + ld8(xg + 16) * q[2] + ld8(xg + 24) * q[3];
+                acc[i] += d * scale;
+                off[i] += offset * xsum[i * groups + g];
+            }
+        }
+        float b = bias ? load(bias, r, bf) : 0.0f;
+        for (int64_t i = 0; i < m; i++) {
+            float v = hsum8(acc[i]) + off[i] + b;
+            if (y_f32)
+                ((float *)y)[i * ys + r] = rnd(v, bf);
+            else
+                store(y, i * ys + r, v, bf);
+        }
+    }
+}
+
 #define LINEAR_CASE(M)                                                                                \
     case M:                                                                                           \
-        if (j->wt == WT_BF16)                                                                         \
+        if (j->wt == WT_Q4)                                                                           \
+            linear_group_q4(j->xf, j->xsum, w, (const float *)scale, bias, y, j->ys, M, n, k, j->bf, \
+                            j->y_f32);                                                                \
+        else if (j->wt == WT_BF16)                                                                    \
             linear_group(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_BF16, j->y_f32);        \
         else if (j->wt == WT_INT8)                                                                    \
             linear_group(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_INT8, j->y_f32);        \
@@ -763,9 +834,8 @@ static inline __attribute__((always_inline)) void linear_group(const float *xf, 
 
 /* One group of <= LINEAR_GROUP rows of ct_linear, for its weight rows split over threads. */
 typedef struct {
-    const float *xf;
-    const void *w, *bias;
-    const bf16 *scale;
+    const float *xf, *xsum; /* xsum: the rows' Q4_GROUP sums (WT_Q4 only) */
+    const void *w, *bias, *scale;
     void *y;
     int64_t ys, m, k;
     int bf, wt, y_f32;
@@ -775,8 +845,11 @@ typedef struct {
 static void linear_rows(void *ctx, int64_t begin, int64_t end) {
     const LinearJob *j = ctx;
     int64_t size = j->bf ? 2 : 4, n = end - begin, k = j->k;
-    const void *w = (const char *)j->w + begin * k * weight_size(j->wt);
-    const bf16 *scale = j->scale ? j->scale + begin : NULL;
+    const void *w = (const char *)j->w + begin * weight_row_bytes(j->wt, k);
+    /* int8: a bfloat16 per row; 4-bit: a float32 scale and offset per group */
+    const void *scale = !j->scale ? NULL
+                      : j->wt == WT_Q4 ? (const void *)((const float *)j->scale + begin * (k / Q4_GROUP) * 2)
+                                       : (const void *)((const bf16 *)j->scale + begin);
     const void *bias = j->bias ? (const char *)j->bias + begin * size : NULL;
     void *y = (char *)j->y + begin * (j->y_f32 ? 4 : size);
     switch (j->m) {
@@ -794,28 +867,100 @@ static void linear_rows(void *ctx, int64_t begin, int64_t end) {
 /* Weight rows a thread claims at a time (~36-96 KiB of a SmolLM2-sized layer) */
 #define LINEAR_GRAIN 32
 
+/* A 4-bit product of more than LINEAR_GROUP rows, all rows' inputs prepared up front: each task runs
+ * every group of LINEAR_GROUP rows over its weight rows, so the weights are read from memory once
+ * (the groups after the first find them in cache), not once per group. */
+typedef struct {
+    const float *xf, *xsum; /* [m, k] float32 inputs and their [m, k / Q4_GROUP] group sums */
+    const uint8_t *w;
+    const float *scale;
+    const void *bias;
+    void *y;
+    int64_t ys, m, k;
+    int bf, y_f32;
+} Q4Job;
+
+#define Q4_CASE(M)                                                                                              \
+    case M:                                                                                                     \
+        linear_group_q4(xf, xsum, w, scale, bias, y, j->ys, M, n, k, j->bf, j->y_f32);                      \
+        break;
+
+/* weight rows begin .. end-1 of a Q4Job, for every group of rows */
+static void q4_rows(void *ctx, int64_t begin, int64_t end) {
+    const Q4Job *j = ctx;
+    int64_t n = end - begin, k = j->k, groups = k / Q4_GROUP, size = j->y_f32 ? 4 : (j->bf ? 2 : 4);
+    const uint8_t *w = j->w + begin * (k / 2);
+    const float *scale = j->scale + begin * groups * 2;
+    const void *bias = j->bias ? (const char *)j->bias + begin * (j->bf ? 2 : 4) : NULL;
+    for (int64_t i0 = 0; i0 < j->m; i0 += LINEAR_GROUP) {
+        const float *xf = j->xf + i0 * k, *xsum = j->xsum + i0 * groups;
+        void *y = (char *)j->y + (i0 * j->ys + begin) * size;
+        switch (j->m - i0 < LINEAR_GROUP ? j->m - i0 : LINEAR_GROUP) {
+            Q4_CASE(1)
+            Q4_CASE(2)
+            Q4_CASE(3)
+            Q4_CASE(4)
+            Q4_CASE(5)
+            Q4_CASE(6)
+            Q4_CASE(7)
+            Q4_CASE(8)
+        }
+    }
+}
+
 /* y = x w^T (+ bias) for x [m, k] (row stride xs), w [n, k] and y [m, n] (row stride ys); x, y and
  * the bias of the model dtype bf (or y float32 holding the rounded values, y_f32: the logits without
  * a widening pass), w of storage wt (int8: with `scale` [n], and x rounded to bfloat16 first, as
- * torch's int8 kernel takes it); k a multiple of 16 (Python checks). Float32 sums in a fixed order per
+ * torch's int8 kernel takes it; 4-bit: `scale` the groups' [n, k / Q4_GROUP, 2] scales and offsets, x
+ * as it is); k a multiple of 16, of Q4_GROUP for 4-bit (Python checks). Float32 sums in a fixed order per
  * output, so a row's result does not depend on the others nor on `threads`; bfloat16 results
  * rounded once, after the bias. A decode-sized product is bound by reading the weight: one pass per
  * LINEAR_GROUP rows, its weight rows split over up to `threads` threads. */
 void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, const void *bias, void *y,
                int64_t ys, int64_t m, int64_t n, int64_t k, int bf, int wt, int y_f32, int64_t threads) {
     int64_t size = bf ? 2 : 4, y_size = y_f32 ? 4 : size;
+    int64_t groups = k / Q4_GROUP;
+    if (wt == WT_Q4 && m > LINEAR_GROUP) { /* the same sums per output as group by group, below */
+        float *xa = malloc((size_t)(m * k) * sizeof(float)), *sa = malloc((size_t)(m * groups) * sizeof(float));
+        for (int64_t i = 0; i < m; i++) {
+            load_row((const char *)x + i * xs * size, k, bf, xa + i * k);
+            for (int64_t g = 0; g < groups; g++) sa[i * groups + g] = sum(xa + i * k + g * Q4_GROUP, Q4_GROUP);
+        }
+        Q4Job job = {xa, sa, w, scale, bias, y, ys, m, k, bf, y_f32};
+        parallel_for(q4_rows, &job, n, LINEAR_GRAIN, threads);
+        free(xa);
+        free(sa);
+        return;
+    }
     float *xf = malloc((size_t)(LINEAR_GROUP * k) * sizeof(float));
+    float *xsum = malloc((size_t)(LINEAR_GROUP * groups + 1) * sizeof(float));
     for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
         int64_t rows = m - i0 < LINEAR_GROUP ? m - i0 : LINEAR_GROUP;
         for (int64_t i = 0; i < rows; i++) {
             load_row((const char *)x + (i0 + i) * xs * size, k, bf, xf + i * k);
             if (wt == WT_INT8) round_row(xf + i * k, k, 1);
             deal(xf + i * k, k, wt == WT_BF16, 0);
+            if (wt == WT_Q4)
+                for (int64_t g = 0; g < groups; g++) xsum[i * groups + g] = sum(xf + i * k + g * Q4_GROUP, Q4_GROUP);
         }
-        LinearJob job = {xf, w, bias, scale, (char *)y + i0 * ys * y_size, ys, rows, k, bf, wt, y_f32};
+        LinearJob job = {xf, xsum, w, bias, scale, (char *)y + i0 * ys * y_size, ys, rows, k, bf, wt, y_f32};
         parallel_for(linear_rows, &job, n, LINEAR_GRAIN, threads);
     }
     free(xf);
+    free(xsum);
+}
+
+/* The 4-bit weight rows r0 .. r1-1 (WT_Q4's layout) dequantized into out [r1 - r0, k] float32:
+ * q * scale + offset, the two roundings of the torch reference (models/quant4.py), to the bit. */
+void ct_q4_dequant(const uint8_t *w, const float *sm, float *out, int64_t r0, int64_t r1, int64_t k) {
+    int64_t groups = k / Q4_GROUP;
+    v8 q[4];
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *s = sm + (r * groups + g) * 2;
+            ld_q4(w + r * (k / 2) + g * 16, q);
+            for (int u = 0; u < 4; u++) st8(out + (r - r0) * k + g * Q4_GROUP + 8 * u, q[u] * s[0] + s[1]);
+        }
 }
 
 /* RMSNorm of each head of x [T, heads, dim] (token stride ts, head stride hs; the q/k norms of
@@ -850,8 +995,8 @@ void ct_sigmoid_gate(const void *x, const void *gate, int64_t gs, int64_t gh, vo
 #define CT_DECLARE(type, name) type name;
 #define CT_OFFSET(type, name) {CT_STRUCT_NAME "." #name, (int64_t)offsetof(CT_STRUCT, name)},
 
-/* One linear of a layer, as ct_linear reads it: the weight (storage `wt`), its int8 row scales
- * (NULL for a weight of the model dtype) and its bias (NULL: none). */
+/* One linear of a layer, as ct_linear reads it: the weight (storage `wt`), its int8 row scales or
+ * 4-bit group scales and offsets (NULL for a weight of the model dtype) and its bias (NULL: none). */
 #define CT_LINEAR_FIELDS(X) X(const void *, weight) X(const void *, scale) X(const void *, bias)
 typedef struct { CT_LINEAR_FIELDS(CT_DECLARE) } CtLinear;
 

@@ -46,11 +46,14 @@ log = logging.getLogger(__name__)
 ENABLED = os.environ.get("COTHINK_NATIVE", "1") != "0"
 REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 2
+ABI_VERSION = 3
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# weight storage the C linear reads (WT_* in native.c): the model dtypes, and int8 with row scales
-WEIGHT_TYPES = {**DTYPES, torch.int8: 2}
+# weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales, and
+# 4-bit groups packed two to a byte (uint8, models/quant4.py) with a scale and offset per group
+WEIGHT_TYPES = {**DTYPES, torch.int8: 2, torch.uint8: 3}
+# weights per 4-bit group (Q4_GROUP in native.c)
+Q4_GROUP = 32
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -67,6 +70,7 @@ _SIGNATURES = {
     "ct_head_rms_norm": [_P, _I, _I, _P, _P, _I, _I, _I, _F, ctypes.c_int, ctypes.c_int],
     "ct_sigmoid_gate": [_P, _P, _I, _I, _P, _I, _I, _I, ctypes.c_int],
     "ct_decode_layers": [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int, _I],
+    "ct_q4_dequant": [_P, _P, _P, _I, _I, _I],
     "ct_helper_grains": [],
     "ct_layout": [ctypes.POINTER(_I)],
 }
@@ -75,8 +79,8 @@ _SIGNATURES = {
 # ct_decode_layers' inputs (native.c, the Ct* structs): mirrors, field by field, checked against the
 # library's own offsets and sizes (`ct_layout`) when it is loaded, so the two cannot drift apart.
 class CtLinear(ctypes.Structure):
-    """One linear of a layer: the weight, its int8 row scales (None: a weight of the model dtype), its
-    bias (None: none)."""
+    """One linear of a layer: the weight, its int8 row scales or 4-bit group scales and offsets (None: a
+    weight of the model dtype), its bias (None: none)."""
 
     _fields_ = [("weight", _P), ("scale", _P), ("bias", _P)]
 
@@ -463,17 +467,23 @@ def linear(
     a few rows at a time over the weight, bound by reading it once per 8 rows. The weight is of x's
     dtype, or int8 with a bfloat16 `scale` [N] per row (models/quantize.py): then x is rounded to
     bfloat16 and each output is its sum times the scale rounded to bfloat16, as torch's int8 kernel
-    (`_weight_int8pack_mm`) computes it, before the bias (of x's dtype). `float_out`: the result as
-    float32, equal to `linear(...).float()` without the widening pass."""
+    (`_weight_int8pack_mm`) computes it, before the bias (of x's dtype); or 4-bit, uint8 [N, K / 2]
+    with float32 `scale` [N, K / 32, 2] (models/quant4.py `Int4Weights`): the product with the
+    dequantized weight within float32 rounding, rounded to x's dtype once, after the bias.
+    `float_out`: the result as float32, equal to `linear(...).float()` without the widening pass."""
     m, k = x.shape
     n = weight.shape[0]
+    packed = 2 if weight.dtype == torch.uint8 else 1  # weights per stored element
     if weight.dtype == torch.int8:
         kind_fits = scale is not None and scale.dtype == torch.bfloat16 and scale.shape == (n,)
+    elif weight.dtype == torch.uint8:
+        kind_fits = (scale is not None and scale.dtype == torch.float32 and k % Q4_GROUP == 0
+                     and scale.shape == (n, k // Q4_GROUP, 2))
     else:
         kind_fits = scale is None and weight.dtype == x.dtype
     # C reads k columns, the scales and the bias in x's dtype blindly
     bias_fits = bias is None or bias.dtype == x.dtype
-    if not (kind_fits and bias_fits) or k != weight.shape[1] or x.stride(1) != 1:
+    if not (kind_fits and bias_fits) or k != weight.shape[1] * packed or x.stride(1) != 1:
         raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
                          f"{weight.dtype} (or its rows are not contiguous, or its scale or bias)")
     y = torch.empty((m, n), dtype=torch.float32 if float_out else x.dtype)
@@ -487,9 +497,18 @@ def linear(
 
 def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None = None) -> bool:
     """Whether `linear` takes this weight and bias: contiguous, K % 16 == 0, of a kernel dtype (the
-    bias too), or int8 with a contiguous bfloat16 `scale` per row (the bias then of a kernel dtype)."""
+    bias too), or int8 with a contiguous bfloat16 `scale` per row, or 4-bit (uint8 [N, K / 2]) with
+    contiguous float32 group scales and offsets [N, K / 32, 2] (the bias then of a kernel dtype)."""
     if scale is None:
         kind_fits = supports(weight) and (bias is None or bias.dtype == weight.dtype)
+    elif weight.dtype == torch.uint8:
+        return (
+            weight.device.type == "cpu" and available() and weight.dim() == 2 and weight.is_contiguous()
+            and scale.dtype == torch.float32 and scale.is_contiguous()
+            and scale.shape == (weight.shape[0], 2 * weight.shape[1] // Q4_GROUP, 2)
+            and (2 * weight.shape[1]) % Q4_GROUP == 0
+            and (bias is None or (bias.dtype in DTYPES and bias.is_contiguous()))
+        )
     else:
         kind_fits = (
             weight.dtype == torch.int8 and weight.device.type == "cpu" and available()
@@ -500,6 +519,18 @@ def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Te
         kind_fits and weight.dim() == 2 and weight.is_contiguous() and weight.shape[1] % 16 == 0
         and (bias is None or bias.is_contiguous())
     )
+
+
+def q4_dequant(weight: torch.Tensor, scale: torch.Tensor, rows: slice, out: torch.Tensor) -> None:
+    """Rows `rows` of a 4-bit weight (uint8 [N, K / 2], float32 group scales and offsets
+    [N, K / 32, 2], as `linear` takes them) dequantized into float32 out [rows, K]: q * scale + offset,
+    to the bit the torch reference's values (models/quant4.py `Int4Weights.dequantize`)."""
+    start, stop, _ = rows.indices(weight.shape[0])
+    k = 2 * weight.shape[1]
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.shape != (stop - start, k):
+        raise ValueError(f"q4_dequant: out {tuple(out.shape)} {out.dtype} is not float32 "
+                         f"[{stop - start}, {k}]")
+    _library().ct_q4_dequant(weight.data_ptr(), scale.data_ptr(), out.data_ptr(), start, stop, k)
 
 
 @dataclass(frozen=True)
@@ -540,10 +571,11 @@ def decode_layers(
     `silu_mul`, down `linear`, residual; the mixer an attention of `linear`, `head_rms_norm`,
     `store_kv`, `decode_attention`, `sigmoid_gate`, or a Gated DeltaNet of `linear`, `gdn_gates`,
     `gdn_token`, `gated_rms_norm`), so results are those of that path to the bit. `layers` holds each
-    layer's tensors (its linears' weights of storage `weights`: x's dtype or int8); an attention layer's
-    keys are pool_k[kv_slot], pool_v[kv_slot] [S, Hkv, D], this step's go to `store_slots` rotated by
-    key_cos/key_sin and the items attend as `plan`; a Gated DeltaNet layer reads and writes the buffers
-    of its entry of `linear_io`. Every tensor they point to must outlive the call."""
+    layer's tensors (its linears' weights of storage `weights`: x's dtype, int8 or 4-bit uint8); an
+    attention layer's keys are pool_k[kv_slot], pool_v[kv_slot] [S, Hkv, D], this step's go to
+    `store_slots` rotated by key_cos/key_sin and the items attend as `plan`; a Gated DeltaNet layer
+    reads and writes the buffers of its entry of `linear_io`. Every tensor they point to must outlive
+    the call."""
     keys = CtStepKeys(
         pool_k=pool_k.data_ptr(), pool_v=pool_v.data_ptr(), pool_layer=pool_k.stride(0),
         store_slots=store_slots.data_ptr(), key_cos=key_cos.data_ptr(), key_sin=key_sin.data_ptr(),

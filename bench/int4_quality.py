@@ -1,0 +1,112 @@
+"""Weight-only 4-bit: quality against the same model unquantized (perplexity on a fixed text and greedy
+agreement), and decode speed against cothink's own bfloat16, in one process.
+
+    python bench/int4_quality.py             # SmolLM2
+    python bench/int4_quality.py --quick
+
+Variants, all with bfloat16 activations: "bfloat16"; "int4", `quantize="int4"` (the layers' 4-bit
+weights: for the embedded SmolLM2 the shipped GGUF's Q4_1 tensors as they are, the weights llama.cpp
+runs from that file; the lm_head int8); and, where the model has such a GGUF, "int4_requantized": every
+layer quantized at load from the bfloat16 weights instead (models/quant4.py `Int4Weights.quantize`).
+Perplexity and greedy agreement as bench/int8_quality.py computes them (its text and prompts). Writes
+int4_quality.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+import cothink  # noqa: E402,F401  sets the OpenMP wait policy, so it precedes torch
+import torch  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+from int8_quality import PROMPTS, TEXT, agreement, greedy, perplexity  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    C.add_common_args(p)
+    p.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per prompt (default 48)")
+    args = p.parse_args(argv)
+    args.new_tokens = args.new_tokens or (16 if args.quick else 48)
+    return args
+
+
+def requantized_runner(model: str) -> Any:
+    """`quantize="int4"` with every layer quantized from the bfloat16 weights, for a model whose
+    checkpoint has a 4-bit GGUF source (None: it has none, "int4" is already that)."""
+    from unittest import mock
+
+    from cothink.execution.runner import load_model
+    from cothink.models import weights
+    from cothink.models.quant4 import checkpoint_gguf
+
+    if checkpoint_gguf(C.model_folder(model)) is None:
+        return None
+    with mock.patch.object(weights, "checkpoint_gguf", lambda _folder: None):  # the GGUF not read
+        return load_model(model, dtype=torch.bfloat16, quantize="int4", kv_tokens=4096)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from cothink.execution.runner import load_model
+    from cothink.models.text import chat_prompt_ids
+
+    args = parse_args(argv)
+    C.setup(args)
+    console = C.console()
+    info = C.machine()
+    console.print(f"int4 quality: {args.model} on {C.machine_line(info)}")
+    runners = {
+        "bfloat16": load_model(args.model, dtype=torch.bfloat16, kv_tokens=4096),
+        "int4": load_model(args.model, dtype=torch.bfloat16, quantize="int4", kv_tokens=4096),
+    }
+    requantized = requantized_runner(args.model)
+    if requantized is not None:
+        runners["int4_requantized"] = requantized
+    tok = runners["bfloat16"].tokenizer
+    text_ids = tok(TEXT)["input_ids"]
+    results: dict[str, Any] = {
+        "text_tokens": len(text_ids), "perplexity": {}, "greedy": [], "decode_tok_s": {}
+    }
+    for name, runner in runners.items():
+        results["perplexity"][name] = perplexity(runner, text_ids)
+    prompts = PROMPTS[:2] if args.quick else PROMPTS
+    times = {name: 0.0 for name in runners}
+    for prompt in prompts:
+        ids = chat_prompt_ids(tok, prompt)
+        outs = {}
+        for name, runner in runners.items():
+            outs[name], dt = greedy(runner, ids, args.new_tokens)
+            times[name] += dt
+        row: dict[str, Any] = {"prompt": prompt}
+        for name in runners:
+            if name != "bfloat16":
+                row[f"prefix_{name}"], row[f"share_{name}"] = agreement(outs[name], outs["bfloat16"])
+        results["greedy"].append(row)
+    for name in runners:
+        results["decode_tok_s"][name] = len(prompts) * args.new_tokens / times[name]
+    ppl = results["perplexity"]
+    change = {name: f" ({100 * (value / ppl['bfloat16'] - 1):+.2f}%)" for name, value in ppl.items()}
+    change["bfloat16"] = ""
+    console.print(f"perplexity on a fixed {len(text_ids)}-token text: "
+                  + ", ".join(f"{name} {value:.3f}{change[name]}" for name, value in ppl.items()))
+    for row in results["greedy"]:
+        console.print(f"  {row['prompt']!r}: agreement with bfloat16 (first difference at, of "
+                      f"{args.new_tokens}): " + ", ".join(
+                          f"{name} {row[f'prefix_{name}']} ({row[f'share_{name}']:.0%} of positions)"
+                          for name in runners if name != "bfloat16"))
+    speed = results["decode_tok_s"]
+    console.print("decode tok/s (this run, greedy loop on the runner): "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in speed.items()))
+    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    data = {"benchmark": "int4_quality", "machine": info, "settings": settings, "results": results}
+    C.write_json(args.out / "int4_quality.json", data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

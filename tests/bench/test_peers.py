@@ -1,0 +1,62 @@
+"""bench/peers.py runs each engine in a process of its own and writes its table, JSON and plot; an
+engine that is not installed is reported as missing, with no figures."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def peers():
+    spec = importlib.util.spec_from_file_location("bench_peers", ROOT / "bench" / "peers.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory) -> Path:
+    """A tiny random Llama (input widths multiples of 32, for 4-bit groups) with SmolLM2's tokenizer."""
+    import torch
+    import transformers as tf
+
+    from cothink.models.hub import resolve_model_path
+
+    folder = tmp_path_factory.mktemp("peers_tiny")
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    tf.LlamaForCausalLM(cfg).save_pretrained(folder)
+    for f in Path(resolve_model_path("smollm2")).iterdir():
+        if f.name.startswith("tokenizer"):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_peers_quick_reports_cothink_and_a_missing_engine(peers, tiny_folder, tmp_path, monkeypatch):
+    monkeypatch.setitem(peers.MODULES, "llama.cpp", ("cothink_test_no_such_module",))
+    argv = ["--quick", "--model", str(tiny_folder), "--engines", "cothink", "llama.cpp",
+            "--out", str(tmp_path), "--models-dir", str(tmp_path / "models"), "--decode-tokens", "5",
+            "--prefill", "16", "40"]
+    assert peers.main(argv) == 0
+    data = json.loads((tmp_path / "peers.json").read_text())
+    assert data["machine"]["cpu"] and "commit" in data["machine"]
+    cothink, llama = data["engines"]["cothink"], data["engines"]["llama.cpp"]
+    assert cothink["status"] == "ok" and "4-bit" in cothink["best"]["weights"]
+    best = cothink["best"]
+    assert best["decode_tok_s"] > 0 and best["batch_tok_s"] > 0
+    assert set(best["prefill_tok_s"]) == {"16", "40"} and all(v > 0 for v in best["prefill_tok_s"].values())
+    assert len(best["decode_ids"]) == 5 and cothink["agreement"] == 5
+    assert llama["status"] == "missing" and llama["best"] is None and llama["rounds"] == []
+    assert (tmp_path / "peers.png").stat().st_size > 0

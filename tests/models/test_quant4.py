@@ -1,0 +1,256 @@
+"""Weight-only 4-bit weights (models/quant4.py): GGUF's Q4_0 / Q4_1 / Q4_K tensors dequantize exactly as
+the gguf package does, the C kernel stays within the documented float32 bound of the reference
+product (independent of the thread count and of the batch), and a tiny model stays close to bfloat16."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from reference import random_ids
+
+import cothink
+from cothink.errors import UnsupportedModelError
+from cothink.execution.native_modules import NativeCpuLinear, NativeInt4Linear
+from cothink.models.packing import CpuLinear
+from cothink.models.quant4 import (
+    Int4Linear,
+    Int4Weights,
+    checkpoint_gguf,
+    load_gguf_int4,
+    reference_linear,
+)
+from cothink.models.quantize import Int8Linear
+from cothink.ops import native
+
+needs_native = pytest.mark.skipif(not native.available(), reason="cothink's C kernels are not built here")
+Q = gguf.GGMLQuantizationType
+
+
+def _q4k_blocks(rows: int, k: int, seed: int) -> np.ndarray:
+    """Random Q4_K blocks [rows, k / 256 * 144] bytes: finite float16 d and dmin, every other byte any."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * k // 256, 144), dtype=np.uint8)
+    halves = rng.uniform(-0.05, 0.05, size=(rows * k // 256, 2)).astype(np.float16)
+    blocks[:, :4] = halves.view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
+def _write_and_read(path: Path, tensors: dict[str, tuple[np.ndarray, Q]]) -> gguf.GGUFReader:
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for name, (data, qtype) in tensors.items():
+        writer.add_tensor(name, data, raw_shape=data.shape, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf.GGUFReader(str(path))
+
+
+def test_gguf_4bit_tensors_dequantize_as_gguf_does(tmp_path):
+    rng = np.random.default_rng(3)
+    dense = rng.standard_normal((48, 512)).astype(np.float32) * 0.1
+    dense[5, :32] = 0.25  # a constant block (zero scale)
+    written = {
+        "q4_0": (gguf.quants.quantize(dense, Q.Q4_0), Q.Q4_0),
+        "q4_1": (gguf.quants.quantize(dense, Q.Q4_1), Q.Q4_1),
+        "q4_k": (_q4k_blocks(48, 512, seed=4), Q.Q4_K),
+    }
+    reader = _write_and_read(tmp_path / "tiny.gguf", written)
+    for t in reader.tensors:
+        k, n = (int(s) for s in t.shape)
+        assert (n, k) == (48, 512)
+        want = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).reshape(n, k)
+        got = Int4Weights.from_gguf(np.asarray(t.data), int(t.tensor_type), (n, k)).dequantize()
+        assert got.dtype == torch.float32
+        # equal values (Q4_0's d (q - 8) is -0.0 where d < 0 and q = 8; q d + (-8 d) is +0.0 there)
+        assert np.array_equal(got.numpy(), want.astype(np.float32)), t.name
+        nonzero = want != 0
+        bits = want[nonzero].astype(np.float32).view(np.int32)
+        assert np.array_equal(got.numpy()[nonzero].view(np.int32), bits)
+
+
+def test_quantize_recovers_q4_1_values_and_bounds_the_error():
+    rng = np.random.default_rng(5)
+    dense = rng.standard_normal((64, 256)).astype(np.float32) * 0.05
+    q41 = gguf.quants.dequantize(gguf.quants.quantize(dense, Q.Q4_1), Q.Q4_1).reshape(64, 256)
+    again = Int4Weights.quantize(torch.from_numpy(q41)).dequantize()
+    same = (again == torch.from_numpy(q41)).float().mean().item()
+    assert same > 0.99  # a Q4_1 dequantization is (almost everywhere) its own float32 quantization
+    w = torch.from_numpy(dense)
+    err = (Int4Weights.quantize(w).dequantize() - w).abs()
+    step = (w.view(64, 8, 32).amax(-1) - w.view(64, 8, 32).amin(-1)) / 15
+    assert (err.view(64, 8, 32) <= step[..., None] / 2 * (1 + 1e-5) + 1e-7).all()  # half a step, rounding
+
+
+def _bound(x: torch.Tensor, weights: Int4Weights) -> torch.Tensor:
+    """The documented kernel bound: 2^-18 sum_g sum_j |x_j| (|scale_g| q_j + |offset_g|)."""
+    n, k = weights.shape
+    groups = k // 32
+    q = weights.codes().float().view(n, groups, 32)
+    scale, offset = weights.scale[..., 0].abs(), weights.scale[..., 1].abs()
+    mag = (q * scale[..., None] + offset[..., None]).view(n, k)
+    return 2.0**-18 * (x.float().abs() @ mag.T)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_within_bound_of_the_reference_for_any_threads_and_batch(dtype):
+    torch.manual_seed(0)
+    n, k = 200, 320
+    weights = Int4Weights.quantize(torch.randn(n, k))
+    bias = torch.randn(n).to(dtype)
+    x = torch.randn(32, k).to(dtype)
+    exact = torch.nn.functional.linear(x.float(), weights.dequantize(), bias.float())
+    got = native.linear(x, weights.packed, bias, scale=weights.scale, float_out=True)
+    rounding = exact.abs() * 2.0**-8 if dtype == torch.bfloat16 else 0.0  # float_out: rounded to the dtype
+    assert ((got - exact).abs() <= _bound(x, weights) + rounding).all()
+    if dtype == torch.bfloat16:  # one rounding to bfloat16: the reference's, or the neighbour
+        ref = reference_linear(x, weights, bias).float()
+        assert ((got - ref).abs() <= ref.abs() * 2.0**-7).all()
+    rows = [native.linear(x[i : i + 1], weights.packed, bias, scale=weights.scale) for i in range(32)]
+    assert torch.equal(torch.cat(rows), native.linear(x, weights.packed, bias, scale=weights.scale))
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(torch.cat([native.linear(x[:5], weights.packed, bias, scale=weights.scale),
+                                   native.linear(x, weights.packed, bias, scale=weights.scale)]))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@needs_native
+def test_native_dequant_is_the_reference_to_the_bit():
+    torch.manual_seed(1)
+    weights = Int4Weights.quantize(torch.randn(70, 96) * 3)
+    out = torch.empty(40, 96)
+    native.q4_dequant(weights.packed, weights.scale, slice(20, 60), out)
+    assert torch.equal(out, weights.dequantize()[20:60])
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_wide_inputs_take_the_dequantized_gemm(monkeypatch, kernels):
+    if kernels and not native.available():
+        pytest.skip("cothink's C kernels are not built here")
+    monkeypatch.setattr(native, "ENABLED", kernels)
+    torch.manual_seed(2)
+    dense = torch.nn.Linear(128, 80)
+    layer = Int4Linear(dense.weight, dense.bias)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(3, 70, 128).to(dtype)
+        got, ref = layer(x.to(dtype)), reference_linear(x, layer.weights, layer.bias)
+        assert got.shape == (3, 70, 80) and got.dtype == dtype
+        tol = 1e-5 if dtype == torch.float32 else 2.0**-7
+        assert ((got.float() - ref.float()).abs() <= tol * ref.float().abs().clamp(min=1)).all()
+
+
+def _logits(runner, ids: list[int]) -> torch.Tensor:
+    """Logits of a 20-token prefill, then of four decode steps (the wide and the narrow products)."""
+    block = runner.new_block()
+    return torch.cat([runner.extend(block, ids[:20]), *(runner.extend(block, [t]) for t in ids[20:])])
+
+
+def test_int4_model_is_its_dequantized_model(tiny_model, record_error):
+    """The whole 4-bit path (prefill and decode, native modules where built) against the float32 model
+    whose linears hold the dequantized weights (plain torch modules): float32 rounding apart. The
+    lm_head (int8) is replaced by one float32 weight on both sides."""
+    tm = tiny_model("llama")
+    q = tm.runner(quantize="int4")
+    layers = q.model.model.layers
+    linear = layers[0].self_attn.qkv_proj
+    assert isinstance(linear, Int4Linear) and isinstance(q.model.lm_head, Int8Linear)
+    assert layers[0].self_attn.q_proj is None  # no dense copy of a quantized weight stays alive
+    if native.available():
+        assert isinstance(linear, NativeInt4Linear)  # the native backend swapped its module in
+    dense = tm.runner(attention_backend="torch")
+    for name, module in q.model.named_modules():
+        if isinstance(module, Int4Linear):
+            parent, _, attr = name.rpartition(".")
+            old = dense.model.get_submodule(name)
+            setattr(dense.model.get_submodule(parent), attr, type(old)(module.weights.dequantize(), None))
+    # the lm_head (int8, activations rounded to bfloat16) as one float32 weight on both sides
+    head = q.model.lm_head.dequantized(torch.float32)
+    q.model.lm_head = NativeCpuLinear(head, None) if native.available() else CpuLinear(head, None)
+    dense.model.lm_head = CpuLinear(head.clone(), None)
+    ids = random_ids(24, seed=7)
+    got, want = _logits(q, ids), _logits(dense, ids)
+    rel = record_error("int4 vs its dequantized fp32 model (relative)", "llama",
+                       ((got - want).abs().max() / want.abs().max()).item())
+    assert rel < 1e-4
+
+
+def test_tiny_model_int4_stays_close_to_bfloat16(tiny_model, record_error):
+    tm = tiny_model("llama")
+    ids = random_ids(24, seed=7)
+    want = _logits(tm.runner(dtype=torch.bfloat16), ids)
+    got = _logits(tm.runner(dtype=torch.bfloat16, quantize="int4"), ids)
+    rel = ((got - want).abs().max() / want.abs().max()).item()
+    record_error("int4 vs bf16 (relative)", "llama", rel)
+    # Tolerance: random weights (no structure, every group spread over its whole range) are 4-bit's
+    # worst case: 16 levels per group of 32 move this model's logits by ~30% of their range (the
+    # error is the weights', not the kernels': the test above). Never garbage: most argmaxes agree.
+    assert rel < 0.5
+    agree = (got.argmax(-1) == want.argmax(-1)).float().mean().item()
+    assert agree >= 0.5
+
+
+def test_int4_greedy_decoding_through_the_engine(tiny_model):
+    async def run() -> list[int]:
+        engine = cothink.Engine.from_pretrained(tiny_model("llama").folder, quantize="int4")
+        async with engine:
+            block = engine.block("q")
+            await engine.extend(block, token_ids=random_ids(6, seed=9))
+            result = await engine.generate(block, max_tokens=4, stop_at_eos=False).collect()
+        return result.token_ids
+
+    import asyncio
+
+    assert len(asyncio.run(run())) == 4
+
+
+def test_int4_refuses_unsupported_families(tiny_model):
+    with pytest.raises(UnsupportedModelError, match="quantize"):
+        tiny_model("qwen35").runner(quantize="int4")
+
+
+def _smollm2_gguf() -> Path | None:
+    try:
+        from cothink.models.hub import find_embedded_gguf
+
+        return find_embedded_gguf("smollm2")
+    except Exception:  # the embedded model's package is not installed
+        return None
+
+
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="the embedded SmolLM2 package is not installed")
+def test_smollm2_q4_1_tensors_load_exactly():
+    """The shipped Q4_1 tensors, loaded as 4-bit weights, dequantize to the converted float32
+    checkpoint's weights to the bit (q/k rows un-permuted as llama.cpp's converter permuted them);
+    `quantize="int4"` on the embedded model takes them (the lm_head, Q8_0 there, becomes int8)."""
+    from cothink.models.config import load_config
+    from cothink.models.hub import resolve_model_path
+    from cothink.models.weights import load_weights
+
+    folder = resolve_model_path("smollm2")
+    assert checkpoint_gguf(folder) == _smollm2_gguf()
+    model = load_weights(load_config(folder), folder, torch.float32, "cpu")
+    dense = {name: m.weight.detach().clone() for name, m in model.named_modules()
+             if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))}
+    assert load_gguf_int4(model, _smollm2_gguf()) == 4 * len(model.model.layers)
+    quantized = load_weights(load_config(folder), folder, torch.bfloat16, "cpu", quantize="int4")
+    assert isinstance(quantized.lm_head, Int8Linear)
+    for loaded in (model, quantized):
+        modules = dict(loaded.named_modules())
+        for name, weight in dense.items():
+            assert isinstance(modules[name], Int4Linear)
+            assert torch.equal(modules[name].weights.dequantize(), weight), name
+
+
+def test_plain_checkpoints_have_no_source_gguf(tiny_model):
+    assert checkpoint_gguf(tiny_model("llama").folder) is None
