@@ -24,7 +24,7 @@ from torch import nn
 
 from cothink.models.kda import KimiDeltaAttention
 from cothink.models.mla import MultiLatentAttention
-from cothink.models.moe import SparseMoeBlock
+from cothink.models.moe import SparseMoeBlock, split_experts
 from cothink.models.moe_config import KdaConfig
 from cothink.ops.gdn import SMALL_CONV_ROWS, causal_conv
 from cothink.ops.kda import affine_summary, delta_rule, l2norm
@@ -118,8 +118,10 @@ class MoeMLP(SparseMoeBlock):
     """The sparse MoE block as a decoder layer's MLP."""
 
     def fuse(self) -> None:
-        """Nothing to fuse: the experts are held fused already; the fast path replaces the shared
-        expert's linears only."""
+        """The fast path's experts: one linear pair per expert (models/moe.py `ExpertLinears`, views of
+        the stacked weights), which the fast path's linear replacement gives each dtype's kernel, as it
+        does the shared expert's linears."""
+        split_experts(self)
 
 
 def family_mixer(cfg: ModelConfig, layer: int, linear: bool) -> KdaMixer | MlaMixer | None:

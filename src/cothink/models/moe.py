@@ -20,7 +20,11 @@ ulp); a token whose k-th and (k+1)-th scores are that close can select another e
 batch. Results are batch-invariant to float tolerance, not to the bit.
 
 Expert weights are held fused: gate_up_proj [E, 2I, H] (rows 0..I-1 gate, then up) and down_proj
-[E, H, I]. `fuse_expert_weights` turns a checkpoint's per-expert tensors into that layout.
+[E, H, I]. `fuse_expert_weights` turns a checkpoint's per-expert tensors into that layout. The fast
+path (`split_experts`, at fusion) holds them as one linear pair per expert (`ExpertLinears`, views of
+the stacked weights), which the fast path's linear replacement turns into each dtype's CPU kernel:
+oneDNN-prepacked bfloat16 (bit-identical to `F.linear` on the weight's slice, and faster: no reorder of
+the weight per call), float32 `CpuLinear` (float32 rounding apart), weight-only int8 (models/quantize.py).
 """
 
 from __future__ import annotations
@@ -103,7 +107,7 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts, fused: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+    """The routed experts, stacked: gate_up_proj [E, 2I, H], down_proj [E, H, I] (the eager path)."""
 
     def __init__(self, cfg: MoeConfig):
         super().__init__()
@@ -126,8 +130,7 @@ class Experts(nn.Module):
         for e, count in enumerate(counts):
             if count:
                 end = start + count
-                gate, up = F.linear(rows[start:end], self.gate_up_proj[e]).chunk(2, dim=-1)
-                out[start:end] = F.linear(F.silu(gate) * up, self.down_proj[e])
+                out[start:end] = self.expert(e, rows[start:end])
                 start = end
         # the weight multiplies in the weight's dtype chain (bf16 x bf16 for Qwen, bf16 x fp32 -> fp32
         # for Kimi); the k slots are summed once and cast once
@@ -135,6 +138,48 @@ class Experts(nn.Module):
         slots = torch.empty_like(weighted)
         slots[order] = weighted
         return slots.view(t, k, -1).sum(dim=1).to(x.dtype)
+
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """Expert `e`'s output for its rows [n, H]: down(silu(gate) * up), [n, H]."""
+        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj[e])
+
+
+class ExpertLinears(Experts):
+    """The routed experts of the fast path: expert e's projections are the linears `gate_up[e]`
+    [2I, H] and `down[e]` [H, I], so that the fast path's replacement of linears gives each one the
+    kernel for its dtype (models/packing.py `pack_linears`: oneDNN-prepacked bfloat16 where the CPU
+    has bfloat16 kernels, which is bit-identical to `F.linear` on the stacked weight's slice;
+    models/quantize.py `quantize_int8`: int8 with per-row scales). Routing and the weighted sum are
+    `Experts.forward`'s."""
+
+    def __init__(self, experts: Experts):
+        nn.Module.__init__(self)
+        self.num_experts, self.intermediate_size = experts.num_experts, experts.intermediate_size
+        # views of the stacked weights (no copy): the stacked storage lives while any view does
+        self.gate_up = nn.ModuleList(_view_linear(w) for w in experts.gate_up_proj.detach())
+        self.down = nn.ModuleList(_view_linear(w) for w in experts.down_proj.detach())
+
+    def expert(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up[e](rows).chunk(2, dim=-1)
+        return self.down[e](F.silu(gate) * up)
+
+    # Each expert's weight, indexed as `Experts`' stacked ones are (`gate_up_proj[e]` [2I, H]), where its
+    # linears keep a plain weight (float32 and unpacked bfloat16); prepacked and int8 ones hold none.
+    @property
+    def gate_up_proj(self) -> tuple[torch.Tensor, ...]:
+        return tuple(lin.weight for lin in self.gate_up)
+
+    @property
+    def down_proj(self) -> tuple[torch.Tensor, ...]:
+        return tuple(lin.weight for lin in self.down)
+
+
+def _view_linear(weight: torch.Tensor) -> nn.Linear:
+    """An nn.Linear (no bias) whose weight is `weight` itself."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    return linear
 
 
 class SparseMoeBlock(nn.Module):
@@ -168,6 +213,14 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert_gate is not None:
             extra = torch.sigmoid(self.shared_expert_gate(x)) * extra
         return out + extra
+
+
+def split_experts(model: nn.Module) -> None:
+    """Replace, in place, the stacked `Experts` of every MoE block of `model` by `ExpertLinears`
+    (sharing the weights; blocks already split are left as they are)."""
+    for module in list(model.modules()):
+        if isinstance(module, SparseMoeBlock) and type(module.experts) is Experts:
+            module.experts = ExpertLinears(module.experts)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,20 @@ dequantized to float32 a slab at a time, as models/packing.py widens bfloat16): 
 weight read for many rows. The lm_head gets its own int8 copy; the (tied) embedding stays in the
 model dtype for lookup.
 
-Quality is reported, not assumed: docs/benchmarks.md gives greedy agreement and perplexity change.
+The MoE and Kimi Linear families (qwen3_5_moe, qwen3_next, kimi_linear) are quantized the same way,
+but for the projections whose few outputs drive decays and gates: their routers (parameters, not
+linears), the Qwen shared-expert gate, Gated DeltaNet's b and a inputs (beta and the decay; where the
+inputs are fused, the fused weight's last rows stay dense in a `RowSplitLinear`) and KDA's decay
+(f_a_proj, f_b_proj) and beta (b_proj) inputs keep the model dtype, in the fast path's dense CPU
+linear (`dense_linear`). Int8 are their attention, MLA (q, kv_a, o; kv_b_proj is absorbed, not a
+linear), Gated DeltaNet q/k/v, z and out, KDA q/k/v, output gate (g_a, g_b) and o, dense MLP,
+shared-expert and routed-expert linears (one Int8Linear per expert and projection, models/moe.py
+`ExpertLinears`: the per-row scales are per expert). These families run no native modules, so their
+int8 products take torch's kernel or the dequantized GEMM above. The dense Qwen3.5 hybrid and int4
+for these families stay refused (`check_quantize`).
+
+Quality is reported, not assumed: docs/benchmarks.md gives greedy agreement and perplexity change
+(the dense families; the MoE families are checked on tiny random models in the tests).
 """
 
 from __future__ import annotations
@@ -23,12 +36,32 @@ import torch.nn.functional as F
 from torch import nn
 
 from cothink.errors import InvalidParameterError, UnsupportedModelError
-from cothink.models.packing import FastLinear, can_pack, replace_linears, widened_matmul
+from cothink.models.kda import KimiDeltaAttention
+from cothink.models.moe import SparseMoeBlock, split_experts
+from cothink.models.packing import (
+    CpuLinear,
+    FastLinear,
+    PackedLinear,
+    can_pack,
+    drop_fused_parts,
+    replace_linears,
+    widened_matmul,
+)
+from cothink.models.transformer import GatedDeltaNet
 
 QUANTIZE_MODES = ("int8", "int4")  # "int4": models/quant4.py
 # Families whose every linear is a plain projection of the residual stream, validated for quality.
 # The Qwen3.5 hybrid's Gated DeltaNet gates (a few output rows driving exp/softplus decays) are not.
-INT8_FAMILIES = ("llama", "qwen2", "qwen3")
+INT4_FAMILIES = ("llama", "qwen2", "qwen3")
+# int8 also takes the MoE and Kimi Linear families: their gates stay in the model dtype (module doc)
+INT8_FAMILIES = (*INT4_FAMILIES, "qwen3_5_moe", "qwen3_next", "kimi_linear")
+# linears kept in the model dtype under int8, by module: GDN's beta and decay inputs, KDA's decay
+# (low-rank f_a, f_b) and beta inputs, the Qwen MoE's shared-expert gate
+_KEPT_DENSE: tuple[tuple[type[nn.Module], tuple[str, ...]], ...] = (
+    (GatedDeltaNet, ("in_proj_b", "in_proj_a")),
+    (KimiDeltaAttention, ("f_a_proj", "f_b_proj", "b_proj")),
+    (SparseMoeBlock, ("shared_expert_gate",)),
+)
 # rows per call up to which the int8 kernel beats dequantize + dense GEMM (measured: bench/limits)
 INT8_KERNEL_MAX_ROWS = 16
 
@@ -93,18 +126,59 @@ def check_quantize(mode: str | None, family: str) -> None:
     if mode not in QUANTIZE_MODES:
         raise InvalidParameterError(f"quantize must be one of {QUANTIZE_MODES} or None, got {mode!r}",
                                     param="quantize")
-    if family not in INT8_FAMILIES:
+    families = INT8_FAMILIES if mode == "int8" else INT4_FAMILIES
+    if family not in families:
         raise UnsupportedModelError(
-            f"quantize={mode!r} supports the model families {INT8_FAMILIES}; this model is {family!r}",
+            f"quantize={mode!r} supports the model families {families}; this model is {family!r}",
             param="quantize",
         )
 
 
+class RowSplitLinear(FastLinear):
+    """y = [head(x) | tail(x)]: a fused projection whose first rows are int8 and whose last rows (gate
+    inputs) keep the model dtype (Gated DeltaNet's fused in_proj: q/k/v and z int8, b and a dense)."""
+
+    def __init__(self, head: nn.Module, tail: nn.Module):
+        super().__init__()
+        self.head, self.tail = head, tail
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((self.head(x), self.tail(x)), dim=-1)
+
+
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> FastLinear:
+    """A linear kept in the model dtype under quantization: the fast path's CPU kernel for its dtype
+    (models/packing.py), which runs any other input as plain `F.linear`."""
+    if can_pack(weight.dtype, weight.device):
+        return PackedLinear(weight, bias)
+    return CpuLinear(weight, bias)
+
+
 def quantize_int8(model: nn.Module) -> nn.Module:
-    """Replace every nn.Linear of `model` (after any projection fusion) by an Int8Linear, in place.
+    """Replace the nn.Linears of `model` (after any projection fusion) by Int8Linears, in place.
 
     Projections that were fused are quantized once, through the fused module, and their HF-named
     parts (views of the fused weight, unused by the fused forward) are dropped, so no dense copy of
-    a quantized weight stays alive. Per-row scales make the two orders identical.
+    a quantized weight stays alive. Per-row scales make the two orders identical. MoE experts are
+    quantized one linear per expert (models/moe.py `ExpertLinears`). The gate inputs in `_KEPT_DENSE`
+    keep the model dtype (`dense_linear`); where Gated DeltaNet's inputs are fused, its b and a rows
+    (the fused weight's last rows) stay dense in a `RowSplitLinear`. Routers are parameters, not
+    linears, and keep the model dtype.
     """
-    return replace_linears(model, Int8Linear)
+    split_experts(model)
+    kept: set[int] = set()
+    for module in list(model.modules()):
+        for kind, names in _KEPT_DENSE:
+            if isinstance(module, kind):
+                linears = (getattr(module, name, None) for name in names)
+                kept.update(id(lin.weight) for lin in linears if isinstance(lin, nn.Linear))
+        if isinstance(module, GatedDeltaNet) and isinstance(module.in_proj, nn.Linear):
+            w = module.in_proj.weight.detach()
+            rows = module.in_sizes[0] + module.in_sizes[1]  # q/k/v and z; then b and a
+            module.in_proj = RowSplitLinear(Int8Linear(w[:rows], None), dense_linear(w[rows:].clone(), None))
+    drop_fused_parts(model)
+
+    def make(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+        return dense_linear(weight, bias) if id(weight) in kept else Int8Linear(weight, bias)
+
+    return replace_linears(model, make)
