@@ -100,10 +100,46 @@ def test_live_frames_never_wait_for_a_slow_model(tiny, monkeypatch):
     assert len(live.timeline.usage) == 30  # cost sampled at every tick's end, on the clock
 
 
-def test_pixels_need_vision(tmp_path):
+def test_pixels_need_vision(tiny, tmp_path):
     with pytest.raises(InvalidParameterError, match="needs a vision model"):
-        sc.run_experiment(_config(frames="pixels"), tmp_path)
+        sc.run_experiment(_config(model=str(tiny), frames="pixels"), tmp_path)
     assert not (tmp_path / "results.json").exists()
+
+
+def test_quick_pixel_run_on_a_vision_model(tmp_path):
+    """--frames pixels on a tiny multimodal model with random weights (the run is real; its numbers say
+    nothing about any trained model): every method runs over frame groups, and the stream agent's and
+    turn-based's engines read images."""
+    from support import tiny_vision_folder
+
+    folder = tiny_vision_folder("qwen35_vl")
+    out = tmp_path / "out"
+    parser = argparse.ArgumentParser()
+    harness.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["experiment", "stream-commentary", "--model", str(folder), "--quick", "--out",
+                              str(out), "--no-progress", "--interval", "0.5", "--frames", "pixels",
+                              "--ticks", "8", "--threshold", "0.0", "--min-gap", "0"])
+    assert args.func(args) == 0
+    results = harness.read_results(out / "results.json", sc.CommentaryConfig, sc.CommentaryRow)
+    assert results.config.frames == "pixels"
+    by = {m: [r for r in results.rows if r.method == m] for m in sc.METHODS}
+    assert all(len(rows) == 8 for rows in by.values())  # per tick, though frames came two at a time
+    for m in sc.MODEL_METHODS:
+        assert sum(r.forward_passes for r in by[m]) > 0 and sum(r.tokens_encoded for r in by[m]) > 0
+    assert any(r.spoke for r in by["turn-based"])  # threshold 0: it speaks over the pixel frames
+    fixed = [r.utterance for r in by["fixed-interval"] if r.spoke]
+    assert fixed and all("frame(s) at" in u for u in fixed)
+    assert results.config.streams[by["fixed-interval"][0].stream]["frames"]["stream-agent"][0] == 4  # groups
+
+
+def test_pixel_frames_reach_the_engine_as_frame_groups():
+    """The live pixel stream: one Frames per two ticks, at the group's timestamp, due at its last tick."""
+    stream = procedural_stream(3, 5)
+    live = sc.live_frames(stream, _config(frames="pixels", fps=2.0), 2)
+    assert [f.timestamp for f in live.frames] == [0.25, 1.25, 2.0]
+    assert live.due == [0.5, 1.5, 2.0] and live.n_ticks == 5
+    assert [len(f.frames) for f in live.frames] == [2, 2, 1] and live.frames[1].label == "frame 2"
+    assert (live.frames[1].frames[0] == stream.pixels[2]).all()
 
 
 @pytest.fixture(scope="module")

@@ -200,3 +200,104 @@ def test_a_server_run_with_record_replays(tmp_path):
 
 def test_recorder_is_exported():
     assert cothink.Recorder is Recorder
+
+
+# ---- images, clips and frame groups ------------------------------------------------------------------
+def _pixels(h: int, w: int, seed: int):
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
+
+
+async def _record_vision(path: Path, photo: Path) -> None:
+    """Text, an image from a file and the same pixels again as an array, a two-frame clip, then live
+    frame groups extended while a sampled generation reads their block (their pixels are prepared off
+    the event loop, so when each one's encoding reaches the scheduler varies from run to run), a probe
+    over all of it, and an image that does not decode (a tiny random-weight Qwen3.5 VL)."""
+    from support import tiny_vision_folder
+
+    folder = tiny_vision_folder("qwen35_vl")
+    engine = cothink.Engine.from_pretrained(folder, threads=1, max_prefill_chunk=5)
+    async with Recorder(engine, path, model=folder) as eng:
+        ctx, pic, again, clip, stream, out = (
+            eng.block(n) for n in ("ctx", "pic", "again", "clip", "stream", "out"))
+        await eng.extend(ctx, token_ids=ids(6, 1), name="user")
+        await eng.extend(pic, image=str(photo), view=[ctx, pic], name="user")
+        import numpy as np
+        from PIL import Image
+
+        await eng.extend(again, image=np.array(Image.open(photo)), view=[ctx, pic, again], name="user")
+        await eng.extend(clip, video=[_pixels(24, 24, 3), _pixels(24, 24, 4)], fps=2.0,
+                         view=[ctx, pic, again, clip], name="user")
+        view = [ctx, pic, again, clip, stream]
+        await eng.extend(stream, frames=[_pixels(24, 24, 10), _pixels(24, 24, 20)], timestamp=0.0,
+                         view=view, name="camera")
+        thinker = eng.generate([*view, out], max_tokens=40, temperature=0.9, seed=3, stop_at_eos=False,
+                               banned_token_ids=[296, 297, 298, 299], name="thinker")
+
+        async def camera() -> None:
+            for t in range(1, 4):
+                await asyncio.sleep(0.003)
+                await eng.extend(stream, frames=[_pixels(24, 24, 10 + t), _pixels(24, 24, 20 + t)],
+                                 timestamp=0.5 * t, view=view, name="camera")
+
+        await asyncio.gather(thinker.collect(), camera())
+        await eng.probe([*view, out], "Answer:", (" yes", " no"), name="narrator")
+        with pytest.raises(cothink.errors.InvalidParameterError):
+            await eng.extend(out, image=b"\x89PNG broken", name="user")
+
+
+@pytest.fixture(scope="module")
+def vision_run(tmp_path_factory) -> Path:
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("vision-recording")
+    photo = folder / "photo.png"
+    Image.fromarray(_pixels(40, 16, 1)).save(photo)
+    path = folder / "vision.jsonl"
+    asyncio.run(_record_vision(path, photo))
+    photo.unlink()  # the replay reads the pixels from the recording alone
+    return path
+
+
+def test_a_recorded_vision_run_replays_identically(vision_run):
+    records = _records(vision_run)
+    images = [r for r in records if r["type"] == "image"]
+    # the photo (once, though extended twice), two clip frames, eight stream frames
+    assert len(images) == 11 and len({r["hash"] for r in images}) == 11
+    extends = [r for r in records if r["type"] == "call" and r["op"] == "extend"]
+    assert extends[1]["args"]["image"] == extends[2]["args"]["image"] == images[0]["hash"]
+    assert [e["args"].get("timestamp") for e in extends[4:8]] == [0.0, 0.5, 1.0, 1.5]
+    assert extends[-1]["args"]["image"] is None
+    rec = load_recording(vision_run)
+    assert len(rec.answers) == 1 and len(rec.errors) == 1
+    # every image extend but the one that did not decode reached the scheduler; frame groups did so
+    # while the thinker's steps ran
+    assert sorted(rec.submitted) == [e["seq"] for e in extends[1:8]]
+    thinker_steps = {s["index"] for s in rec.steps.values() if any(i[0] == "thinker" for i in s["items"])}
+    assert any(rec.submitted[e["seq"]]["step"] in thinker_steps for e in extends[5:8])
+    report = asyncio.run(replay_async(vision_run))
+    assert report.identical, report.describe()
+    assert report.replayed_steps == rec.last_step > 0
+    assert cli.main(["replay", str(vision_run)]) == 0
+
+
+def test_other_pixels_are_reported_where_they_change_the_tokens(vision_run, tmp_path):
+    """A stream frame's pixels replaced in the file: the replay departs at the thinker's tokens."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    records = _records(vision_run)
+    frame = next(r for r in records if r["type"] == "call" and r["args"].get("frames"))["args"]["frames"][0]
+    out = io.BytesIO()
+    Image.fromarray(_pixels(24, 24, 99)).save(out, format="PNG")
+    for r in records:
+        if r["type"] == "image" and r["hash"] == frame:
+            r["png"] = base64.b64encode(out.getvalue()).decode("ascii")
+    changed = tmp_path / "changed.jsonl"
+    changed.write_text("".join(json.dumps(r) + "\n" for r in records))
+    report = asyncio.run(replay_async(changed))
+    assert report.first_difference is not None, report.describe()
+    assert (report.first_difference.coroutine, report.first_difference.what) == ("thinker", "tokens")

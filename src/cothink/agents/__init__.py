@@ -25,6 +25,7 @@ _EXPORTS = {
     "NarratorSync": "cothink.agents.think_narrate",
     "ThinkNarrateResult": "cothink.agents.think_narrate",
     "StreamAgent": "cothink.agents.stream",
+    "Frames": "cothink.agents.stream",
     "StreamResult": "cothink.agents.stream",
     "Utterance": "cothink.agents.stream",
     "StrategistActor": "cothink.agents.strategist",

@@ -1,13 +1,15 @@
 """Stream agent: the paper's five parts for commenting on a live stream of events.
 
-- **coordinator** (no model calls): pulls events from the input (any async iterator; text now, frames
-  once vision exists) into a bounded queue; under a storm (more than ``max_pending`` waiting) it drops the
-  oldest, stale events ("dropped" events, also counted in the Prometheus counter
-  ``cothink_stream_events_dropped_total{agent="<name>"}``); it enforces timing: never speak within
-  ``min_gap_s`` of the last utterance, and speak after ``max_silence_s`` of silence if anything new
-  happened since;
+- **coordinator** (no model calls): pulls events from the input (any async iterator of text events and
+  `Frames`, pixel frame groups of a live video with their timestamps) into a bounded queue; under a
+  storm (more than ``max_pending`` waiting) it drops the oldest, stale events ("dropped" events, also
+  counted in the Prometheus counter ``cothink_stream_events_dropped_total{agent="<name>"}``); it
+  enforces timing: never speak within ``min_gap_s`` of the last utterance, and speak after
+  ``max_silence_s`` of silence if anything new happened since;
 - **event probe** (``<name>.event``): each incoming event is appended to the bounded observation window
-  and a probe asks "did something new happen?" over ``[ctx, *window]``;
+  (a text event as a line; a frame group after its index line, through ``engine.extend(frames=...,
+  timestamp=...)``, which needs a multimodal model) and a probe asks "did something new happen?" over
+  ``[ctx, *window]``;
 - **thinker** (``<name>.thinker``, background): keeps writing notes that link events, reading the window
   live (a :class:`BackgroundThinker`);
 - **output probe** (``<name>.output``): after a new event, "is there something worth saying now?" over
@@ -21,12 +23,59 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterable, Callable
+from collections.abc import AsyncIterable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cothink.agents.base import Agent, AgentEvent, BackgroundThinker, stop_background
+from cothink.agents.base import (
+    Agent,
+    AgentEvent,
+    BackgroundThinker,
+    ObservationWindow,
+    _Chunk,
+    stop_background,
+)
 from cothink.observability.metrics import count_dropped_events
+
+
+@dataclass(frozen=True)
+class Frames:
+    """One frame group of a live video stream, as an event: `frames` (one or two frames of one size:
+    PIL images, HxWx3 uint8 arrays or file paths) at `timestamp` seconds from the stream's start;
+    `label` (optional) is text written just before them (e.g. what the camera shows)."""
+
+    frames: Sequence[Any]
+    timestamp: float
+    label: str = ""
+
+    def __str__(self) -> str:
+        said = f" {self.label}" if self.label else ""
+        return f"{len(self.frames)} frame(s) at {self.timestamp:.1f} s{said}"
+
+
+Event = str | Frames
+
+
+class _StreamWindow(ObservationWindow):
+    """The observation window, also holding frame groups (each with its index line in one chunk)."""
+
+    async def append_frames(self, label: str, frames: Frames, coroutine: str,
+                            priority: str = "interactive") -> None:
+        if not self._chunks or len(self._chunks[-1].block) >= self.chunk_tokens:
+            self._chunks.append(_Chunk(self.engine.block(f"{self.name}-{self._count}")))
+            self._count += 1
+            self.version += 1
+        chunk = self._chunks[-1]
+        await self.engine.extend(chunk.block, label, name=coroutine, priority=priority)
+        await self.engine.extend(chunk.block, frames=frames.frames, timestamp=frames.timestamp,
+                                 name=coroutine, priority=priority)
+        await self.engine.extend(chunk.block, "\n", name=coroutine, priority=priority)
+        chunk.texts.append(f"{label}{frames}\n")
+        self.appended += 1
+        while len(self._chunks) > 1 and self.tokens > self.max_tokens:
+            self._release.drop(self._chunks.pop(0).block)
+            self.dropped_chunks += 1
+            self.version += 1
 
 
 @dataclass(frozen=True)
@@ -90,11 +139,15 @@ class StreamAgent(Agent):
         self.system = system or "You comment on a live stream. Be brief and concrete."
         self.seed = seed
 
-    async def run(self, events: AsyncIterable[str]) -> StreamResult:
+    async def run(self, events: AsyncIterable[Event]) -> StreamResult:
+        """Comment on `events` (text events and `Frames`, in any mix) until the input ends."""
         self._start_clock()
-        ctx, window = await self.open_context(
+        ctx, text_window = await self.open_context(
             self.task, "coordinator", "window", chunk_tokens=self.chunk_tokens, max_tokens=self.window_tokens
         )
+        text_window.close()  # empty; the stream's window below also holds frame groups
+        window = _StreamWindow(self.engine, self.coroutine("window"), chunk_tokens=self.chunk_tokens,
+                               max_tokens=self.window_tokens)
         stream = _StreamRun(self, ctx, window)
         try:
             await stream.run(events)
@@ -125,9 +178,9 @@ class _Counters:
 class _StreamRun:
     """One `StreamAgent.run`: the coordinator's queue and timing, the probes and the speaker."""
 
-    def __init__(self, agent: StreamAgent, ctx: Any, window: Any):
+    def __init__(self, agent: StreamAgent, ctx: Any, window: _StreamWindow):
         self.agent, self.ctx, self.window = agent, ctx, window
-        self.pending: deque[tuple[int, str]] = deque()
+        self.pending: deque[tuple[int, Event]] = deque()
         self.arrived, self.ended, self.stop = asyncio.Event(), asyncio.Event(), asyncio.Event()
         self.counters = _Counters(last_said=time.perf_counter() - agent.min_gap_s)
         self.utterances: list[Utterance] = []
@@ -135,11 +188,11 @@ class _StreamRun:
         self.thinker_task: asyncio.Task | None = None
         self.reader: asyncio.Task | None = None
 
-    async def run(self, events: AsyncIterable[str]) -> None:
+    async def run(self, events: AsyncIterable[Event]) -> None:
         self.reader = asyncio.create_task(self.intake(events), name=self.agent.coroutine("coordinator"))
         await self.process()
 
-    async def intake(self, events: AsyncIterable[str]) -> None:
+    async def intake(self, events: AsyncIterable[Event]) -> None:
         """Coordinator: input -> bounded queue, dropping the oldest (stale) events under a storm."""
         agent, c = self.agent, self.counters
         try:
@@ -175,7 +228,7 @@ class _StreamRun:
         self.counters.last_said = time.perf_counter()
         self.counters.unsaid = 0
 
-    async def next_event(self) -> tuple[int, str] | None:
+    async def next_event(self) -> tuple[int, Event] | None:
         """The next queued event; None when the input ended. Speaks if silent too long meanwhile."""
         c = self.counters
         while not self.pending:
@@ -207,8 +260,12 @@ class _StreamRun:
         agent, c = self.agent, self.counters
         while (queued := await self.next_event()) is not None:
             index, ev = queued
-            await self.window.append(f"[{index}] {ev}\n", agent.coroutine("event"))
-            agent.emit("event", "event", ev)
+            if isinstance(ev, Frames):
+                label = f"[{index}] {ev.label} " if ev.label else f"[{index}] "
+                await self.window.append_frames(label, ev, agent.coroutine("event"))
+            else:
+                await self.window.append(f"[{index}] {ev}\n", agent.coroutine("event"))
+            agent.emit("event", "event", str(ev))
             if self.thinker is None and agent.think_tokens > 0:
                 self.start_thinker()
             p_new = await agent.probe_yes(

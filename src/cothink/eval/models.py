@@ -153,7 +153,7 @@ class ModelHandle:
         from cothink.execution.runner import ModelRunner
 
         memory.setdefault("max_context", self.max_context)
-        return ModelRunner(self.runner.model, self.runner.tokenizer, **memory)
+        return ModelRunner(self.runner.model, self.runner.tokenizer, vision=self.runner.vision, **memory)
 
     def engine(self, **limits: Any) -> Any:
         """A fresh Engine over the shared weights; limits as in Engine.from_pretrained."""

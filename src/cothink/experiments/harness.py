@@ -59,6 +59,7 @@ EXPERIMENT_MODULES: tuple[str, ...] = (
     "cothink.experiments.vizdoom",
     "cothink.experiments.monitor",
     "cothink.experiments.stream_commentary",
+    "cothink.experiments.sharded_vqa",
 )
 
 DTYPES = ("float32", "bfloat16")

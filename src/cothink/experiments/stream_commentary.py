@@ -4,7 +4,13 @@ Streams (`cothink.experiments.streams`): procedural scenes or recorded ViZDoom e
 ticks, or stream files (``--source FILE``). Each stream is played LIVE: a producer task hands frame i to
 the method at wall time ``i / --fps`` after the start, whatever the method is doing; a method that is
 busy when frames arrive finds them queued, and all but the newest ``--max-pending`` are dropped as stale
-(counted). Text frames only: ``--frames pixels`` needs vision in the engine.
+(counted).
+
+What the model sees (``--frames``): ``text``, each frame as its text line; or ``pixels`` (a multimodal
+model with its vision tower), the stream's pixel frames in groups of the model's temporal patch (two
+frames, `cothink.experiments.streams.frame_groups`), each handed out when its last frame is shown and
+written with ``engine.extend(block, frames=..., timestamp=...)`` after a ``frame N`` line; the text
+frames are then never shown. The truth labels and the metric stay per tick.
 
 Methods, on the same streams:
 
@@ -16,7 +22,7 @@ Methods, on the same streams:
   the task and the last ``--last-frames`` frames, and one probe asks whether to speak now (its P(yes) is
   the speak score); on yes (and ``--min-gap`` since the last utterance) it writes a sentence there.
 - `fixed-interval`: model-free, speaks every ``--interval`` seconds (score 1 at those ticks, else 0);
-  its utterance is the newest frame's text.
+  its utterance is the newest frame's text (pixels: which frames).
 
 Metric (per method, ticks pooled over streams): timing ROC-AUC of the per-tick speak score against the
 label "an event happened within the last ``--window`` seconds" (W; ties count one half, so a constant
@@ -42,7 +48,14 @@ from typing import Any
 from cothink.errors import InvalidParameterError
 from cothink.experiments import harness
 from cothink.experiments.harness import ExperimentConfig, Results, Row
-from cothink.experiments.streams import Stream, event_summary, load_stream, save_stream, streams_for
+from cothink.experiments.streams import (
+    Stream,
+    event_summary,
+    frame_groups,
+    load_stream,
+    save_stream,
+    streams_for,
+)
 
 NAME = "stream-commentary"
 log = logging.getLogger("cothink.experiments.stream_commentary")
@@ -59,11 +72,12 @@ TASKS = {
 }
 SPEAK_QUESTION = "Is there something worth saying now? Answer Yes or No."
 DESCRIBE = "In one short sentence, what is happening now?"
+PIXEL_TASK = "You see the frames as video, two frames at a time."
 
 
 class CommentaryConfig(ExperimentConfig):
     source: str  # procedural | vizdoom | a stream file
-    frames: str  # text (pixels needs vision)
+    frames: str  # text | pixels (a vision model)
     fps: float
     episodes: int
     ticks: int  # frames per built-in stream (most, for vizdoom)
@@ -158,17 +172,24 @@ class Timeline:
 
 @dataclass
 class LiveFrames:
-    """Frames handed out on a wall clock: frame i at ``i / fps`` seconds after the first. Iterating never
-    waits for the consumer's model; a late wake-up hands out every frame already due at once, and the
-    consumer's bounded queue drops the stale ones. `usage` (a callable giving (passes, tokens) so far) is
-    sampled at every tick's end."""
+    """Frames handed out on a wall clock: frame i at ``i / fps`` seconds after the first (or at `due[i]`
+    seconds: frame groups, each when its last frame is shown). Iterating never waits for the consumer's
+    model; a late wake-up hands out every frame already due at once, and the consumer's bounded queue
+    drops the stale ones. `usage` (a callable giving (passes, tokens) so far) is sampled at the end of
+    each of the stream's `ticks` (default: one per frame)."""
 
-    frames: list[str]
+    frames: list[Any]  # text frames (str) or frame groups (cothink.agents.stream.Frames)
     fps: float
     usage: Any = None
     timeline: Timeline = field(default_factory=Timeline)
     t0: float = 0.0
     handed: int = 0
+    due: list[float] | None = None
+    ticks: int | None = None
+
+    @property
+    def n_ticks(self) -> int:
+        return len(self.frames) if self.ticks is None else self.ticks
 
     def now(self) -> float:
         """Seconds since the first frame was handed out (the clock starts at the first read)."""
@@ -176,19 +197,19 @@ class LiveFrames:
 
     def _sample(self, upto: float) -> None:
         usage = self.timeline.usage
-        while len(usage) < len(self.frames) and (len(usage) + 1) / self.fps <= upto:
+        while len(usage) < self.n_ticks and (len(usage) + 1) / self.fps <= upto:
             usage.append(self.usage() if self.usage is not None else (0, 0))
 
-    async def __aiter__(self) -> AsyncIterator[str]:
+    async def __aiter__(self) -> AsyncIterator[Any]:
         self.t0 = time.perf_counter()
-        for i, text in enumerate(self.frames):
-            wait = i / self.fps - self.now()
+        for i, frame in enumerate(self.frames):
+            wait = (i / self.fps if self.due is None else self.due[i]) - self.now()
             if wait > 0:
                 await asyncio.sleep(wait)
             self._sample(self.now())
             self.handed += 1
-            yield text
-        wait = len(self.frames) / self.fps - self.now()  # the last tick lasts its full period
+            yield frame
+        wait = self.n_ticks / self.fps - self.now()  # the last tick lasts its full period
         if wait > 0:
             await asyncio.sleep(wait)
         self._sample(self.now())
@@ -196,6 +217,43 @@ class LiveFrames:
 
 def frame_text(i: int, text: str) -> str:
     return f"frame {i}\n{text}"
+
+
+def live_frames(stream: Stream, config: CommentaryConfig, temporal_patch_size: int,
+                usage: Any = None) -> LiveFrames:
+    """The stream as the method receives it: text frames, or pixel frame groups (`config.frames`)."""
+    if config.frames == "text":
+        return LiveFrames([frame_text(t.tick, t.text) for t in stream.ticks], config.fps, usage)
+    from cothink.agents.stream import Frames
+
+    groups = list(frame_groups(stream, temporal_patch_size, config.fps))
+    frames = [Frames(list(g.frames), g.timestamp, label=f"frame {g.ticks[0]}") for g in groups]
+    return LiveFrames(frames, config.fps, usage, due=[g.due for g in groups], ticks=len(stream.ticks))
+
+
+def frame_label(frame: Any) -> str:
+    """A frame in one line: its text, or which frames a pixel group holds."""
+    return frame.replace("\n", " | ") if isinstance(frame, str) else str(frame)
+
+
+async def write_turn(engine: Any, block: Any, chat: Any, task: str, frames: Sequence[Any]) -> None:
+    """[system, user: task + frames] into `block` through the chat template; pixel frame groups go
+    inside the user's turn, each after its ``frame N`` line."""
+    if all(isinstance(f, str) for f in frames):
+        prompt = chat.conversation([{"role": "system", "content": SYSTEM},
+                                    {"role": "user", "content": task + "\n\n" + "\n".join(frames)}])
+        await engine.extend(block, prompt, name="turn-based", priority="interactive")
+        return
+    mark = "\x00FRAMES\x00"
+    head, _, tail = chat.conversation([{"role": "system", "content": SYSTEM},
+                                       {"role": "user", "content": task + "\n\n" + mark}]).partition(mark)
+    await engine.extend(block, head, name="turn-based", priority="interactive")
+    for f in frames:
+        await engine.extend(block, f"{f.label} ", name="turn-based", priority="interactive")
+        await engine.extend(block, frames=f.frames, timestamp=f.timestamp, name="turn-based",
+                            priority="interactive")
+        await engine.extend(block, "\n", name="turn-based", priority="interactive")
+    await engine.extend(block, tail, name="turn-based", priority="interactive")
 
 
 # ----------------------------------------------------------------------------------------- methods
@@ -247,14 +305,14 @@ async def run_turn_based(engine: Any, live: LiveFrames, task: str, config: Comme
     from cothink.agents.chat import ChatFormat
 
     chat, tl = ChatFormat(engine.tokenizer), live.timeline
-    pending: deque[str] = deque()
+    pending: deque[Any] = deque()
     arrived, ended = asyncio.Event(), asyncio.Event()
     counts = {"seen": 0, "dropped": 0}
 
     async def intake() -> None:
         try:
-            async for text in live:
-                pending.append(text)
+            async for frame in live:
+                pending.append(frame)
                 counts["seen"] += 1
                 while len(pending) > config.max_pending:
                     pending.popleft()
@@ -265,7 +323,7 @@ async def run_turn_based(engine: Any, live: LiveFrames, task: str, config: Comme
             arrived.set()
 
     reader = asyncio.create_task(intake())
-    history: deque[str] = deque(maxlen=config.last_frames)
+    history: deque[Any] = deque(maxlen=config.last_frames)
     last_said = -math.inf
     try:
         while True:
@@ -278,11 +336,7 @@ async def run_turn_based(engine: Any, live: LiveFrames, task: str, config: Comme
             history.append(pending.popleft())
             block = engine.block("turn-based")
             try:
-                prompt = chat.conversation([
-                    {"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": task + "\n\n" + "\n".join(history)},
-                ])
-                await engine.extend(block, prompt, name="turn-based", priority="interactive")
+                await write_turn(engine, block, chat, task, list(history))
                 question = chat.question(SPEAK_QUESTION)
                 p = await engine.probe([block], question, ("Yes", "No"), name="turn-based")
                 tl.scores.append((live.now(), float(p["Yes"])))
@@ -301,25 +355,26 @@ async def run_turn_based(engine: Any, live: LiveFrames, task: str, config: Comme
 
 async def run_fixed_interval(live: LiveFrames, config: CommentaryConfig) -> MethodRun:
     tl, next_at = live.timeline, config.interval_s
-    async for text in live:
+    async for frame in live:
         if live.now() >= next_at:
             tl.scores.append((live.now(), 1.0))
-            tl.said.append((live.now(), text.replace("\n", " | ")))
+            tl.said.append((live.now(), frame_label(frame)))
             next_at += config.interval_s
     return MethodRun(tl, live.handed, 0, 0, 0)
 
 
 async def run_method(handle: Any, stream: Stream, method: str, config: CommentaryConfig) -> MethodRun:
-    frames = [frame_text(t.tick, t.text) for t in stream.ticks]
     task = TASKS.get(stream.source, TASKS["procedural"])
+    if config.frames == "pixels":
+        task += " " + PIXEL_TASK
+    patch = temporal_patch(handle)
     if method == "fixed-interval":
-        live = LiveFrames(frames, config.fps)
-        return await run_fixed_interval(live, config)
+        return await run_fixed_interval(live_frames(stream, config, patch), config)
     engine = handle.engine(kv_tokens=16384)
     passes = [0]
     async with engine:
         engine.step_listeners.append(lambda record: passes.__setitem__(0, passes[0] + 1))
-        live = LiveFrames(frames, config.fps, usage=_usage(engine, passes))
+        live = live_frames(stream, config, patch, usage=_usage(engine, passes))
         if method == "stream-agent":
             done = await run_stream_agent(engine, live, task, config)
         else:
@@ -497,12 +552,25 @@ def build_config(args: argparse.Namespace) -> CommentaryConfig:
     )
 
 
-def check_frames(frames: str) -> None:
-    """Pixel frames need image blocks in the engine, which text models do not have yet."""
-    if frames == "pixels":
+def temporal_patch(handle: Any) -> int:
+    """Frames per group: the vision model's temporal patch (2 when no model reads the pixels)."""
+    vision = getattr(getattr(handle, "runner", None), "vision", None)
+    return vision.video.temporal_patch_size if vision is not None else 2
+
+
+def check_frames(config: CommentaryConfig, handle: Any, streams: Sequence[Stream]) -> None:
+    """Pixel frames need pixels in every stream and, for the model methods, a model with a vision
+    tower (InvalidParameterError before anything runs)."""
+    if config.frames != "pixels":
+        return
+    if handle is not None and handle.runner.vision is None:
         raise InvalidParameterError(
-            "--frames pixels needs a vision model: the engine has no image/video input blocks yet, so a text "
-            "model cannot read pixel frames; use --frames text", param="frames")
+            f"--frames pixels needs a vision model (a multimodal checkpoint with its vision tower); "
+            f"{config.model} has none: use --frames text", param="frames")
+    for s in streams:
+        if s.pixels is None:
+            raise InvalidParameterError(f"--frames pixels: stream {s.name} has no pixel frames",
+                                        param="frames")
 
 
 def load_streams(config: CommentaryConfig, files: Sequence[Path] | None) -> list[Stream]:
@@ -516,18 +584,18 @@ def load_streams(config: CommentaryConfig, files: Sequence[Path] | None) -> list
 def run_experiment(config: CommentaryConfig, out: Path, *, files: Sequence[Path] | None = None,
                    save_streams: bool = True, show_progress: bool | None = None,
                    ) -> Results[CommentaryConfig, CommentaryRow]:
-    check_frames(config.frames)
     t0 = harness.begin(config)
     streams = load_streams(config, files)
     if config.limit:
         streams = streams[: config.limit]
-    if save_streams:
-        for s in streams:
-            save_stream(s, out / "streams")
     handle = None
     if any(m in MODEL_METHODS for m in config.methods):
         handle = harness.load_model(config.model, config.dtype)
         config.model_description = handle.description
+    check_frames(config, handle, streams)
+    if save_streams:
+        for s in streams:
+            save_stream(s, out / "streams")
     rows: list[CommentaryRow] = []
     jobs = [(s, m) for s in streams for m in config.methods]
     results = None

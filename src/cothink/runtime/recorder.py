@@ -9,6 +9,9 @@ The file is JSON lines, append-only, flushed after every record:
 
 - ``header``: the model identity (`ModelRunner.identity()`), where the model came from (when known),
   the dtype, the runner's memory geometry and the engine limits;
+- ``image`` (hash, png): the pixels of an image or frame the run extended a block with, as a
+  base64 PNG, written once per distinct image (by the SHA-256 of its PNG) before the first call that
+  uses it; a call names its images by hash;
 - ``call`` (seq, step, during, op, args): one per call, in the order they were made. `step` is the
   number of steps completed when the call was made; `during` tells whether step `step + 1` was
   running then. A call with during false lands before step `step + 1` is planned; with during true it
@@ -18,6 +21,9 @@ The file is JSON lines, append-only, flushed after every record:
 - ``step`` (index, items, writes): after every step, which coroutines' items it carried (coroutine,
   kind, tokens) and the tokens every recorded block gained (block key, writer coroutine, start,
   token ids);
+- ``submitted`` (call, step, during): when an image, clip or frame group extend handed its encoding
+  to the scheduler (its pixels are prepared off the event loop first, so this comes some time after
+  the call);
 - ``answer`` (call, step, coroutine, answer): a probe's probabilities, with the step that answered it;
 - ``error`` (call, step, coroutine, error): a call that raised (the error's type name).
 
@@ -26,6 +32,13 @@ step listener, before the next step is planned; one with during true while the n
 every step is planned over the same works as in the recording, and compares each step record and
 outcome as it comes. In float32 on the same machine a run replays identically; otherwise the report
 names the first step that differs, its coroutine and both values.
+
+Images, clips and frame groups are recorded as the RGB pixels the engine reads (a file path or
+bytes is decoded once, by the recorder, and those pixels are what the engine gets), so a replay feeds
+the same pixels. Their preparation runs off the event loop and takes its own time, so the replay also
+fixes when each one's encoding reaches the scheduler: a step is not planned before the image extends
+recorded as submitted before it are submitted again, and an encoding submitted earlier than recorded
+is kept out of the steps before its recorded point (the replay wraps the engine's step policy).
 
 What a recording cannot repeat: a token constraint (structured output) is refused at replay
 (RecordingError); deadlines and `on_pool_full="wait"` timeouts depend on the clock and are not replayed.
@@ -36,18 +49,24 @@ random and becomes replayable).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import hashlib
+import io
 import json
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+import numpy as np
 import torch
+from PIL import Image
 
-from cothink.errors import RecordingError, RecordingMismatchError
+from cothink.errors import InvalidParameterError, RecordingError, RecordingMismatchError
 from cothink.memory.block import Block
+from cothink.models.image_processing import load_rgb
 from cothink.runtime.engine import Engine, EngineLimits
 from cothink.runtime.generation import Generation
 from cothink.scheduler.accounting import StepRecord, WorkEvent
@@ -95,6 +114,8 @@ class Recorder:
         self._lengths: dict[int, int] = {}  # key -> length after the last step
         self._writers: dict[int, str] = {}  # key -> coroutine of its last extend or generate
         self._answers: list[tuple[str, tuple[tuple[str, float], ...], int]] = []
+        self._images: set[str] = set()  # hashes of the images written to the recording
+        self._encoding: dict[str, list[int]] = {}  # coroutine -> its image extends not yet submitted
         self.closed = False
         self._emit(_header(engine, model, quantize))
         engine.step_listeners.append(self._on_step)
@@ -184,12 +205,19 @@ class Recorder:
         token_ids: list[int] | None = None,
         view: list[Block] | None = None,
         *,
+        image: Any = None,
+        video: Any = None,
+        frames: Any = None,
+        fps: float | None = None,
+        timestamp: float | None = None,
         priority: Priority | str | None = None,
         name: str | None = None,
         deadline: Any = None,
     ) -> None:
+        """`Engine.extend`, recorded; an image, clip or frame group by the hashes of its pixels
+        (each distinct image is written to the recording once, as a PNG)."""
         name = _resolve_name(name)
-        args = {
+        args: Record = {
             "block": self._key(block),
             "text": text,
             "token_ids": list(token_ids) if token_ids is not None else None,
@@ -197,13 +225,39 @@ class Recorder:
             "priority": _priority_json(priority),
             "name": name,
         }
+        visual: dict[str, Any] = {}
+        for kind, value in (("image", image), ("video", video), ("frames", frames)):
+            if value is not None:
+                prepared = await asyncio.to_thread(_prepare, kind, value)
+                visual[kind] = value if prepared is None else prepared.pixels
+                args[kind] = None if prepared is None else self._image_refs(prepared)
+        if fps is not None:
+            args["fps"] = fps
+        if timestamp is not None:
+            args["timestamp"] = timestamp
         seq = self._call("extend", args)
         self._writers[args["block"]] = name
-        await self._outcome(
-            seq, name, self.engine.extend(
-                block, text, token_ids, view, priority=priority, name=name, deadline=deadline
+        if visual:
+            self._encoding.setdefault(name, []).append(seq)
+        try:
+            await self._outcome(
+                seq, name, self.engine.extend(
+                    block, text, token_ids, view, fps=fps, timestamp=timestamp, priority=priority,
+                    name=name, deadline=deadline, **visual,
+                )
             )
-        )
+        finally:
+            if seq in self._encoding.get(name, ()):  # refused before its encoding was submitted
+                self._encoding[name].remove(seq)
+
+    def _image_refs(self, prepared: _Prepared) -> str | list[str]:
+        """Write the images not yet in the recording; their hashes (one, or a list for frames)."""
+        for digest, png in prepared.pngs:
+            if digest not in self._images:
+                self._images.add(digest)
+                self._emit({"type": "image", "hash": digest, "png": base64.b64encode(png).decode("ascii")})
+        refs = [digest for digest, _ in prepared.pngs]
+        return refs if isinstance(prepared.pixels, list) else refs[0]
 
     def generate(self, view: list[Block] | Block, **kw: Any) -> Generation:
         """`Engine.generate`, recorded with its sampling parameters (a sampled generation without a
@@ -306,6 +360,10 @@ class Recorder:
         self._emit({"type": "answer", "call": seq, "step": step, "coroutine": name, "answer": answer})
 
     def _on_work(self, event: WorkEvent) -> None:
+        if event.work == "encode" and event.event == "submit" and self._encoding.get(event.coroutine):
+            seq = self._encoding[event.coroutine].pop(0)
+            self._emit({"type": "submitted", "call": seq, "step": self.engine.steps,
+                        "during": self.engine.occupancy().in_flight > 0})
         if event.work == "probe" and event.event == "finish" and event.answer:
             self._answers.append((event.coroutine, event.answer, self.engine.steps))
 
@@ -345,6 +403,8 @@ def _header(engine: Engine, model: str | Path | None, quantize: str | None) -> R
     store = runner.store
     limits = asdict(engine.limits)
     limits["spill_dir"] = str(limits["spill_dir"]) if limits["spill_dir"] is not None else None
+    policy = engine.limits.policy  # a function: recorded by its module and qualified name
+    limits["policy"] = f"{policy.__module__}:{policy.__qualname__}"
     return {
         "type": "header",
         "format": FORMAT,
@@ -361,6 +421,49 @@ def _header(engine: Engine, model: str | Path | None, quantize: str | None) -> R
         },
         "limits": limits,
     }
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """An extend's image (one array) or frames (a list), as the engine reads them, and each image's
+    (SHA-256, PNG)."""
+
+    pixels: np.ndarray | list[np.ndarray]
+    pngs: list[tuple[str, bytes]]
+
+
+def _prepare(kind: str, value: Any) -> _Prepared | None:
+    """The RGB pixels of an image (`kind` "image") or of each frame of a clip or frame group, and their
+    PNGs; None when the input does not decode (the engine then refuses it). Runs off the event loop."""
+    try:
+        if kind == "image":
+            pixels: np.ndarray | list[np.ndarray] = load_rgb(value, kind)
+        else:
+            if isinstance(value, np.ndarray) and value.ndim == 4:
+                value = list(value)
+            single = isinstance(value, (str, bytes, Path, Image.Image, np.ndarray))
+            if single or not isinstance(value, Sequence):
+                return None
+            pixels = [load_rgb(frame, kind) for frame in value]
+    except InvalidParameterError:
+        return None
+    pngs = [_png(p) for p in (pixels if isinstance(pixels, list) else [pixels])]
+    return _Prepared(pixels, [(hashlib.sha256(png).hexdigest(), png) for png in pngs])
+
+
+def _png(rgb: np.ndarray) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(rgb, "RGB").save(out, format="PNG")
+    return out.getvalue()
+
+
+def _unpng(data: str) -> np.ndarray:
+    with Image.open(io.BytesIO(base64.b64decode(data))) as image:
+        return np.array(image.convert("RGB"))
+
+
+# bytes that no image decoder reads: replays a recorded call whose image did not decode
+_UNDECODABLE = b"not an image"
 
 
 def _resolve_name(name: str | None) -> str:
@@ -400,6 +503,20 @@ class Recording:
     answers: dict[int, Record]  # call seq -> answer record
     errors: dict[int, Record]  # call seq -> error record
     blocks: dict[int, list[int]]  # call seq -> keys of the blocks it made
+    images: dict[str, str] = field(default_factory=dict)  # hash -> base64 PNG
+    submitted: dict[int, Record] = field(default_factory=dict)  # call seq -> when its encoding was submitted
+
+    def pixels(self, refs: str | list[str] | None) -> Any:
+        """A recorded call's image (a hash) or frames (a list of hashes) as RGB arrays; None (input
+        that did not decode) as bytes that do not decode either."""
+        if refs is None:
+            return _UNDECODABLE
+        try:
+            if isinstance(refs, list):
+                return [_unpng(self.images[r]) for r in refs]
+            return _unpng(self.images[refs])
+        except KeyError as exc:
+            raise RecordingError(f"the recording lacks the image {exc.args[0]}") from None
 
     @property
     def last_step(self) -> int:
@@ -438,6 +555,10 @@ def load_recording(path: str | Path) -> Recording:
             rec.errors[r["call"]] = r
         elif kind == "block":
             rec.blocks.setdefault(r["call"], []).append(r["key"])
+        elif kind == "image":
+            rec.images[r["hash"]] = r["png"]
+        elif kind == "submitted":
+            rec.submitted[r["call"]] = r
     for call in rec.calls:
         if call["op"] == "generate" and call["args"].get("constraint"):
             raise RecordingError(
@@ -526,7 +647,24 @@ def _engine_for(rec: Recording, model: str | Path | None, device: str | torch.de
     runner = load_model(source, device, dtype, quantize=quantize, **rec.header["runner"])
     limits = dict(rec.header["limits"])
     scheduler = SchedulerConfig(**limits.pop("scheduler"))
+    if "policy" in limits:
+        limits["policy"] = _policy_of(limits["policy"])
     return Engine(runner, EngineLimits(scheduler=scheduler, **limits))
+
+
+def _policy_of(name: str) -> Any:
+    """The step policy a header names ("module:qualname"), imported."""
+    import importlib
+
+    module, _, qualname = name.partition(":")
+    try:
+        found: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+    except (ImportError, AttributeError):
+        raise RecordingError(f"the recording's step policy {name} cannot be imported: give an engine "
+                             "built with it (replay(path, engine))") from None
+    return found
 
 
 def _check_identity(rec: Recording, engine: Engine, path: str | Path) -> None:
@@ -561,6 +699,13 @@ class _Replay:
             self.points.setdefault((call["step"], call["during"]), []).append(call)
 
     async def run(self) -> ReplayReport:
+        gate = _EncodeGate.of(self.rec, self.engine)
+        try:
+            return await self._run()
+        finally:
+            gate.remove()
+
+    async def _run(self) -> ReplayReport:
         self.engine.step_listeners.append(self._after_step)
         await self.engine.start()
         self._issue(0)
@@ -649,9 +794,11 @@ class _Replay:
             return o.truncate(block, args["n"]) if op == "truncate" else getattr(o, op)(block)
         if op == "extend":
             view = [b[k] for k in args["view"]] if args["view"] is not None else None
+            visual = {k: self.rec.pixels(args[k]) for k in ("image", "video", "frames") if k in args}
             return await o.extend(
-                b[args["block"]], args["text"], args["token_ids"], view,
-                priority=_priority_of(args["priority"]), name=args["name"],
+                b[args["block"]], args["text"], args["token_ids"], view, fps=args.get("fps"),
+                timestamp=args.get("timestamp"), priority=_priority_of(args["priority"]),
+                name=args["name"], **visual,
             )
         if op == "probe":
             question = args["question"]
@@ -706,6 +853,72 @@ class _Replay:
 
     def _differ(self, step: int, coroutine: str, what: str, expected: Any, actual: Any) -> None:
         self.differences.append(Difference(step, coroutine, what, expected, actual))
+
+
+@dataclass
+class _EncodeGate:
+    """The replay's hold on image encodings: wraps the engine's step policy so that every encoding
+    is first planned where the recording's was possible, whenever the replay's pixel preparation ends.
+
+    The recording says when each image extend's encoding was submitted (step s; during: while step
+    s + 1 ran), so it could first be planned in step `s + 1 + during`. A coroutine's encodings are
+    matched in order. Planning a step waits (an empty plan; the scheduler waits for the next
+    submission) while an encoding due by then has not been submitted; one submitted before its
+    recorded point is left out of the steps before it."""
+
+    engine: Engine
+    inner: Any  # the engine's own step policy
+    due: dict[str, list[int]]  # coroutine -> first possible step of each of its encodings, in order
+    submitted: dict[str, int] = field(default_factory=dict)  # coroutine -> encodings submitted so far
+    seen: dict[str, int] = field(default_factory=dict)  # coroutine -> encodings the policy has seen
+    index: dict[int, tuple[str, int]] = field(default_factory=dict)  # work seq -> (coroutine, its nth)
+
+    @classmethod
+    def of(cls, rec: Recording, engine: Engine) -> _EncodeGate:
+        due: dict[str, list[int]] = {}
+        for call in rec.calls:
+            sub = rec.submitted.get(call["seq"])
+            if sub is not None:
+                due.setdefault(call["args"]["name"], []).append(sub["step"] + 1 + int(sub["during"]))
+        scheduler = engine._scheduler  # the step policy the engine's scheduler calls
+        gate = cls(engine, scheduler.policy, due)
+        if due:
+            scheduler.policy = gate
+            engine.work_listeners.append(gate.on_work)
+        return gate
+
+    def remove(self) -> None:
+        scheduler = self.engine._scheduler
+        if scheduler.policy is self:
+            scheduler.policy = self.inner
+        if self.on_work in self.engine.work_listeners:
+            self.engine.work_listeners.remove(self.on_work)
+
+    def on_work(self, event: WorkEvent) -> None:
+        if event.work == "encode" and event.event == "submit":
+            self.submitted[event.coroutine] = self.submitted.get(event.coroutine, 0) + 1
+
+    def __call__(self, works: list, cfg: SchedulerConfig, shares: Any, admit: Any) -> Any:
+        from cothink.scheduler.policy import StepChoice
+
+        step = self.engine.steps + 1  # the step being planned
+        for w in sorted((w for w in works if w.kind == "encode" and w.seq not in self.index),
+                        key=lambda w: w.seq):
+            n = self.seen.get(w.coroutine, 0)
+            self.index[w.seq] = (w.coroutine, n)
+            self.seen[w.coroutine] = n + 1
+        for coroutine, dues in self.due.items():
+            if any(e <= step for e in dues[self.submitted.get(coroutine, 0):]):
+                return StepChoice()  # an encoding due by this step is still being prepared
+        allowed = [w for w in works if not self._early(w, step)]
+        return self.inner(allowed, cfg, shares, admit)
+
+    def _early(self, work: Any, step: int) -> bool:
+        if work.kind != "encode":
+            return False
+        coroutine, n = self.index[work.seq]
+        dues = self.due.get(coroutine, [])
+        return n < len(dues) and dues[n] > step
 
 
 def _first_difference(expected: list, actual: list) -> tuple[Any, Any]:
