@@ -187,6 +187,10 @@ class ClientCalls:
         body = _clean({"snapshot": snapshot, "name": name})
         return Call("POST", "/v1/sessions/restore", json=body, parse=self._open)
 
+    def snapshots(self) -> Call[list[dict[str, Any]]]:
+        """This key's snapshots: id, status (complete / writing / unfinished), created, bytes, ..."""
+        return Call("GET", "/v1/sessions/snapshots")
+
     def delete_snapshot(self, snapshot: str) -> Call[None]:
         return Call("DELETE", f"/v1/sessions/snapshots/{snapshot}", parse=_nothing)
 
@@ -333,9 +337,6 @@ class SessionCalls:
         return self._call("DELETE", parse=_nothing)
 
 
-# The builders each transport turns into methods that send their call; a session's `stream` is sent as a
-# stream of events.
-CLIENT_METHODS = "health models session restore delete_snapshot".split()
 def data_url(image: Any) -> str:
     """An image as a data: URL (base64): files and bytes as they are, arrays and PIL images as PNG.
     A URL string goes as it is (the server takes only data: URLs)."""
@@ -357,6 +358,9 @@ def data_url(image: Any) -> str:
     return "data:application/octet-stream;base64," + base64.b64encode(bytes(image)).decode()
 
 
+# The builders each transport turns into methods that send their call; a session's `stream` is sent as a
+# stream of events.
+CLIENT_METHODS = "health models session restore snapshots delete_snapshot".split()
 SESSION_METHODS = "block blocks get_block extend truncate fork delete_block generate start probe".split()
 SESSION_METHODS += "coroutines coroutine cancel snapshot delete".split()
 

@@ -160,7 +160,7 @@ class Engine:
         **limits: Any,
     ) -> Engine:
         """Load a model; limits: kv_tokens, page_size, max_context, dense_summary_min_tokens,
-        attention_backend, quantize ("int8": weight-only int8 linears) (runner),
+        attention_backend, quantize ("int8" / "int4": weight-only int8 / 4-bit linears) (runner),
         max_batch_tokens, max_batch_items, max_prefill_chunk, background_min_tokens,
         interactive_step_tokens (scheduler), on_pool_full, pool_wait_s, max_input_tokens, threads,
         memory_budget, spill, spill_dir, auto_seal, policy (engine). With a memory_budget and no kv_tokens,

@@ -28,6 +28,7 @@ from cothink.observability.logs import request_var
 from cothink.observability.timeline import render_timeline_png, write_chrome_trace
 from cothink.server import events, openai_api, session_api, system_api
 from cothink.server.errors import APIError, install_error_handlers
+from cothink.server.journal import JournalWriteError, journal_unavailable
 from cothink.server.settings import ServerSettings
 from cothink.server.state import ServerState
 
@@ -229,7 +230,10 @@ def escape_invalid_utf8(body: bytes) -> bytes:
 
 
 class ObserveMiddleware:
-    """Per-request id (x-request-id) in the log context, HTTP request metrics, and 503 while draining."""
+    """Per-request id (x-request-id) in the log context, HTTP request metrics, 503 while draining or
+    while sessions are restored from the journal (only /health answers then), and the journal's
+    barrier: a session route's response leaves only once the session's journal holds what its memory
+    holds (507 otherwise)."""
 
     def __init__(self, app, state: ServerState):
         self.app, self.state = app, state
@@ -241,16 +245,29 @@ class ObserveMiddleware:
         token = request_var.set(request_id)
         start = time.perf_counter()
         status = [0]
+        journaled = _journaled_session(self.state, scope)
+        replaced = [False]  # the journal refused: the app's own response is dropped
 
         async def send_wrapped(message):
+            if replaced[0]:
+                return
             if message["type"] == "http.response.start":
+                if journaled is not None:
+                    try:
+                        self.state.journal.settle(journaled)
+                    except JournalWriteError as exc:
+                        log.error("session %s: %s", journaled, exc)
+                        replaced[0] = True
+                        return await _send_error(send, journal_unavailable(exc))
                 status[0] = message["status"]
                 message.setdefault("headers", [])
                 message["headers"] = [*message["headers"], (b"x-request-id", request_id.encode())]
             await send(message)
 
         try:
-            if self.state.draining and scope.get("path") not in OPEN_PATHS and scope["type"] == "http":
+            if self.state.recovering:
+                await _while_recovering(self.state, scope, receive, send_wrapped)
+            elif self.state.draining and scope.get("path") not in OPEN_PATHS and scope["type"] == "http":
                 shutting = APIError(
                     503,
                     "the server is shutting down",
@@ -269,6 +286,44 @@ class ObserveMiddleware:
                 method = scope.get("method", "")
                 self.state.http_requests.labels(method, path, str(status[0] or 500)).inc()
                 self.state.http_seconds.labels(method, path).observe(time.perf_counter() - start)
+
+
+def _journaled_session(state: ServerState, scope) -> str | None:
+    """The session a request's path names, when its changes are journaled."""
+    if not state.journal.enabled or scope["type"] != "http":
+        return None
+    parts = scope.get("path", "").split("/")
+    if len(parts) > 3 and parts[1] == "v1" and parts[2] == "sessions" and parts[3].startswith("sess_"):
+        return parts[3]
+    return None
+
+
+async def _while_recovering(state: ServerState, scope, receive, send) -> None:
+    """Answer a request that arrives while sessions are restored: /health reports the progress,
+    everything else is 503 `recovering` (WebSockets are closed with 1013, try again later)."""
+    progress = state.recovery.report() if state.recovery is not None else {}
+    if scope["type"] == "websocket":
+        await receive()
+        await send({"type": "websocket.close", "code": 1013, "reason": "restoring sessions"})
+        return
+    if scope.get("path") == "/health":
+        body = json.dumps({"status": "recovering", "engine_running": state.engine.running,
+                           "recovery": progress}).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 503, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+        return
+    await _send_error(
+        send,
+        APIError(
+            503,
+            f"the server is restoring sessions from its journal ({progress.get('sessions_restored', 0)} "
+            f"of {progress.get('sessions_total', 0)} done)",
+            "server_overloaded",
+            "recovering",
+            headers={"Retry-After": "1"},
+        ),
+    )
 
 
 def _write_trace(state: ServerState, target: str) -> None:

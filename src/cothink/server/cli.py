@@ -7,7 +7,22 @@ import logging
 import os
 from pathlib import Path
 
-DEFAULT_MODEL = "smollm2"
+from cothink.cli import DEFAULT_MODEL, QUANTIZE_MODES
+
+
+def _byte_count(text: str) -> int:
+    from cothink.memory.store import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    assert value is not None
+    return value
+
+
+def _byte_count_or_zero(text: str) -> int:
+    return 0 if text.strip() == "0" else _byte_count(text)
 
 
 def _positive(text: str) -> int:
@@ -60,7 +75,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="at shutdown, write the step timeline as a Chrome trace (FILE, .json) and a PNG next to it",
     )
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--quantize", choices=("int8",), default=None, help="int8 weights (Llama, Qwen3)")
+    p.add_argument(
+        "--quantize", choices=QUANTIZE_MODES, default=None,
+        help="weight-only int8 or 4-bit linears (Llama, Qwen2, Qwen3)",
+    )
     p.add_argument("--device", default="cpu")
     p.add_argument("--kv-tokens", type=_positive, default=None, help="KV pool size in tokens")
     p.add_argument("--max-tokens-per-request", type=_positive, default=d.max_tokens_per_request)
@@ -92,7 +110,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--key-memory-share",
         type=float,
         default=None,
-        help="share of the KV pool one API key may hold (default: 1 with one key, 0.5 with several)",
+        help="share of the KV pool one API key may hold (default: 1 / number of keys, admin keys "
+        "included); the keys' shares may add up to at most 1",
     )
     p.add_argument("--key-max-sessions", type=_positive, default=None, help="live sessions per key")
     p.add_argument(
@@ -127,6 +146,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help=f"snapshots one API key may keep (default {d.key_max_snapshots})",
     )
     p.add_argument(
+        "--key-max-snapshot-bytes",
+        type=_byte_count,
+        default=d.key_max_snapshot_bytes,
+        metavar="BYTES",
+        help="bytes of snapshots one API key may keep on disk, e.g. 512MiB "
+        f"(default {d.key_max_snapshot_bytes >> 30}GiB)",
+    )
+    p.add_argument(
+        "--snapshot-ttl-s",
+        type=float,
+        default=d.snapshot_ttl_s,
+        metavar="S",
+        help="delete snapshots older than S seconds (default "
+        f"{d.snapshot_ttl_s:.0f}, i.e. 30 days; 0 = never)",
+    )
+    p.add_argument(
         "--header-timeout-s",
         type=float,
         default=d.header_timeout_s,
@@ -144,6 +179,30 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=d.max_pending_connections,
         help="connections that may wait for a request head at once; one more closes the oldest "
         f"(default {d.max_pending_connections})",
+    )
+    p.add_argument(
+        "--journal-dir",
+        default=None,
+        metavar="DIR",
+        help="journal every session change to DIR (one file per session) before it is acknowledged, "
+        "and restore every journaled session at start (docs/server.md, \"Journal and crash recovery\")",
+    )
+    p.add_argument(
+        "--journal-sync",
+        choices=("always", "interval", "never"),
+        default=d.journal_sync,
+        help="when journal records are fsynced: always (before each acknowledgment; a machine crash "
+        "loses nothing), interval (within 1 s; a machine crash loses at most the last second), never "
+        "(left to the OS). A crash of the server process alone loses nothing in any mode "
+        f"(default {d.journal_sync})",
+    )
+    p.add_argument(
+        "--journal-compact-bytes",
+        type=_byte_count_or_zero,
+        default=d.journal_compact_bytes,
+        metavar="BYTES",
+        help="compact a session's journal onto a snapshot of its blocks once it grows past BYTES, so "
+        f"restoring it stays fast (default {(d.journal_compact_bytes or 0) >> 20}MiB; 0 = never)",
     )
     p.add_argument(
         "--record",
@@ -183,9 +242,14 @@ def settings_from_args(args: argparse.Namespace):
         block_idle_s=args.block_idle_s or None,
         snapshot_dir=args.snapshot_dir,
         key_max_snapshots=args.key_max_snapshots,
+        key_max_snapshot_bytes=args.key_max_snapshot_bytes,
+        snapshot_ttl_s=args.snapshot_ttl_s or None,
         header_timeout_s=args.header_timeout_s,
         body_timeout_s=args.body_timeout_s,
         max_pending_connections=args.max_pending_connections,
+        journal_dir=args.journal_dir,
+        journal_sync=args.journal_sync,
+        journal_compact_bytes=args.journal_compact_bytes or None,
     )
 
 
@@ -196,6 +260,7 @@ def _names(text: str) -> tuple[str, ...]:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from cothink.errors import CothinkError
     from cothink.observability import configure_tracing, setup_logging
     from cothink.runtime.engine import Engine
     from cothink.server.app import create_app
@@ -203,7 +268,11 @@ def run(args: argparse.Namespace) -> int:
 
     setup_logging(args.log_format, args.log_level)
     log = logging.getLogger("cothink.server")
-    settings = settings_from_args(args)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:  # settings that promise more than the server has (InvalidParameterError)
+        log.error("cothink serve: %s", exc)
+        return 2
     if args.host not in ("127.0.0.1", "localhost", "::1") and not settings.keys():
         log.warning(
             "binding %s without an API key: anyone who can reach this port can use the model", args.host
@@ -221,7 +290,11 @@ def run(args: argparse.Namespace) -> int:
         from cothink.runtime.recorder import Recorder
 
         engine = Recorder(engine, args.record, model=args.model, quantize=args.quantize)
-    app = create_app(engine, settings)
+    try:
+        app = create_app(engine, settings)
+    except CothinkError as exc:  # e.g. a journal directory that cannot be used
+        log.error("cothink serve: %s", exc)
+        return 2
     try:
         serve(app, args.host, args.port, log_level=args.log_level)
     finally:

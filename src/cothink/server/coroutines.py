@@ -16,6 +16,7 @@ from opentelemetry import trace
 
 from cothink.observability.logs import coroutine_var
 from cothink.server.errors import APIError, from_exception
+from cothink.server.journal import JournalWriteError, journal_unavailable
 from cothink.server.openai_features import structured_for
 from cothink.server.schemas import ExtendRequest, GenerateRequest, ProbeRequest, ProbeResult
 from cothink.server.sessions import BlockEntry, CoroutineEntry, Session
@@ -45,6 +46,7 @@ def coroutine_entry(
     tokens: int = 0,
     attributes: dict[str, Any] | None = None,
     outlives_entry: bool = False,
+    params: dict[str, Any] | None = None,
 ) -> Iterator[Entered]:
     """Register a `kind` coroutine of `session` reading `view` and run the body under its span.
 
@@ -54,6 +56,9 @@ def coroutine_entry(
     finishes both). Leaving it by an exception records the coroutine as failed (its error: the
     APIError's message, or 'cancelled'; a failed generation's finish reason is 'error'), so a failed
     entry leaves nothing running and nothing reserved.
+
+    A writer is journaled (with `params`, a generation's sampling parameters) before the body runs:
+    the tokens written after that record are the coroutine's.
     """
     reservation = session.reserve(writes, tokens) if writes is not None else None
     try:
@@ -77,6 +82,8 @@ def coroutine_entry(
     )
     try:
         with trace.use_span(span, end_on_exit=False):  # the engine work's span nests under this one
+            if writes is not None:
+                session.manager.journal.work_started(session, co, params)
             yield Entered(co, span)
     except BaseException as exc:
         error = from_exception(exc).message if isinstance(exc, Exception) else "cancelled"
@@ -132,6 +139,7 @@ async def do_extend(
                 name=entered.co.id,
             )
         )
+        session.manager.journal.acknowledge(session, entry.block)  # on file before the reply
 
 
 async def extend_from(state: ServerState, session: Session, entry: BlockEntry, body: ExtendRequest) -> None:
@@ -183,9 +191,21 @@ class Running:
         included (the Piece protocol, scheduler/work.py GenerateWork), so the token events add up to
         the end event's text and token ids."""
         co, session = self.co, self.session
+        journal, written = session.manager.journal, session.blocks.get(co.block or "")
+        block = written.block if written is not None else None
+        unjournaled: JournalWriteError | None = None
         yield {"type": "start", "coroutine": co.id, "block": co.block, "view": co.view}
         try:
             async for piece in self.gen:
+                if unjournaled is not None:
+                    continue  # cancelled: its last pieces are dropped, as is their memory below
+                try:
+                    if block is not None:
+                        journal.catch_up(block)  # every token is on file before it is sent
+                except JournalWriteError as exc:
+                    unjournaled = exc
+                    self.gen.cancel()
+                    continue
                 co.text += piece.text
                 co.token_ids.extend(piece.token_ids)
                 event = {
@@ -200,6 +220,10 @@ class Running:
                         for lp in piece.logprobs
                     ]
                 yield event
+            if unjournaled is not None:
+                if block is not None:
+                    journal.rewind(block)  # the block holds only what the journal holds
+                raise journal_unavailable(unjournaled)
             result = self.gen.result
             session.finish(co, "finished", result.finish_reason)
             self.span.set_attribute("cothink.finish_reason", result.finish_reason)
@@ -259,6 +283,7 @@ def start_generation(state: ServerState, session: Session, req: GenerateRequest)
         req.max_tokens,
         {"cothink.max_tokens": req.max_tokens},
         outlives_entry=True,
+        params=req.model_dump(exclude={"view", "name", "stream", "background"}),
     ) as entered:
         structured = structured_for(state, req.response_format, [], None)
         gen = state.call(

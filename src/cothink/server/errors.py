@@ -202,4 +202,5 @@ ERROR_RESPONSES = {
     403: {"model": ErrorResponse, "description": "Host or Origin not allowed, or the listing needs a key"},
     429: {"model": ErrorResponse, "description": "Quota (memory, sessions, blocks, coroutines) reached"},
     503: {"model": ErrorResponse, "description": "Memory pool exhausted or server shutting down"},
+    507: {"model": ErrorResponse, "description": "The session journal cannot be written (disk full)"},
 }

@@ -97,6 +97,15 @@ class PrefixCache:
             dropped += 1
         return dropped
 
+    def shrink_to(self, pages: int) -> int:
+        """Evict least recently used entries until the cache counts at most `pages` pages; returns how
+        many entries went (the memory ledger calls it when the accounts' promises grow)."""
+        dropped = 0
+        while self.entries and self.pages() > pages:
+            self._drop(min(self.entries, key=lambda e: e.last_used))
+            dropped += 1
+        return dropped
+
     def _drop(self, entry: Entry) -> None:
         self.entries.remove(entry)
         if not entry.block.freed:

@@ -9,6 +9,14 @@ requests cannot all pass a check that only one of them fits.
     projected tokens(block) = length + what its running works may still add
     pages(block)            = max(1, ceil(projected / page_size)) - pages it shares with its fork parent
 
+A block stays charged until its memory is really free: releasing a block that a running work still
+reads (a generation's view) keeps its pages counted against the account until the engine frees it.
+
+The accounts' limits never promise more than the pool (`ServerSettings.memory_share`: the shares of
+all keys add up to at most 1), and pages the server holds for no account (the prefix cache's forks)
+are given back as soon as the promises need them (`make_room`), so a request within its account's
+share finds room in the pool instead of waiting for it.
+
 `MemoryLedger` is the only place in the server that knows how pages are counted; what fits the pool
 itself is the engine's admission (`scheduler/budget.py::MemoryBudget`).
 """
@@ -16,6 +24,7 @@ itself is the engine's admission (`scheduler/budget.py::MemoryBudget`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -48,6 +57,7 @@ class Charge:
     parent: Charge | None = None
     reserved: int = 0  # tokens running works may still add, as of `base`
     base: int = 0  # block length when `reserved` was set
+    released: bool = False  # the session let go of it; it counts until a work stops reading it too
 
     def projected_tokens(self) -> int:
         length = 0 if self.block.freed else self.block.length
@@ -107,9 +117,13 @@ class MemoryLedger:
     session_max_tokens: int | None
     charges: dict[int, Charge] = field(default_factory=dict)  # block id -> charge
     holds: list[Hold] = field(default_factory=list)
+    # gives back pages held for no account until at most this many such pages remain (prefix cache)
+    make_room: Callable[[int], object] | None = None
 
     # ---- views --------------------------------------------------------------------------------
     def _select(self, account: str | None = None, session: str | None = None) -> list[Charge]:
+        for block_id in [i for i, c in self.charges.items() if c.released and c.block.freed]:
+            del self.charges[block_id]  # really free now: its pages are back in the pool
         return [
             c
             for c in self.charges.values()
@@ -134,6 +148,7 @@ class MemoryLedger:
         self._check(account, None, pages, 0, what)
         hold = Hold(account, pages)
         self.holds.append(hold)
+        self._promised()
         return hold
 
     def budget_pages(self) -> int:
@@ -143,21 +158,50 @@ class MemoryLedger:
 
     # ---- charging -----------------------------------------------------------------------------
     def add_block(
-        self, block: Block, account: str, session: str | None, fork_of: Block | None = None
+        self,
+        block: Block,
+        account: str,
+        session: str | None,
+        fork_of: Block | None = None,
+        shared_pages: int | None = None,
     ) -> Charge:
-        """Charge a new (empty or forked) block; raises 429/413 when the account cannot hold it."""
+        """Charge a new (empty, forked or restored) block; raises 429/413 when the account cannot hold
+        it. A fork shares `fork_of`'s whole pages (`shared_pages` of them when given: a block restored
+        as a fork of another restored block shares its leading pages only)."""
         parent = self.charges.get(fork_of.id) if fork_of is not None else None
-        shared = (fork_of.length // self.geometry.page_size) if fork_of is not None else 0
+        shared = 0
+        if fork_of is not None:
+            shared = shared_pages if shared_pages is not None else fork_of.length // self.geometry.page_size
         charge = Charge(block, account, session, shared_pages=shared if parent else 0, parent=parent)
-        # a fork holds its parent's tokens; a block restored from a snapshot holds its own already
-        extra_tokens = fork_of.length if fork_of is not None else block.length
+        # a fork holds its parent's tokens (its length, as forked); a restored block holds its own
+        extra_tokens = block.length
         self.check_request(charge.pages(self.geometry), "a new block")
         self._check(account, session, charge.pages(self.geometry), extra_tokens, what="a new block")
         self.charges[block.id] = charge
+        self._promised()
         return charge
 
     def drop_block(self, block: Block) -> None:
-        self.charges.pop(block.id, None)
+        """The session released `block`: its pages stop counting once the engine frees it (at once
+        unless a running work still reads it)."""
+        charge = self.charges.get(block.id)
+        if charge is None:
+            return
+        if block.freed:
+            del self.charges[block.id]
+        else:
+            charge.released = True
+
+    def check_fits(self, account: str, session: str | None, pages: int, tokens: int, what: str) -> None:
+        """Refuse (413/429) what `account` (and `session`) could not take in: `pages` more pages and
+        `tokens` more tokens. Nothing is charged: blocks are charged when they are added."""
+        self.check_request(pages, what)
+        self._check(account, session, pages, tokens, what)
+
+    def _promised(self) -> None:
+        """Pages held for no account (the prefix cache) give way to what the accounts were promised."""
+        if self.make_room is not None:
+            self.make_room(max(0, self.geometry.total_pages - self.usage().pages))
 
     def reserve(self, block: Block, tokens: int) -> Reservation:
         """Reserve `tokens` that a work is about to add to `block` (check and add in one step)."""
@@ -172,6 +216,7 @@ class MemoryLedger:
         self.check_request(after, f"the block with {tokens} more tokens")
         self._check(charge.account, charge.session, after - before, tokens, what=f"{tokens} more tokens")
         charge.reserved, charge.base = remaining + tokens, length
+        self._promised()
         return Reservation(self, charge, tokens)
 
     def check_request(self, pages: int, what: str) -> None:

@@ -401,6 +401,20 @@ class SnapshotInfo(BaseModel):
     bytes: int = Field(description="Size of the snapshot on disk")
 
 
+class SnapshotListed(BaseModel):
+    id: str
+    object: Literal["session.snapshot"] = "session.snapshot"
+    status: Literal["complete", "writing", "unfinished"] = Field(
+        description="`writing`: being saved now; `unfinished`: cut short (a crash): delete it"
+    )
+    created: int = Field(description="Unix time")
+    bytes: int = Field(description="Size on disk (counts against the key's snapshot bytes)")
+    session: str | None = Field(None, description="The session it was saved from (complete snapshots)")
+    model: str | None = None
+    blocks: list[SnapshotBlockInfo] | None = None
+    tokens: int | None = None
+
+
 class RestoreRequest(Strict):
     snapshot: str = Field(min_length=1, max_length=64, description="A snapshot id from POST .../snapshot")
     name: Label | None = Field(None, description="Label of the new session (default: the saved one's)")

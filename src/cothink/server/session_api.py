@@ -13,7 +13,8 @@ from fastapi import APIRouter
 from cothink.server import block_routes, coroutine_routes, session_routes, snapshot_routes, socket_routes
 
 # each part's router carries the /v1/sessions prefix itself, so the route a request matched (which
-# the request metrics label by) names the whole path
+# the request metrics label by) names the whole path. Snapshots come first: GET /v1/sessions/snapshots
+# must match before GET /v1/sessions/{session_id} would take "snapshots" for a session id.
 router = APIRouter()
-for part in (session_routes, block_routes, coroutine_routes, snapshot_routes, socket_routes):
+for part in (snapshot_routes, session_routes, block_routes, coroutine_routes, socket_routes):
     router.include_router(part.router)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from cothink.memory.block import Block
 from cothink.observability.logs import bind_owner, forget_owner
 from cothink.server.errors import APIError, not_found
+from cothink.server.journal import Journal
 from cothink.server.quota import MemoryLedger, Reservation
 from cothink.server.settings import ServerSettings
 
@@ -67,9 +68,9 @@ class CoroutineEntry:
 
 
 class Session:
-    def __init__(self, manager: SessionManager, owner: str, name: str | None):
+    def __init__(self, manager: SessionManager, owner: str, name: str | None, session_id: str | None = None):
         self.manager = manager
-        self.id = new_id("sess")
+        self.id = session_id or new_id("sess")  # given: a session restored from its journal
         self.owner = owner
         # the memory account: the key; without keys every session is its own account
         self.account = owner if manager.settings.keys() else self.id
@@ -147,19 +148,24 @@ class Session:
                 "session_block_quota",
             )
 
-    def new_block(self, name: str | None, fork_of: BlockEntry | None = None) -> BlockEntry:
+    def new_block(
+        self, name: str | None, fork_of: BlockEntry | None = None, block_id: str | None = None
+    ) -> BlockEntry:
         self._check_open()
         self.check_block_quota()
-        block_id = new_id("blk")
+        block_id = block_id or new_id("blk")  # given: a block restored from its journal
         if fork_of is not None:
             block = self.engine.fork(fork_of.block, name=block_id)
         else:
             block = self.engine.block(name=block_id)
         return self._add(block_id, block, name, fork_of)
 
-    def adopt_block(self, block_id: str, block: Block, name: str | None) -> BlockEntry:
+    def adopt_block(
+        self, block_id: str, block: Block, name: str | None, shares: tuple[Block, int] | None = None
+    ) -> BlockEntry:
         """Take in a block the engine already holds (one restored from a snapshot, keeping its id),
-        charged to the quotas with its length; on refusal the block is released."""
+        charged to the quotas with its length, less the pages it `shares` (block, whole pages) with a
+        block restored before it; on refusal the block is released."""
         self._check_open()
         if block_id in self.blocks:
             self.engine.release(block)
@@ -169,15 +175,29 @@ class Session:
         except APIError:
             self.engine.release(block)
             raise
-        return self._add(block_id, block, name, None)
+        return self._add(block_id, block, name, None, shares)
 
-    def _add(self, block_id: str, block: Block, name: str | None, fork_of: BlockEntry | None) -> BlockEntry:
+    def _add(
+        self,
+        block_id: str,
+        block: Block,
+        name: str | None,
+        fork_of: BlockEntry | None,
+        shares: tuple[Block, int] | None = None,
+    ) -> BlockEntry:
+        source, shared = shares if shares is not None else (fork_of.block if fork_of else None, None)
         try:
-            self.ledger.add_block(block, self.account, self.id, fork_of.block if fork_of else None)
+            self.ledger.add_block(block, self.account, self.id, source, shared_pages=shared)
         except BaseException:
             self.engine.release(block)
             raise
         entry = BlockEntry(block_id, block, name, int(time.time()))
+        try:
+            self.manager.journal.block_added(self, entry, fork_of)
+        except BaseException:
+            self.ledger.drop_block(block)
+            self.engine.release(block)
+            raise
         self.blocks[block_id] = entry
         bind_owner(block_id, self.id)
         return entry
@@ -210,8 +230,11 @@ class Session:
                 return c
         return None
 
-    def delete_block(self, block_id: str) -> None:
+    def delete_block(self, block_id: str, journal: bool = True) -> None:
+        """Release a block (journaled first, unless `journal` is false: the whole session is going)."""
         entry = self.block(block_id)
+        if journal:
+            self.manager.journal.block_released(self, entry)
         del self.blocks[block_id]
         forget_owner(block_id)
         self.ledger.drop_block(entry.block)
@@ -244,6 +267,8 @@ class Session:
         if not entry.running:
             return
         entry.status, entry.finish_reason, entry.error = status, finish_reason, error
+        if entry.block is not None:
+            self.manager.journal.work_ended(self, entry)
         entry.generation = None
         if entry.reservation is not None:
             entry.reservation.release()
@@ -267,7 +292,7 @@ class Session:
                 c.task.cancel()
         for block_id in list(self.blocks):
             try:
-                self.delete_block(block_id)
+                self.delete_block(block_id, journal=False)
             except Exception:  # already released
                 pass
         self.closed = True
@@ -290,8 +315,11 @@ class Session:
 
 
 class SessionManager:
-    def __init__(self, engine: Engine, settings: ServerSettings, ledger: MemoryLedger):
+    def __init__(
+        self, engine: Engine, settings: ServerSettings, ledger: MemoryLedger, journal: Journal | None = None
+    ):
         self.engine, self.settings, self.ledger = engine, settings, ledger
+        self.journal = journal or Journal()  # every change to a session, on disk first (journal.py)
         self.sessions: dict[str, Session] = {}
 
     def create(self, owner: str, name: str | None = None) -> Session:
@@ -311,6 +339,7 @@ class SessionManager:
                 "key_session_limit",
             )
         session = Session(self, owner, name)
+        self.journal.session_created(session, self.settings.model_name)
         self.sessions[session.id] = session
         bind_owner(session.id, session.id)
         return session
@@ -335,6 +364,7 @@ class SessionManager:
 
     def delete(self, session_id: str, owner: str) -> None:
         session = self.get(session_id, owner)
+        self.journal.session_deleted(session)
         session.close()
         del self.sessions[session_id]
         forget_owner(session_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from cothink.errors import InvalidParameterError
 from cothink.server.connections import ConnectionLimits
 
 
@@ -36,7 +37,9 @@ class ServerSettings:
     body_timeout_s: float = 30.0  # a request's body must arrive within this of its head
     max_pending_connections: int = 64  # connections waiting for a request head; one more closes the oldest
     # ---- memory quotas, counted in KV pages (a block costs at least one page) ----
-    key_memory_share: float | None = None  # share of the KV pool one key may hold; None: 1 key -> 1, else 1/2
+    # share of the KV pool one key may hold; None: 1 / number of keys (admin keys included). The shares of
+    # all keys add up to at most 1 (checked), so no key is promised pages another key holds
+    key_memory_share: float | None = None
     key_max_sessions: int | None = None  # live sessions per key; None: max_sessions / number of keys
     session_idle_s: float | None = 1800.0  # a session unused this long is deleted (None: never)
     block_idle_s: float | None = None  # a block unused this long is released (None: same as sessions)
@@ -46,8 +49,44 @@ class ServerSettings:
     # ---- session snapshots (docs/server.md, "Snapshots") ----
     snapshot_dir: str | None = None  # where snapshots are written; None: <cothink cache dir>/snapshots
     key_max_snapshots: int = 32  # snapshots one API key may keep on disk (without keys: all clients)
+    key_max_snapshot_bytes: int = 4 << 30  # bytes of snapshots one API key may keep on disk
+    snapshot_ttl_s: float | None = 30 * 86_400.0  # snapshots older than this are deleted (None: never)
+    # ---- session journal (docs/server.md, "Journal and crash recovery") ----
+    journal_dir: str | None = None  # one append-only journal per session here; restored at start. None: off
+    journal_sync: str = "interval"  # when records are fsynced: always | interval | never
+    journal_sync_interval_s: float = 1.0  # 'interval': a changed journal is fsynced at most this much later
+    journal_compact_bytes: int | None = 1 << 20  # a longer session journal is compacted onto a snapshot
     trace_out: str | None = None  # write the step timeline (Chrome JSON + PNG) here at shutdown
     timeline_default_steps: int = 10_000  # GET /v1/timeline returns at most this many recent steps by default
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        """Refuse settings that promise more than the server has (InvalidParameterError naming the field)."""
+        share = self.key_memory_share
+        if share is not None:
+            if not 0 < share <= 1:
+                raise InvalidParameterError(
+                    f"key_memory_share must be in (0, 1], got {share:g}", param="key_memory_share"
+                )
+            n = len(self.keys())
+            if n * share > 1 + 1e-9:
+                raise InvalidParameterError(
+                    f"key_memory_share {share:g} x {n} keys promises {n * share:g} of the KV pool; the "
+                    f"keys' shares must add up to at most 1 (at most {1 / n:.4g} each, or leave it unset)",
+                    param="key_memory_share",
+                )
+        if self.key_max_snapshot_bytes < 1 or self.key_max_snapshots < 1:
+            raise InvalidParameterError(
+                "key_max_snapshots and key_max_snapshot_bytes must be positive",
+                param="key_max_snapshot_bytes",
+            )
+        if self.snapshot_ttl_s is not None and self.snapshot_ttl_s <= 0:
+            raise InvalidParameterError(
+                f"snapshot_ttl_s must be positive or None, got {self.snapshot_ttl_s:g}",
+                param="snapshot_ttl_s",
+            )
 
     def keys(self) -> tuple[str, ...]:
         """Every accepted key (admin keys included)."""
@@ -57,9 +96,10 @@ class ServerSettings:
         return ConnectionLimits(self.header_timeout_s, self.body_timeout_s, self.max_pending_connections)
 
     def memory_share(self) -> float:
+        """The share of the KV pool one key may hold: all keys' shares together are at most the pool."""
         if self.key_memory_share is not None:
             return self.key_memory_share
-        return 1.0 if len(self.keys()) < 2 else 0.5
+        return 1.0 / max(1, len(self.keys()))
 
     def sessions_per_key(self) -> int:
         if self.key_max_sessions is not None:

@@ -18,6 +18,7 @@ from cothink.errors import CothinkError
 from cothink.observability.metrics import EngineMetrics
 from cothink.observability.tracing import WorkTracer, get_tracer, instrument
 from cothink.server.errors import APIError, from_exception
+from cothink.server.journal import open_journal
 from cothink.server.prefix_cache import PrefixCache
 from cothink.server.quota import MemoryLedger, PoolGeometry
 from cothink.server.sessions import SessionManager
@@ -26,6 +27,7 @@ from cothink.server.settings import ServerSettings
 
 if TYPE_CHECKING:
     from cothink.runtime.engine import Engine, Generation
+    from cothink.server.recovery import RecoveryProgress
     from cothink.structured import GrammarCompiler
 
 log = logging.getLogger("cothink.server")
@@ -36,15 +38,27 @@ class ServerState:
     def __init__(
         self, engine: Engine, settings: ServerSettings, tracer_provider: trace.TracerProvider | None = None
     ):
+        settings.check()
         self.engine, self.settings = engine, settings
-        self.ledger = MemoryLedger(
-            pool_geometry(engine), None, settings.session_max_tokens
-        )  # account limit set in start(), once the pool size is known
-        self.ledger.account_max_pages = int(self.ledger.geometry.total_pages * settings.memory_share())
-        self.sessions = SessionManager(engine, settings, self.ledger)
-        self.snapshots = SnapshotStore(snapshot_root(settings), settings.key_max_snapshots)
-        g = self.ledger.geometry
+        g = pool_geometry(engine)
         self.prefix_cache = PrefixCache(engine, int(g.total_pages * settings.prefix_cache_share), g.page_size)
+        # the keys' shares add up to at most the pool; the prefix cache gives way to what they promise
+        self.ledger = MemoryLedger(
+            g,
+            int(g.total_pages * settings.memory_share()),
+            settings.session_max_tokens,
+            make_room=self.prefix_cache.shrink_to,
+        )
+        self.journal = open_journal(settings)
+        self.sessions = SessionManager(engine, settings, self.ledger, self.journal)
+        self.recovery: RecoveryProgress | None = None  # set while (and after) journals are replayed
+        self.journal_tasks: list[asyncio.Task] = []
+        self.snapshots = SnapshotStore(
+            snapshot_root(settings),
+            settings.key_max_snapshots,
+            settings.key_max_snapshot_bytes,
+            settings.snapshot_ttl_s,
+        )
         # coroutine name -> owner (key fingerprint; a session id without keys), for /v1/timeline
         self.owners: OrderedDict[str, str] = OrderedDict()
         self.max_token_chars: int | None = None  # longest token text: bounds tokens from below by length
@@ -232,6 +246,27 @@ class ServerState:
         if not self.engine.running:
             await self.engine.start()
             self.started_engine = True
+        self.start_journal()
+
+    def start_journal(self) -> None:
+        """Replay the journal directory in the background (only /health answers until it is done),
+        then keep journaling; fsync on the configured interval."""
+        from cothink.server.journal import FileJournal
+        from cothink.server.recovery import RecoveryProgress, recover
+
+        journal = self.journal
+        if not isinstance(journal, FileJournal) or self.journal_tasks:
+            return
+        journal.attach(self.engine, self.sessions.sessions)
+        self.recovery = RecoveryProgress()
+        self.journal_tasks = [
+            asyncio.create_task(recover(self, journal, self.recovery), name="cothink-journal-recovery"),
+            asyncio.create_task(journal.run(), name="cothink-journal-sync"),
+        ]
+
+    @property
+    def recovering(self) -> bool:
+        return self.recovery is not None and self.recovery.running
 
     async def drain(self) -> None:
         """Stop taking work; end running generations (finish reason 'cancelled') and stop the engine."""
@@ -252,7 +287,10 @@ class ServerState:
 
     async def close(self) -> None:
         await self.drain()
+        for task in self.journal_tasks:
+            task.cancel()
         self.sessions.close_all()
+        self.journal.close()
         self.prefix_cache.clear()
         if self.owns_tracer and self.work_tracer is not None:
             self.work_tracer.close()
