@@ -92,11 +92,13 @@ class CompiledForward:
         self.model.forward = self.forward  # instance attribute: only this model
 
     def forward(
-        self, input_ids: torch.Tensor, ctx: Any, logit_rows: torch.Tensor, layers: Any = None
+        self, input_ids: torch.Tensor, ctx: Any, logit_rows: torch.Tensor, layers: Any = None,
+        vision: Any = None,
     ) -> torch.Tensor:
-        # `layers` (the fused decode step) is None here: the probe runs with the C kernels off
+        # `layers` (the fused decode step) and `vision` are None here: the probe runs text-only steps
+        # with the C kernels off
         if not self.compiled or logit_rows.numel() == 0:
-            return self.eager(self.model, input_ids, ctx, logit_rows, layers)
+            return self.eager(self.model, input_ids, ctx, logit_rows, layers, vision)
         _STEP_CONTEXT[0] = ctx
         try:
             return self.graph(self.graph_model, input_ids, logit_rows)

@@ -9,7 +9,12 @@ runs the same workload: `--sessions` sessions, each a prompt block extended with
 `--rounds` streamed greedy generations of `--tokens` tokens into a second block, all sessions at once
 over HTTP. Reported per mode: wall seconds, seconds per generated token, journal bytes and the
 overhead against no journal. Then a fresh server restores the last journal directory: recovery
-seconds and tokens replayed per second. Writes journal.json to --out.
+seconds and tokens replayed per second.
+
+Recovery at size (`--recovery-tokens`, default 100,000; 0: skip): `--recovery-sessions` sessions (16)
+each write their share of the tokens into a block (one extend), once with compaction off and once
+with every journal compacted onto a snapshot; a fresh server restores each directory, timed from
+its start to the end of recovery. Writes journal.json to --out.
 """
 
 from __future__ import annotations
@@ -87,6 +92,53 @@ def run_recovery(folder: Path, journal: Path) -> dict[str, Any]:
     return {**report, "tokens_per_s": report["tokens_replayed"] / max(report["seconds"], 1e-9)}
 
 
+def _write_sessions(url: str, sessions: int, tokens: int) -> None:
+    def one(i: int) -> None:
+        with httpx.Client(base_url=url, timeout=3600) as http:
+            sid = http.post("/v1/sessions").json()["id"]
+            ids = [1000 + (i * 7919 + j) % 30000 for j in range(tokens)]
+            r = http.post(f"/v1/sessions/{sid}/blocks", json={"token_ids": ids})
+            r.raise_for_status()
+
+    with concurrent.futures.ThreadPoolExecutor(sessions) as pool:
+        list(pool.map(one, range(sessions)))
+
+
+def run_recovery_at_size(
+    args: argparse.Namespace, folder: Path, journal: Path, compact: bool
+) -> dict[str, Any]:
+    """Journal `--recovery-tokens` across `--recovery-sessions` sessions (compacted onto snapshots or
+    not), then time a fresh server's recovery of them."""
+    import cothink
+    from cothink.server import BackgroundServer, ServerSettings, create_app
+
+    per_session = args.recovery_tokens // args.recovery_sessions
+    settings = ServerSettings(model_name="bench", session_idle_s=None, journal_dir=str(journal),
+                              journal_compact_bytes=1024 if compact else None)
+    app = create_app(cothink.Engine.from_pretrained(folder, kv_tokens=args.recovery_tokens + 4096), settings)
+    with BackgroundServer(app) as server:
+        _wait_ready(server.url)
+        _write_sessions(server.url, args.recovery_sessions, per_session)
+        if compact:  # every journal compacted onto its snapshot (the sync loop starts them within a second)
+            state = app.state.cothink
+            deadline = time.monotonic() + 3600
+            while time.monotonic() < deadline:
+                done = len(list(journal.glob("*.snapshot"))) >= args.recovery_sessions
+                if done and not server.call(lambda: bool(state.journal.compacting)):
+                    break
+                time.sleep(0.2)
+    size = sum(p.stat().st_size for p in journal.iterdir())
+    start = time.perf_counter()
+    app = create_app(cothink.Engine.from_pretrained(folder, kv_tokens=args.recovery_tokens + 4096),
+                     ServerSettings(model_name="bench", session_idle_s=None, journal_dir=str(journal)))
+    with BackgroundServer(app) as server:
+        _wait_ready(server.url)
+        report = server.call(lambda: app.state.cothink.recovery.report())
+    tokens = per_session * args.recovery_sessions
+    return {"compacted": compact, "sessions": args.recovery_sessions, "tokens": tokens,
+            "directory_bytes": size, "start_to_ready_s": time.perf_counter() - start, **report}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     C.add_common_args(p)
@@ -94,9 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--tokens", type=int, default=32, help="tokens per generation (default 32)")
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens per session (default 64)")
+    p.add_argument("--recovery-tokens", type=int, default=100_000,
+                   help="tokens journaled for the recovery-at-size measurement (default 100000; 0: skip)")
+    p.add_argument("--recovery-sessions", type=int, default=16)
     args = p.parse_args(argv)
     if args.quick:
         args.sessions, args.rounds, args.tokens = 4, 2, 16
+        args.recovery_tokens, args.recovery_sessions = min(args.recovery_tokens, 512), 4
     info, folder = C.begin(args, "session journal")
     rows, last_dir = [], None
     with tempfile.TemporaryDirectory(prefix="cothink-journal-bench-") as tmp:
@@ -106,11 +162,13 @@ def main(argv: list[str] | None = None) -> int:
             last_dir = journal or last_dir
         assert last_dir is not None
         recovery = run_recovery(folder, last_dir)
+        at_size = [run_recovery_at_size(args, folder, Path(tmp) / f"size-{c}", c)
+                   for c in (False, True)] if args.recovery_tokens else []
     base = rows[0]["s_per_token"]
     for row in rows:
         row["overhead"] = row["s_per_token"] / base - 1
     result = {"machine": info, "args": {k: str(v) for k, v in vars(args).items()}, "modes": rows,
-              "recovery": recovery}
+              "recovery": recovery, "recovery_at_size": at_size}
     path = C.write_json(args.out / "journal.json", result)
     con = C.console()
     for row in rows:
@@ -120,6 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     con.print(f"recovery ({last_dir.name}): {recovery['sessions_restored']} sessions, "
               f"{recovery['tokens_replayed']} tokens in {recovery['seconds']:.2f} s "
               f"({recovery['tokens_per_s']:.0f} tokens/s)")
+    for r in at_size:
+        con.print(f"recovery of {r['tokens']} tokens in {r['sessions']} sessions "
+                  f"({'compacted onto snapshots' if r['compacted'] else 'journals only'}, "
+                  f"{r['directory_bytes'] / 2**20:.1f} MiB): {r['seconds']:.2f} s "
+                  f"({r['tokens_replayed']} tokens replayed; server start to ready "
+                  f"{r['start_to_ready_s']:.1f} s)")
     con.print(f"wrote {path}")
     return 0
 

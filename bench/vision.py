@@ -2,6 +2,7 @@
 
     python bench/vision.py --model FOLDER            # a local Qwen3.5 multimodal or Qwen3-VL checkpoint
     python bench/vision.py --model tiny-vl-random    # a tiny random Qwen3.5 multimodal model (smoke runs)
+    python bench/vision.py --model qwen35-vl-random  # the released tower's size (random weights), small text
 
 Tower: --images random images of --size pixels, each preprocessed as the checkpoint says and encoded
 alone, by cothink (``runner.vision.encode``, on its compute thread) and by transformers' own tower
@@ -46,23 +47,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def tiny_random_vl() -> Path:
-    """A tiny random Qwen3.5 multimodal checkpoint with the released pixel geometry (patch 16, merge 2)."""
+# the released Qwen3.5 tower (vision.md: depth 27, hidden 1152, 16 heads, MLP 4304, 48x48 positions)
+RELEASED_TOWER = dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16,
+                      num_position_embeddings=2304)
+
+
+def tiny_random_vl(released_tower: bool = False) -> Path:
+    """A random Qwen3.5 multimodal checkpoint with the released pixel geometry (patch 16, merge 2): a tiny
+    tower, or (`released_tower`) the released tower's size under a small text stack (hidden 512)."""
     import transformers as tf
 
     from cothink.models.hub import resolve_model_path
 
     folder = Path(tempfile.mkdtemp(prefix="cothink-bench-vl-"))
     torch.manual_seed(0)
-    text = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    hidden = 512 if released_tower else 64
+    text = dict(vocab_size=49152, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
                 layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
                 num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
                 linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
                 max_position_embeddings=8192, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                  "mrope_section": [4, 2, 2], "mrope_interleaved": True})
-    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=64,
+    vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, out_hidden_size=hidden,
                   patch_size=16, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64)
+    if released_tower:
+        vision |= RELEASED_TOWER
     ids = dict(image_token_id=49148, video_token_id=49149, vision_start_token_id=49150,
                vision_end_token_id=49151, tie_word_embeddings=True)
     config = tf.Qwen3_5Config(text_config=text, vision_config=vision, **ids)
@@ -164,9 +174,9 @@ def bench_decode(folder: Path, args: argparse.Namespace, dtype: torch.dtype) -> 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    tiny = args.model == "tiny-vl-random"
-    if tiny:
-        args.model = str(tiny_random_vl())
+    named = args.model if args.model in ("tiny-vl-random", "qwen35-vl-random") else None
+    if named:
+        args.model = str(tiny_random_vl(released_tower=named == "qwen35-vl-random"))
     info, folder = C.begin(args, "vision")
     dtype = torch.float32
     tower = bench_tower(folder, args, dtype)
@@ -178,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         what = f"with a {args.fps:g} fps stream ({row['frame_groups']} groups)" if row["stream"] else "alone"
         print(f"interactive decode {what}: inter-token median {C.fmt(row['itl_median_ms'], 2)} ms, "
               f"p90 {C.fmt(row['itl_p90_ms'], 2)} ms, max {C.fmt(row['itl_max_ms'], 2)} ms")
-    model = "tiny-vl-random" if tiny else args.model
+    model = named or args.model
     C.write_json(args.out / "vision.json",
                  {"machine": info, "model": model, "dtype": "float32", "tower": tower, "decode": decode})
     return 0

@@ -147,7 +147,10 @@ def test_runner_executes_shipped_think_narrate(hybrid_dir):
     # runs fit depends on how fast the thinker is next to the probe; each run of it is a probe event
     probes = [e for e in run.events if e.kind == "probe"]
     assert run.runs["thinker"] == 1 and run.runs["progress"] == len(probes) >= 1
-    assert stats["tn.thinker"].forward_passes >= 40 and run.forward_passes["progress"] >= len(probes)
+    # the thinker's prompt, then one pass per generated token: up to 40, fewer where the random model
+    # samples its end-of-sequence token first (greedy argmax near-ties differ between CPUs)
+    thinker = stats["tn.thinker"]
+    assert thinker.forward_passes >= 2 and run.forward_passes["progress"] >= len(probes)
     # the user's event went into ctx through the rule, with no model call
     assert run.events_in == 1 and [e.text for e in run.events if e.kind == "event"] == ["Use 5 apples."]
     assert run.forward_passes["user"] >= 1  # its extend is a (prefill) pass, not a generation
