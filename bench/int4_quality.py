@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
-from int8_quality import PROMPTS, TEXT, agreement, greedy, perplexity  # noqa: E402
+from int8_quality import PROMPTS, measure  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -53,7 +53,6 @@ def requantized_runner(model: str) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     from cothink.execution.runner import load_model
-    from cothink.models.text import chat_prompt_ids
 
     args = parse_args(argv)
     C.setup(args)
@@ -67,37 +66,19 @@ def main(argv: list[str] | None = None) -> int:
     requantized = requantized_runner(args.model)
     if requantized is not None:
         runners["int4_requantized"] = requantized
-    tok = runners["bfloat16"].tokenizer
-    text_ids = tok(TEXT)["input_ids"]
-    results: dict[str, Any] = {
-        "text_tokens": len(text_ids), "perplexity": {}, "greedy": [], "decode_tok_s": {}
-    }
-    for name, runner in runners.items():
-        results["perplexity"][name] = perplexity(runner, text_ids)
     prompts = PROMPTS[:2] if args.quick else PROMPTS
-    times = {name: 0.0 for name in runners}
-    for prompt in prompts:
-        ids = chat_prompt_ids(tok, prompt)
-        outs = {}
-        for name, runner in runners.items():
-            outs[name], dt = greedy(runner, ids, args.new_tokens)
-            times[name] += dt
-        row: dict[str, Any] = {"prompt": prompt}
-        for name in runners:
-            if name != "bfloat16":
-                row[f"prefix_{name}"], row[f"share_{name}"] = agreement(outs[name], outs["bfloat16"])
-        results["greedy"].append(row)
-    for name in runners:
-        results["decode_tok_s"][name] = len(prompts) * args.new_tokens / times[name]
+    pairs = [(name, "bfloat16") for name in runners if name != "bfloat16"]
+    results = measure(runners, prompts, args.new_tokens, pairs)
     ppl = results["perplexity"]
     change = {name: f" ({100 * (value / ppl['bfloat16'] - 1):+.2f}%)" for name, value in ppl.items()}
     change["bfloat16"] = ""
-    console.print(f"perplexity on a fixed {len(text_ids)}-token text: "
+    console.print(f"perplexity on a fixed {results['text_tokens']}-token text: "
                   + ", ".join(f"{name} {value:.3f}{change[name]}" for name, value in ppl.items()))
     for row in results["greedy"]:
         console.print(f"  {row['prompt']!r}: agreement with bfloat16 (first difference at, of "
                       f"{args.new_tokens}): " + ", ".join(
-                          f"{name} {row[f'prefix_{name}']} ({row[f'share_{name}']:.0%} of positions)"
+                          f"{name} {row[f'prefix_{name}_vs_bfloat16']} "
+                          f"({row[f'share_{name}_vs_bfloat16']:.0%} of positions)"
                           for name in runners if name != "bfloat16"))
     speed = results["decode_tok_s"]
     console.print("decode tok/s (this run, greedy loop on the runner): "

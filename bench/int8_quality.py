@@ -76,9 +76,38 @@ def agreement(a: list[int], b: list[int]) -> tuple[int, float]:
     return prefix, sum(x == y for x, y in zip(a, b)) / max(1, len(a))
 
 
+def measure(
+    runners: dict[str, Any], prompts: list[str], new_tokens: int, pairs: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """Each runner's perplexity on TEXT and greedy continuations of `prompts` (chat turns), with each
+    (a, b) pair's agreement per prompt (`prefix_a_vs_b`: tokens equal until the first difference,
+    `share_a_vs_b`: share of equal positions) and each runner's decode tokens/s."""
+    from cothink.models.text import chat_prompt_ids
+
+    tok = next(iter(runners.values())).tokenizer
+    text_ids = tok(TEXT)["input_ids"]
+    results: dict[str, Any] = {
+        "text_tokens": len(text_ids),
+        "perplexity": {name: perplexity(runner, text_ids) for name, runner in runners.items()},
+        "greedy": [],
+    }
+    times = dict.fromkeys(runners, 0.0)
+    for prompt in prompts:
+        ids = chat_prompt_ids(tok, prompt)
+        outs = {}
+        for name, runner in runners.items():
+            outs[name], dt = greedy(runner, ids, new_tokens)
+            times[name] += dt
+        row: dict[str, Any] = {"prompt": prompt}
+        for a, b in pairs:
+            row[f"prefix_{a}_vs_{b}"], row[f"share_{a}_vs_{b}"] = agreement(outs[a], outs[b])
+        results["greedy"].append(row)
+    results["decode_tok_s"] = {name: len(prompts) * new_tokens / t for name, t in times.items()}
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     from cothink.execution.runner import load_model
-    from cothink.models.text import chat_prompt_ids
 
     args = parse_args(argv)
     C.setup(args)
@@ -91,40 +120,20 @@ def main(argv: list[str] | None = None) -> int:
         "int8": dict(dtype=torch.bfloat16, quantize="int8"),
     }
     runners = {name: load_model(args.model, kv_tokens=4096, **kw) for name, kw in variants.items()}
-    tok = runners["float32"].tokenizer
-    text_ids = tok(TEXT)["input_ids"]
-    results: dict[str, Any] = {
-        "text_tokens": len(text_ids), "perplexity": {}, "greedy": [], "decode_tok_s": {}
-    }
-    for name, runner in runners.items():
-        results["perplexity"][name] = perplexity(runner, text_ids)
     prompts = PROMPTS[:2] if args.quick else PROMPTS
-    times = {name: 0.0 for name in runners}
-    for prompt in prompts:
-        ids = chat_prompt_ids(tok, prompt)
-        outs = {}
-        for name, runner in runners.items():
-            outs[name], dt = greedy(runner, ids, args.new_tokens)
-            times[name] += dt
-        row = {"prompt": prompt}
-        for ref in ("bfloat16", "float32"):
-            prefix, share = agreement(outs["int8"], outs[ref])
-            row[f"prefix_vs_{ref}"], row[f"share_vs_{ref}"] = prefix, share
-        row["prefix_bf16_vs_fp32"] = agreement(outs["bfloat16"], outs["float32"])[0]
-        results["greedy"].append(row)
-    for name in runners:
-        results["decode_tok_s"][name] = len(prompts) * args.new_tokens / times[name]
+    pairs = [("int8", "bfloat16"), ("int8", "float32"), ("bfloat16", "float32")]
+    results = measure(runners, prompts, args.new_tokens, pairs)
     ppl = results["perplexity"]
     console.print(
-        f"perplexity on a fixed {len(text_ids)}-token text: float32 {ppl['float32']:.3f}, bfloat16 "
+        f"perplexity on a fixed {results['text_tokens']}-token text: float32 {ppl['float32']:.3f}, bfloat16 "
         f"{ppl['bfloat16']:.3f}, int8 {ppl['int8']:.3f} "
         f"({100 * (ppl['int8'] / ppl['bfloat16'] - 1):+.2f}% vs bf16)"
     )
     for row in results["greedy"]:
         console.print(
-            f"  {row['prompt']!r}: int8 agrees with bf16 for the first {row['prefix_vs_bfloat16']} of "
-            f"{args.new_tokens} tokens ({row['share_vs_bfloat16']:.0%} of positions), with fp32 for "
-            f"{row['prefix_vs_float32']} (bf16 vs fp32: {row['prefix_bf16_vs_fp32']})"
+            f"  {row['prompt']!r}: int8 agrees with bf16 for the first {row['prefix_int8_vs_bfloat16']} "
+            f"of {args.new_tokens} tokens ({row['share_int8_vs_bfloat16']:.0%} of positions), with fp32 "
+            f"for {row['prefix_int8_vs_float32']} (bf16 vs fp32: {row['prefix_bfloat16_vs_float32']})"
         )
     speed = results["decode_tok_s"]
     console.print(
