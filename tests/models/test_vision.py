@@ -131,6 +131,37 @@ def test_bfloat16_tower_close_to_fp32():
     assert float((got.float() - want).abs().max()) < 0.05 * float(want.abs().max())
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl"])
+@torch.no_grad()
+def test_stages_equal_the_forward_bit_for_bit(family):
+    """start, run_blocks in pieces of any size, finish: the forward's features exactly (the merged
+    tokens and, for Qwen3-VL, the DeepStack features of its blocks 0 and 2), for a batch of images and
+    video grids, one image and one frame group; the state holds its rows between stages."""
+    model = _build(family, seed=11)
+    cfg = vision_config_from_hf(model.config)
+    tower = _tower_from(model.model.visual, cfg)
+    x = _pixels(GRIDS, cfg.patch_dim, seed=12)
+    group = PatchGrid(1, 10, 4)  # one frame group of a stream
+    cases = [(x, GRIDS), (x[: GRIDS[0].patches], GRIDS[:1]), (x[: group.patches], [group])]
+    for pixels, grids in cases:
+        want = tower(pixels, grids)
+        for pieces in ([1] * tower.depth, [2, 1], [tower.depth], [tower.depth + 5]):
+            state = tower.start(pixels, grids)
+            assert state.done == 0 and state.nbytes() == state.patches * tower.state_row_bytes()
+            for n in pieces:
+                tower.run_blocks(state, n)
+            assert state.done == tower.depth
+            got = tower.finish(state)
+            assert torch.equal(got.merged, want.merged), (family, grids, pieces)
+            assert len(got.deepstack) == len(cfg.deepstack_layers)
+            for a, b in zip(got.deepstack, want.deepstack, strict=True):
+                assert torch.equal(a, b)
+    state = tower.start(x, GRIDS)
+    tower.run_blocks(state, 1)
+    with pytest.raises(InvalidParameterError, match="1 of"):
+        tower.finish(state)
+
+
 def test_bad_grids_are_refused():
     model = _build("qwen3_5", seed=9)
     cfg = vision_config_from_hf(model.config)

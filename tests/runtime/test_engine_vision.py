@@ -117,22 +117,29 @@ SEQUENCE = [
 ]
 
 
-@pytest.mark.parametrize("model,backend", [("qwen35_vl", "torch"), ("qwen35_vl", "native"),
-                                           ("qwen3_vl", "native")])
-def test_sequential_blocks_equal_transformers(folders, tiny_model, model, backend, record_error):
+@pytest.mark.parametrize("model,backend,patch_blocks", [
+    ("qwen35_vl", "torch", 2048), ("qwen35_vl", "native", 2048), ("qwen3_vl", "native", 2048),
+    ("qwen3_vl", "torch", 1)])
+def test_sequential_blocks_equal_transformers(folders, tiny_model, model, backend, patch_blocks,
+                                              record_error):
     """Text, tall and wide images, a clip and a live stream in blocks written one after another
     (prefill chunks of 3 tokens: chunk boundaries fall inside images), then a greedy generation with
     log-probabilities: every token and log-probability equals transformers on the whole sequence.
-    Qwen3-VL adds its DeepStack features after the first decoder layers."""
+    Qwen3-VL adds its DeepStack features after the first decoder layers; with a budget of one
+    patch-block its tower runs one block per step."""
     if backend == "native" and not cothink.ops.native.available():
         pytest.skip("native kernels unavailable")
     engine = cothink.Engine.from_pretrained(folders(model), max_prefill_chunk=3,
-                                            attention_backend=backend)
+                                            attention_backend=backend, vision_step_patch_blocks=patch_blocks)
     ref = Reference(tiny_model(model), engine.runner)
 
     async def main():
         async with engine:
             view = await _write_sequence(engine, ref, SEQUENCE)
+            # six images and frame groups, in one step each, or one step a block
+            ran = [it.patch_blocks for s in engine.timeline for it in s.items if it.kind == "encode"]
+            depth = engine.runner.vision.tower.depth
+            assert len(ran) == 6 * (depth if patch_blocks == 1 else 1) and min(ran) > 0
             spans = sum(b.position_span for b in view)
             tokens = sum(len(b) for b in view)
             assert spans < tokens  # an image spans max(rows, cols) positions, not its token count
@@ -437,6 +444,50 @@ def test_encoding_is_interleaved_with_an_interactive_generation(folders):
         assert any(it.coroutine == "talker" for it in steps[i].items), i
 
 
+def test_encode_steps_are_bounded_and_carry_the_interactive_token(folders):
+    """Qwen3-VL's two-block tower with a budget of two blocks of a frame group per step. While an
+    interactive generation decodes, a background stream's frame groups are encoded one block per
+    step (the budget scaled down as background prefill is), and every step that runs tower work also
+    carries the generation's token; without it, a group takes one step of two blocks. No step runs
+    more patch-blocks than the budget (StepItemRecord.patch_blocks)."""
+    depth, patches = 2, 36  # blocks of the tower, patches of a group of two 24 x 24 frames
+    budget = depth * patches
+    engine = cothink.Engine.from_pretrained(folders("qwen3_vl"), vision_step_patch_blocks=budget)
+    pairs = [[_image(24, 24, 2 * i), _image(24, 24, 2 * i + 1)] for i in range(6)]
+    assert engine.runner.vision.tower.depth == depth
+    assert preprocess_frames(pairs[0], 0.0, engine.runner.vision.video).grid.patches == patches
+
+    async def main():
+        async with engine:
+            ctx, out, stream = engine.block("ctx"), engine.block("out"), engine.block("stream")
+            await engine.extend(ctx, token_ids=[5, 6, 7])
+            gen = engine.generate([ctx, out], max_tokens=2000, priority="interactive", name="talker",
+                                  banned_token_ids=BANNED, stop_at_eos=False)
+            talk = asyncio.create_task(gen.collect())
+            for t, pair in enumerate(pairs[:4]):
+                await engine.extend(stream, frames=pair, timestamp=0.5 * t, name="camera")
+            gen.cancel()
+            assert (await talk).finish_reason == "cancelled"
+            alone = engine.steps
+            for t, pair in enumerate(pairs[4:], start=4):
+                await engine.extend(stream, frames=pair, timestamp=0.5 * t, name="camera")
+            return alone
+
+    alone = _run(main())
+    steps = list(engine.timeline)
+    encode = [(s, next(it for it in s.items if it.kind == "encode")) for s in steps
+              if any(it.kind == "encode" for it in s.items)]
+    assert all(it.patch_blocks <= budget for _, it in encode)
+    with_talker = [(s, it) for s, it in encode if s.index <= alone]
+    assert len(with_talker) == 4 * depth  # one block per step while the generation decodes
+    for s, it in with_talker:
+        assert it.patch_blocks == patches and it.coroutine == "camera", s
+        assert any(i.coroutine == "talker" and i.tokens == 1 for i in s.items), s
+    after = [it.patch_blocks for s, it in encode if s.index > alone]
+    assert after == [budget, budget]  # one step a group: the whole budget
+    assert all(it.patch_blocks == 0 for s in steps for it in s.items if it.kind != "encode")
+
+
 def test_generation_right_after_an_image(folders, tiny_model):
     """A generation whose view ends with an image block recomputes the logits after its vision-end
     token (the peek reads the block one token short): greedy tokens as transformers'."""
@@ -470,15 +521,21 @@ def test_features_count_in_memory_admission(folders):
     px = preprocess_image(_image(24, 24, 0), engine.runner.vision.image)
     row = engine._feature_row_bytes()
     assert row == 64 * 4  # hidden x float32, no DeepStack
+    sizes = engine._tower_sizes()
+    assert sizes.depth == 1 and sizes.patch_state_bytes == (32 + 2 * 16) * 4  # hidden, rotary cos and sin
+    state = px.grid.patches * sizes.patch_state_bytes
 
     async def main():
         block = engine.block()
         unit = VisionUnit(px.pixel_values, px.grid, 1, px.merged_rows, px.merged_cols)
         extend = ExtendWork("c", Priority(), [block], 1, [VS, *[IMAGE] * px.tokens, VE], VisionInput([unit]))
-        encode = EncodeWork("c", Priority(), 2, extend, row)
+        encode = EncodeWork("c", Priority(), 2, extend, sizes)
         budget = MemoryBudget(store)
         (growth,) = encode.growth(1)
-        assert budget.bytes_needed(growth) == px.tokens * row and budget.pages(growth) == 0
+        # the image's tower state and its features, admitted when it starts
+        assert budget.bytes_needed(growth) == state + px.tokens * row and budget.pages(growth) == 0
+        encode.plan_compute(1)
+        assert encode.items(1, engine.runner) == [] and store.vision_bytes == state + px.tokens * row
         encode.compute(engine.runner)
         encode.after_step([], engine.runner)
         assert encode.finished and encode.successor() is extend
@@ -488,6 +545,72 @@ def test_features_count_in_memory_admission(folders):
         assert store.vision_bytes == px.tokens * row
         extend.release_memory(store)
         assert store.vision_bytes == 0 and engine.memory().vision_bytes_used == 0
+
+    _run(main())
+
+
+def test_an_image_encoded_over_many_steps(folders):
+    """Qwen3-VL's two-block tower, one block per step: the image's state (and room for its features)
+    is held between its steps and admitted once; its features, DeepStack included, equal one forward
+    pass bit for bit; an encode cut off mid-image releases its state."""
+    from cothink.scheduler.policy import Priority
+    from cothink.scheduler.work import EncodeWork, ExtendWork, VisionInput, VisionUnit
+
+    engine = cothink.Engine.from_pretrained(folders("qwen3_vl"))
+    runner, store = engine.runner, engine.runner.store
+    sizes = engine._tower_sizes()
+    assert sizes.depth == 2 and sizes.feature_row_bytes == 64 * 4 * 3  # merged + two DeepStack layers
+    images = [preprocess_image(_image(40, 16, 5), runner.vision.image),
+              preprocess_image(_image(24, 24, 6), runner.vision.image)]
+
+    def encode_work(seq: int) -> EncodeWork:
+        units, tokens = [], []
+        for px in images:
+            first = len(tokens) + 1
+            units.append(VisionUnit(px.pixel_values, px.grid, first, px.merged_rows, px.merged_cols))
+            tokens += [VS, *[IMAGE] * px.tokens, VE]
+        extend = ExtendWork("c", Priority(), [engine.block()], seq, tokens, VisionInput(units))
+        return EncodeWork("c", Priority(), seq + 1, extend, sizes)
+
+    async def main():
+        encode = encode_work(1)
+        ran = []
+        for px in images:
+            held = store.vision_bytes
+            peak = px.grid.patches * sizes.patch_state_bytes + px.tokens * sizes.feature_row_bytes
+            for block in range(sizes.depth):
+                (growth,) = encode.growth(1)
+                assert growth.extra_bytes == (peak if block == 0 else 0)  # admitted once, at the start
+                encode.plan_compute(1)  # under one block: one block runs
+                encode.items(1, runner)
+                encode.compute(runner)
+                encode.after_step([], runner)
+                ran.append(encode.step_patch_blocks())
+                if block < sizes.depth - 1:
+                    assert store.vision_bytes == held + peak and not encode.finished
+            assert store.vision_bytes == held + px.tokens * sizes.feature_row_bytes  # only the features stay
+        assert ran == [px.grid.patches for px in images for _ in range(sizes.depth)]
+        assert encode.finished and encode.served == sum(px.tokens for px in images)
+        for px, got in zip(images, encode.vision.features, strict=True):
+            want = runner.vision.encode(px.pixel_values, px.grid)
+            assert torch.equal(got.merged, want.merged)
+            assert len(got.deepstack) == 2
+            for a, b in zip(got.deepstack, want.deepstack, strict=True):
+                assert torch.equal(a, b)
+        encode.release_memory(store)
+        encode.extend.release_memory(store)
+        assert store.vision_bytes == 0
+        # cut off after the first block of its first image: state and features go
+        cut = encode_work(3)
+        cut.plan_compute(1)
+        cut.items(1, runner)
+        cut.compute(runner)
+        cut.after_step([], runner)
+        assert store.vision_bytes > 0 and not cut.finished
+        cut.cancel()
+        cut.release_memory(store)
+        assert store.vision_bytes == 0 == engine.memory().vision_bytes_used
+        assert cut.extend.future.cancelled()
 
     _run(main())
 

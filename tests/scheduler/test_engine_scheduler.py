@@ -21,6 +21,8 @@ from cothink.scheduler.policy import (
     Priority,
     PriorityClass,
     SchedulerConfig,
+    encode_step_patch_blocks,
+    interactive_decoding,
     plan_step,
 )
 from support import ids, make_engine, until
@@ -100,6 +102,25 @@ def test_background_shrinks_while_an_interactive_generation_decodes():
     # without an interactive decoder, background prefill uses the whole budget
     plan = dict(_plan(works[1:3], max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16))
     assert plan == {"bg-pre": 128, "bg-pre2": 128}
+
+
+def test_encode_budget_shrinks_like_background_prefill():
+    """A step's vision tower work: vision_step_patch_blocks; a background encode while an interactive
+    generation decodes gets the share background prefill gets (interactive_step_tokens of a
+    max_prefill_chunk), at least one patch-block; an interactive encode keeps the whole budget."""
+    cfg = SchedulerConfig(max_prefill_chunk=128, interactive_step_tokens=4, vision_step_patch_blocks=2048)
+    assert encode_step_patch_blocks(cfg, BACKGROUND, interactive_decode=False) == 2048
+    assert encode_step_patch_blocks(cfg, BACKGROUND, interactive_decode=True) == 64
+    assert encode_step_patch_blocks(cfg, INTERACTIVE, interactive_decode=True) == 2048
+    tiny = SchedulerConfig(max_prefill_chunk=128, interactive_step_tokens=4, vision_step_patch_blocks=16)
+    assert encode_step_patch_blocks(tiny, BACKGROUND, interactive_decode=True) == 1
+    wide = SchedulerConfig(max_prefill_chunk=2, interactive_step_tokens=4, vision_step_patch_blocks=16)
+    assert encode_step_patch_blocks(wide, BACKGROUND, interactive_decode=True) == 16  # never above it
+    works = [Fake("bg", BACKGROUND, decode=True), Fake("int-pre", INTERACTIVE, wanted=5)]
+    assert not interactive_decoding(works)
+    assert interactive_decoding([*works, Fake("int", INTERACTIVE, decode=True)])
+    with pytest.raises(ValueError):
+        SchedulerConfig(vision_step_patch_blocks=0)
 
 
 def test_fairness_is_per_coroutine_not_per_work():

@@ -37,7 +37,7 @@ from cothink.models.image_processing import (
     load_processor_configs,
 )
 from cothink.models.transformer import CausalLM
-from cothink.models.vision import PatchGrid, VisionFeatures, VisionTower
+from cothink.models.vision import EncodeState, PatchGrid, VisionFeatures, VisionTower
 from cothink.models.weights import load_vision_tower, load_weights
 from cothink.ops.rope import Rotary
 
@@ -70,6 +70,20 @@ class Vision:
         """One image or frame group's patches -> its features (context-free: each is encoded alone)."""
         with torch.inference_mode():
             return self.tower(pixels.to(self.tower.patch_embed.proj.weight.device), [grid])
+
+    # `encode` in resumable stages (the scheduler spreads an image over steps): start, run_blocks
+    # until `state.done == tower.depth`, finish; features bit-identical to `encode`'s
+    def start(self, pixels: torch.Tensor, grid: PatchGrid) -> EncodeState:
+        with torch.inference_mode():
+            return self.tower.start(pixels.to(self.tower.patch_embed.proj.weight.device), [grid])
+
+    def run_blocks(self, state: EncodeState, n: int) -> None:
+        with torch.inference_mode():
+            self.tower.run_blocks(state, n)
+
+    def finish(self, state: EncodeState) -> VisionFeatures:
+        with torch.inference_mode():
+            return self.tower.finish(state)
 
 
 class ModelRunner:

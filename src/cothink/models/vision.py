@@ -11,6 +11,11 @@ DeepStack features: the outputs of the listed blocks, merged by their own merger
 Every image and every frame group is independent of the others it is batched with: features are
 context-free, so an image can be encoded ahead of time and a stream group by group.
 
+The forward pass also runs in resumable stages, so the scheduler can spread one image over several
+steps: `start` (patch and position embedding, rotary tables) -> `run_blocks` (the next n blocks and the
+DeepStack mergers at their layers, any number of times) -> `finish` (the merger). The stages are the
+forward pass cut between blocks: their features are bit-identical to `forward`'s.
+
 Parameter names follow the checkpoint under `model.visual.` so the weights load by name
 (models/weights.py::load_vision_tower); the patch embedding's Conv3d weight is stored flattened.
 """
@@ -18,7 +23,7 @@ Parameter names follow the checkpoint under `model.visual.` so the weights load 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +70,27 @@ class VisionFeatures:
         merged = self.merged.split(sizes)
         stacks = [d.split(sizes) for d in self.deepstack]
         return [VisionFeatures(m, tuple(s[i] for s in stacks)) for i, m in enumerate(merged)]
+
+
+@dataclass
+class EncodeState:
+    """A batch of grids part-way through the tower: the hidden state after `done` blocks, the rotary
+    tables the blocks read, and the DeepStack features of the blocks already run."""
+
+    x: torch.Tensor  # [patches, hidden] in the tower's dtype
+    cos: torch.Tensor  # [patches, head_dim] fp32
+    sin: torch.Tensor
+    frames: list[tuple[int, int]]  # (count, length) runs of equal-length frames, one per grid
+    done: int = 0  # blocks run
+    deepstack: list[torch.Tensor] = field(default_factory=list)  # merged outputs of the listed blocks run
+
+    @property
+    def patches(self) -> int:
+        return self.x.shape[0]
+
+    def nbytes(self) -> int:
+        """Memory the state holds between stages (the DeepStack features not included)."""
+        return sum(t.numel() * t.element_size() for t in (self.x, self.cos, self.sin))
 
 
 def rotary_frequencies(cfg: VisionConfig) -> torch.Tensor:
@@ -192,20 +218,46 @@ class VisionTower(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.patch_embed.proj.weight.dtype
 
+    @property
+    def depth(self) -> int:
+        return len(self.blocks)
+
+    def state_row_bytes(self) -> int:
+        """Bytes one patch takes in an EncodeState between stages: its hidden row and rotary rows."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        return self.config.hidden_size * size + 2 * self.config.head_dim * 4
+
     def forward(self, pixel_values: torch.Tensor, grids: Sequence[PatchGrid]) -> VisionFeatures:
-        cfg = self.config
+        state = self.start(pixel_values, grids)
+        self.run_blocks(state, self.depth)
+        return self.finish(state)
+
+    def start(self, pixel_values: torch.Tensor, grids: Sequence[PatchGrid]) -> EncodeState:
+        """Embed the patches (position embedding added) and build the rotary tables: no block run yet."""
         grids = list(grids)
         self._check(pixel_values, grids)
         x = self.patch_embed(pixel_values)
         x = x + torch.cat([self._position_embedding(g) for g in grids]).to(x.dtype)
         cos, sin = self._rotary(grids, x.device)
-        frames = [(g.t, g.h * g.w) for g in grids]
-        deepstack = []
-        for i, block in enumerate(self.blocks):
-            x = block(x, cos, sin, frames)
-            if i in cfg.deepstack_layers:
-                deepstack.append(self.deepstack_merger_list[cfg.deepstack_layers.index(i)](x))
-        return VisionFeatures(self.merger(x), tuple(deepstack))
+        return EncodeState(x, cos, sin, [(g.t, g.h * g.w) for g in grids])
+
+    def run_blocks(self, state: EncodeState, n: int) -> None:
+        """Run the next n blocks (fewer if fewer are left) on the state, with the DeepStack mergers of
+        the listed blocks among them."""
+        layers = self.config.deepstack_layers
+        end = min(self.depth, state.done + n)
+        for i in range(state.done, end):
+            state.x = self.blocks[i](state.x, state.cos, state.sin, state.frames)
+            state.done = i + 1
+            if i in layers:
+                state.deepstack.append(self.deepstack_merger_list[layers.index(i)](state.x))
+
+    def finish(self, state: EncodeState) -> VisionFeatures:
+        """The merged features of a state that has run every block."""
+        if state.done != self.depth:
+            raise InvalidParameterError(
+                f"the encode has run {state.done} of {self.depth} blocks", param="state")
+        return VisionFeatures(self.merger(state.x), tuple(state.deepstack))
 
     def _check(self, pixel_values: torch.Tensor, grids: list[PatchGrid]) -> None:
         m = self.config.spatial_merge_size

@@ -70,6 +70,7 @@ from cothink.scheduler.work import (
     Piece,
     ProbeWork,
     StopRule,
+    TowerSizes,
     VisionInput,
     VisionUnit,
 )
@@ -162,7 +163,8 @@ class Engine:
         """Load a model; limits: kv_tokens, page_size, max_context, dense_summary_min_tokens,
         attention_backend, quantize ("int8" / "int4": weight-only int8 / 4-bit linears) (runner),
         max_batch_tokens, max_batch_items, max_prefill_chunk, background_min_tokens,
-        interactive_step_tokens (scheduler), on_pool_full, pool_wait_s, max_input_tokens, threads,
+        interactive_step_tokens, vision_step_patch_blocks (vision tower patches x blocks one step may
+        run) (scheduler), on_pool_full, pool_wait_s, max_input_tokens, threads,
         memory_budget, spill, spill_dir, auto_seal, policy (engine). With a memory_budget and no kv_tokens,
         the KV pool is sized so the whole budget could be KV pages."""
         sched_keys = set(SchedulerConfig.__dataclass_fields__)
@@ -396,7 +398,7 @@ class Engine:
             await self._wait(work)
             return
         encode = EncodeWork(work.coroutine, work.priority, self._scheduler.next_seq(), work,
-                            self._feature_row_bytes())
+                            self._tower_sizes())
         self._scheduler.submit(encode, deadline=due)
         try:
             await work.future
@@ -456,6 +458,12 @@ class Engine:
         assert vision is not None
         size = torch.empty((), dtype=vision.tower.dtype).element_size()
         return vision.config.out_hidden_size * size * (1 + len(vision.config.deepstack_layers))
+
+    def _tower_sizes(self) -> TowerSizes:
+        """What the scheduler admits and budgets for an encode: tower depth, feature and state rows."""
+        vision = self.runner.vision
+        assert vision is not None
+        return TowerSizes(vision.tower.depth, self._feature_row_bytes(), vision.tower.state_row_bytes())
 
     def generate(
         self,

@@ -31,6 +31,7 @@ class StepItemRecord:
     tokens: int
     view_tokens: int
     priority: str
+    patch_blocks: int = 0  # vision tower work the item ran, patches x blocks (an encode's; else 0)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,11 @@ and each interactive token costs about one small step.
 An interactive item of q tokens, behind d interactive decoders and no other interactive prefill,
 is fully served within ceil(q / min(max_prefill_chunk, max_batch_tokens - background_min_tokens - d))
 steps, however much background work is queued.
+
+Vision encoding keeps the same bound: an encode runs at most `vision_step_patch_blocks` of tower
+work (patches x blocks) per step, about what a `max_prefill_chunk` text chunk costs, and while an
+interactive generation decodes, a background encode's share shrinks as background prefill does
+(`encode_step_patch_blocks`); at least one tower block runs per step, so an encode always advances.
 """
 
 from __future__ import annotations
@@ -62,6 +67,14 @@ class SchedulerConfig:
     max_prefill_chunk: int = 128
     background_min_tokens: int = 16
     interactive_step_tokens: int = 4  # step size cap while an interactive generation decodes
+    # Vision tower work one step may run: patches x blocks of the image or frame group being encoded
+    # (at least one block). The default is about one default max_prefill_chunk (128 tokens) of text
+    # prefill on a small decoder: the released Qwen3.5 tower (27 blocks, hidden 1152) runs a
+    # patch-block in ~0.23 ms fp32 on two CPU threads (a 640 x 480 image, 1200 patches x 27 blocks, in
+    # 7.3 s), so 2048 patch-blocks take ~0.46 s, about a 128-token chunk of the embedded SmolLM2-135M
+    # there (300-450 tokens/s); in FLOPs (~35 MFLOPs a patch-block, 2 x parameters a text token) it
+    # is the chunk of a ~0.3B decoder. That image then takes 27 steps of one block each.
+    vision_step_patch_blocks: int = 2048
 
     def __post_init__(self) -> None:
         if min(self.max_batch_tokens, self.max_batch_items, self.max_prefill_chunk) < 1:
@@ -74,6 +87,26 @@ class SchedulerConfig:
             raise InvalidParameterError(
                 "interactive_step_tokens must be >= 1", param="interactive_step_tokens"
             )
+        if self.vision_step_patch_blocks < 1:
+            raise InvalidParameterError(
+                "vision_step_patch_blocks must be >= 1", param="vision_step_patch_blocks"
+            )
+
+
+def interactive_decoding(works: Iterable[Schedulable]) -> bool:
+    """Whether an interactive generation is among the works (the latency bound applies)."""
+    return any(w.is_decode and w.priority.klass == PriorityClass.INTERACTIVE for w in works)
+
+
+def encode_step_patch_blocks(cfg: SchedulerConfig, klass: PriorityClass, interactive_decode: bool) -> int:
+    """The tower work (patches x blocks) an encode may run in one step: `vision_step_patch_blocks`;
+    for a background encode while an interactive generation decodes, scaled down as background
+    prefill is (interactive_step_tokens instead of max_prefill_chunk tokens), to no less than 1. The
+    encode rounds down to whole blocks but runs at least one."""
+    if klass == PriorityClass.BACKGROUND and interactive_decode:
+        scaled = cfg.vision_step_patch_blocks * cfg.interactive_step_tokens // cfg.max_prefill_chunk
+        return max(1, min(cfg.vision_step_patch_blocks, scaled))
+    return cfg.vision_step_patch_blocks
 
 
 class Schedulable(Protocol):

@@ -5,8 +5,10 @@ step loop. One step is schedule -> run -> postprocess:
   refused, sample every chosen generation's next token in one batched stage, build step items;
 - run (a worker thread): one forward pass over all items (`ModelRunner.step`), holding the memory
   lock, so the event loop keeps serving agents and HTTP handlers during long steps; then the
-  step's other compute (at most one image or frame group through the vision tower: `EncodeWork`,
-  so a long clip is encoded over many steps, between which everyone else's tokens are served);
+  step's other compute (at most one encode, `EncodeWork`, running a bounded part of one image or
+  frame group through the vision tower: `vision_step_patch_blocks` of patches x blocks, less while
+  an interactive generation decodes, `encode_step_patch_blocks`; so an image or a long clip is
+  encoded over many steps, between which everyone else's tokens are served);
 - postprocess (event-loop thread): hand each work its logits, emit pieces and results, account.
 
 A running step only computes: pages are reserved before it and records, lengths and caches are
@@ -36,7 +38,14 @@ from cothink.memory.block import Block
 from cothink.scheduler.accounting import Accounting, StepItemRecord, StepRecord
 from cothink.scheduler.budget import MemoryBudget
 from cothink.scheduler.ownership import Ownership
-from cothink.scheduler.policy import FairShares, SchedulerConfig, StepPolicy, plan_step
+from cothink.scheduler.policy import (
+    FairShares,
+    SchedulerConfig,
+    StepPolicy,
+    encode_step_patch_blocks,
+    interactive_decoding,
+    plan_step,
+)
 from cothink.scheduler.work import GenerateWork, Work
 
 log = logging.getLogger("cothink.engine")
@@ -324,6 +333,10 @@ class Scheduler:
         computing = [w for w, _ in chosen if w.computes]
         if len(computing) > 1:  # one vision encode per step: a step's length stays bounded
             chosen = [(w, n) for w, n in chosen if not w.computes or w is computing[0]]
+        if computing:  # its share of tower work, under the same latency bound as text prefill
+            klass = computing[0].priority.klass
+            computing[0].plan_compute(
+                encode_step_patch_blocks(self.config, klass, interactive_decoding(runnable)))
         for work in set(from_cache) - {w for w, _ in chosen}:
             work.next_logits = None  # not this step: the view may change before its turn
         self._sample([w for w, _ in chosen if isinstance(w, GenerateWork)])
@@ -408,6 +421,7 @@ class Scheduler:
                     tokens,
                     p.view_tokens + tokens,
                     work.priority.klass.name.lower(),
+                    work.step_patch_blocks(),
                 )
             )
             emitted_before = len(work.out.token_ids) if isinstance(work, GenerateWork) else 0

@@ -21,7 +21,7 @@ from cothink.execution.sampling import Sampled, SamplerState, TokenLogprob
 from cothink.execution.step import StepItem, VisionChunk
 from cothink.memory.block import Block, VisionSpan, span_at
 from cothink.memory.store import BlockStore
-from cothink.models.vision import PatchGrid, VisionFeatures
+from cothink.models.vision import EncodeState, PatchGrid, VisionFeatures
 from cothink.models.text import IncrementalDecoder
 from cothink.scheduler.policy import Priority
 
@@ -126,9 +126,17 @@ class Work:
         """What a step of n scheduled tokens costs this work's coroutine in its fair share."""
         return n
 
+    def plan_compute(self, patch_blocks: int) -> None:
+        """The vision tower work (patches x blocks) this step's `compute` may run (`computes` works;
+        the scheduler tells it before `items`)."""
+
     def compute(self, runner: ModelRunner) -> None:
         """This step's work other than the forward pass (`computes`), on the compute thread. It
         never raises: a failure is kept and raised by `after_step` on the event loop."""
+
+    def step_patch_blocks(self) -> int:
+        """The vision tower work (patches x blocks) its last step's `compute` ran; 0 for none."""
+        return 0
 
     def successor(self) -> Work | None:
         """The work that continues this one once it has finished well (submitted in its place)."""
@@ -263,59 +271,109 @@ class ExtendWork(FutureWork):
             self.vision.drop(store)
 
 
+@dataclass(frozen=True)
+class TowerSizes:
+    """What scheduling an encode needs to know of the vision tower."""
+
+    depth: int  # blocks
+    feature_row_bytes: int  # one placeholder's features (merged + DeepStack)
+    patch_state_bytes: int  # one patch's part of the tower state kept between steps (EncodeState)
+
+
 class EncodeWork(Work):
-    """Encode an extend's images and frame groups with the vision tower, one per step, on the compute
-    thread; then hand over to the extend that writes them (`successor`).
+    """Encode an extend's images and frame groups with the vision tower on the compute thread, one
+    image or frame group at a time and a bounded part of it per step (as many tower blocks as the
+    step's patch-block budget allows, at least one: `plan_compute`); then hand over to the extend
+    that writes them (`successor`).
 
     It is the writer of the extend's block from submission (other writers get BlockBusyError), so
-    the block is untouched until every image is encoded: a failure leaves it as it was. Its step
-    cost for the scheduler is the next unit's placeholder count."""
+    the block is untouched until every image is encoded: a failure leaves it as it was. An image's
+    tower state lives between its steps: its memory (the state and the image's features) is
+    admitted when the image starts and counted in the store's vision_bytes until the image is done
+    (then only its features stay) or the work leaves the scheduler. Its cost for the scheduler is
+    the image's placeholder count, spread over the image's steps by the blocks each runs."""
 
     kind = "encode"
     computes = True
 
-    def __init__(
-        self, coroutine: str, priority: Priority, seq: int, extend: ExtendWork, feature_row_bytes: int
-    ):
+    def __init__(self, coroutine: str, priority: Priority, seq: int, extend: ExtendWork, tower: TowerSizes):
         super().__init__(coroutine, priority, extend.view, seq)
         assert extend.vision is not None
-        self.extend, self.vision = extend, extend.vision
-        self.feature_row_bytes = feature_row_bytes  # one placeholder's features (merged + DeepStack)
-        self._result: VisionFeatures | BaseException | None = None
+        self.extend, self.vision, self.tower = extend, extend.vision, tower
+        self._state: EncodeState | None = None  # the image being encoded, between its steps
+        self._reserved = 0  # bytes counted in store.vision_bytes for that image
+        self._blocks = 0  # tower blocks this step runs
+        self._ran = 0  # patch-blocks the last step ran
+        self._result: VisionFeatures | BaseException | None = None  # None: the image goes on
 
     @property
     def _next(self) -> VisionUnit:
         return self.vision.units[len(self.vision.features)]
 
+    @property
+    def _done(self) -> int:
+        return self._state.done if self._state is not None else 0
+
+    def _unit_bytes(self, unit: VisionUnit) -> int:
+        """An image's peak memory while encoded: its tower state and its features."""
+        return unit.grid.patches * self.tower.patch_state_bytes + unit.tokens * self.tower.feature_row_bytes
+
     def wanted_tokens(self) -> int:
         return self._next.tokens
 
     def growth(self, n: int) -> list[Growth]:
-        return [Growth(None, 0, extra_bytes=self._next.tokens * self.feature_row_bytes)]
+        extra = 0 if self._reserved else self._unit_bytes(self._next)  # held from the image's start
+        return [Growth(None, 0, extra_bytes=extra)]
+
+    def plan_compute(self, patch_blocks: int) -> None:
+        left = self.tower.depth - self._done
+        self._blocks = min(left, max(1, patch_blocks // self._next.grid.patches))
 
     def cost(self, n: int) -> int:
-        return self._next.tokens  # a whole image or frame group is encoded, however few tokens were granted
+        """The image's placeholders in proportion to the blocks this step runs (summing to them)."""
+        tokens, depth, done = self._next.tokens, self.tower.depth, self._done
+        if done + self._blocks >= depth:
+            return tokens - (tokens * done // depth if depth else 0)
+        return tokens * (done + self._blocks) // depth - tokens * done // depth
 
     def items(self, n: int, runner: ModelRunner) -> list[StepItem]:
+        if not self._reserved:  # the image starts this step
+            self._reserved = self._unit_bytes(self._next)
+            runner.store.vision_bytes += self._reserved
         return []
 
     def compute(self, runner: ModelRunner) -> None:
-        unit = self._next
+        unit, self._ran = self._next, 0
         try:
-            assert runner.vision is not None
-            self._result = runner.vision.encode(unit.pixels, unit.grid)
+            vision = runner.vision
+            assert vision is not None
+            if self._state is None:
+                self._state = vision.start(unit.pixels, unit.grid)
+            vision.run_blocks(self._state, self._blocks)
+            self._ran = self._blocks * unit.grid.patches
+            if self._state.done == self.tower.depth:
+                self._result = vision.finish(self._state)
         except Exception as exc:  # raised on the event loop by after_step
             self._result = exc
+
+    def step_patch_blocks(self) -> int:
+        return self._ran
 
     def after_step(self, logits: list[torch.Tensor], runner: ModelRunner) -> None:
         result, self._result = self._result, None
         if isinstance(result, BaseException):
             raise result
-        assert result is not None
+        if result is None:  # the image continues in a later step
+            return
+        self._release_state(runner.store)
         self.vision.keep(result, runner.store)
         self.served += self.vision.units[len(self.vision.features) - 1].tokens
         if len(self.vision.features) == len(self.vision.units):
             self.finished, self.outcome = True, "done"
+
+    def _release_state(self, store: BlockStore) -> None:
+        store.vision_bytes -= self._reserved
+        self._reserved, self._state = 0, None
 
     def successor(self) -> Work | None:
         return self.extend if self.outcome == "done" else None
@@ -327,6 +385,7 @@ class EncodeWork(Work):
         self.extend.fail(exc)
 
     def release_memory(self, store: BlockStore) -> None:
+        self._release_state(store)  # an image cut off mid-way
         if self.outcome != "done":  # the extend never runs: its features go now
             self.vision.drop(store)
 
