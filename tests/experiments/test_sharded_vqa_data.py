@@ -1,4 +1,5 @@
-"""ShardedVQA data: exact answers, one fact tampered, determinism, and files that load back identically."""
+"""ShardedVQA data: exact answers, one fact tampered, determinism, files and pairs files that load back
+identically, and malformed pairs files refused."""
 
 from __future__ import annotations
 
@@ -12,9 +13,11 @@ from cothink.experiments.sharded_vqa_data import (
     KINDS,
     VQA_PX,
     Question,
+    load_pairs,
     load_vqa,
     main,
     make_item,
+    save_pairs,
     save_vqa,
     sharded_vqa,
 )
@@ -105,8 +108,66 @@ def test_file_round_trip_is_bit_identical_and_same_bytes(tmp_path):
 
 
 def test_cli_writes_a_set(tmp_path, capsys):
-    assert main(["--seed", "3", "--count", "5", "--px", "96", "--out", str(tmp_path)]) == 0
+    assert main(["--seed", "3", "--count", "5", "--px", "96", "--out", str(tmp_path),
+                 "--pairs-file-out", str(tmp_path / "pairs")]) == 0
     assert load_vqa(tmp_path / "sharded-vqa-3.jsonl").same_as(sharded_vqa(3, 5, px=96))
-    assert "sharded-vqa-3.jsonl" in capsys.readouterr().out
+    assert len(load_pairs(tmp_path / "pairs" / "sharded-vqa-3.pairs.jsonl")) == 5
+    printed = capsys.readouterr().out
+    assert "sharded-vqa-3.jsonl" in printed and "sharded-vqa-3.pairs.jsonl" in printed
     with pytest.raises(InvalidParameterError):
         sharded_vqa(3, 0)
+
+
+def test_pairs_file_round_trip_keeps_pixels_and_answers(tmp_path):
+    data = sharded_vqa(6, 7, px=96)
+    path = save_pairs(data, tmp_path / "held-out")
+    pictures = (tmp_path / "held-out" / "sharded-vqa-6-images").iterdir()
+    assert sorted(p.suffix for p in pictures) == [".png"] * 14
+    pairs = load_pairs(path)
+    assert [p.pair_id for p in pairs] == [it.id for it in data.items]
+    for pair, it in zip(pairs, data.items, strict=True):
+        assert (pair.question, pair.answer_correct, pair.answer_tampered) == (
+            it.question.text(), it.answer, it.tampered_answer)
+        assert pair.kind is None  # a pairs file carries no generated kind
+        assert pair.image_correct.dtype == np.uint8 and np.array_equal(pair.image_correct, it.corrected)
+        assert np.array_equal(pair.image_tampered, it.tampered)
+    record = json.loads(path.read_text().splitlines()[0])
+    assert set(record) == {"pair_id", "question", "answer_tampered", "answer_correct", "image_tampered",
+                           "image_correct"}
+    assert not record["image_correct"].startswith("/")  # relative to the file's folder
+
+
+def _write_pairs(path, lines):
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda r: r.pop("answer_correct"), "line 2: field 'answer_correct' is missing"),
+    (lambda r: r.update(question=7), "line 2: field 'question' must be a non-empty string"),
+    (lambda r: r.update(image_tampered="nowhere.png"), "line 2: image_tampered .*nowhere.png is not a file"),
+    (lambda r: r.update(image_correct="notes.txt"), "line 2: image_correct .* is not a readable picture"),
+    (lambda r: r.update(answer_tampered=r["answer_correct"]), "line 2: field 'answer_tampered' must differ"),
+    (lambda r: r.update(pair_id="sharded-vqa-0-0"), "line 2: field 'pair_id' .* repeats"),
+])
+def test_a_malformed_pairs_line_is_refused_naming_line_and_field(tmp_path, edit, message):
+    path = save_pairs(sharded_vqa(0, 3, px=64), tmp_path)
+    (tmp_path / "notes.txt").write_text("not a picture")
+    lines = path.read_text().splitlines()
+    record = json.loads(lines[1])
+    edit(record)
+    _write_pairs(path, [lines[0], json.dumps(record), lines[2]])
+    with pytest.raises(InvalidParameterError, match=message) as caught:
+        load_pairs(path)
+    assert caught.value.param == "pairs_file"
+
+
+def test_pairs_files_that_are_not_json_lines_or_empty_are_refused(tmp_path):
+    with pytest.raises(InvalidParameterError, match="line 1: not JSON"):
+        load_pairs(_write_pairs(tmp_path / "a.jsonl", ["{oops"]))
+    with pytest.raises(InvalidParameterError, match="line 1: expected a JSON object"):
+        load_pairs(_write_pairs(tmp_path / "b.jsonl", ["[1, 2]"]))
+    with pytest.raises(InvalidParameterError, match="holds no pairs"):
+        load_pairs(_write_pairs(tmp_path / "c.jsonl", [""]))
+    with pytest.raises(InvalidParameterError, match="no pairs file"):
+        load_pairs(tmp_path / "missing.jsonl")

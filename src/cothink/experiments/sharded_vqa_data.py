@@ -32,8 +32,13 @@ File format (replayable like a stream file), JSON Lines plus a numpy sidecar::
     ...
 
 The sidecar (``np.savez_compressed``) holds ``corrected`` and ``tampered``: uint8, ``(count, px, px, 3)``,
-in item order. The same seed saves to the same bytes. ``python -m cothink.experiments.sharded_vqa_data``
-writes a set.
+in item order. The same seed saves to the same bytes.
+
+Pairs file (what the experiment reads; anyone can write one for a held-out set): JSON Lines, one pair a
+line, ``{"pair_id", "question", "answer_tampered", "answer_correct", "image_tampered",
+"image_correct"}``; the image fields are paths, relative to the file's folder, of pictures Pillow reads
+(converted to RGB). :func:`save_pairs` writes a generated set as one (PNG pictures), :func:`load_pairs`
+reads and checks one. ``python -m cothink.experiments.sharded_vqa_data`` writes a set in either form.
 """
 
 from __future__ import annotations
@@ -277,6 +282,108 @@ def load_vqa(path: Path) -> VQASet:
     return VQASet(header["name"], int(header["seed"]), px, items)
 
 
+# ------------------------------------------------------------------------------------- pairs files
+
+PAIR_FIELDS = ("pair_id", "question", "answer_tampered", "answer_correct", "image_tampered", "image_correct")
+
+
+@dataclass(frozen=True, eq=False)
+class Pair:
+    """One question with its corrected and tampered pictures, as the experiment runs it."""
+
+    pair_id: str
+    question: str
+    answer_correct: str
+    answer_tampered: str
+    image_correct: np.ndarray  # uint8 (H, W, 3)
+    image_tampered: np.ndarray  # uint8 (H, W, 3)
+    kind: str | None = None  # the question kind of a generated item (KINDS); None for a pairs file's
+
+
+def pair_of(item: VQAItem) -> Pair:
+    return Pair(item.id, item.question.text(), item.answer, item.tampered_answer, item.corrected,
+                item.tampered, item.question.kind)
+
+
+def save_pairs(data: VQASet, folder: Path) -> Path:
+    """Write `data` as a pairs file ``folder/NAME.pairs.jsonl`` with its pictures as PNG files in
+    ``folder/NAME-images/``; returns the JSONL path."""
+    from PIL import Image
+
+    images = folder / f"{data.name}-images"
+    images.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for it in data.items:
+        record = {"pair_id": it.id, "question": it.question.text(), "answer_tampered": it.tampered_answer,
+                  "answer_correct": it.answer}
+        for which, pixels in (("tampered", it.tampered), ("correct", it.corrected)):
+            name = f"{data.name}-images/{it.id}-{which}.png"
+            Image.fromarray(pixels, "RGB").save(folder / name)
+            record[f"image_{which}"] = name
+        lines.append(json.dumps(record))
+    path = folder / f"{data.name}.pairs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _read_picture(path: Path, where: str, field: str) -> np.ndarray:
+    from PIL import Image, UnidentifiedImageError
+
+    if not path.is_file():
+        raise InvalidParameterError(f"{where}: {field} {path} is not a file", param="pairs_file")
+    try:
+        with Image.open(path) as picture:
+            return np.asarray(picture.convert("RGB"), dtype=np.uint8).copy()
+    except (UnidentifiedImageError, OSError) as e:
+        raise InvalidParameterError(f"{where}: {field} {path} is not a readable picture ({e})",
+                                    param="pairs_file") from e
+
+
+def _pair_from(raw: Any, folder: Path, where: str) -> Pair:
+    if not isinstance(raw, dict):
+        raise InvalidParameterError(f"{where}: expected a JSON object, got {type(raw).__name__}",
+                                    param="pairs_file")
+    for field in PAIR_FIELDS:
+        if field not in raw:
+            raise InvalidParameterError(f"{where}: field {field!r} is missing", param="pairs_file")
+        if not isinstance(raw[field], str) or not raw[field].strip():
+            raise InvalidParameterError(f"{where}: field {field!r} must be a non-empty string, got "
+                                        f"{raw[field]!r}", param="pairs_file")
+    if raw["answer_correct"].strip().lower() == raw["answer_tampered"].strip().lower():
+        raise InvalidParameterError(f"{where}: field 'answer_tampered' must differ from 'answer_correct'",
+                                    param="pairs_file")
+    return Pair(raw["pair_id"], raw["question"], raw["answer_correct"].strip(),
+                raw["answer_tampered"].strip(),
+                _read_picture(folder / raw["image_correct"], where, "image_correct"),
+                _read_picture(folder / raw["image_tampered"], where, "image_tampered"))
+
+
+def load_pairs(path: Path) -> list[Pair]:
+    """Read a pairs file; a malformed line is refused with an error naming its line and field."""
+    path = Path(path)
+    if not path.is_file():
+        raise InvalidParameterError(f"no pairs file at {path}", param="pairs_file")
+    pairs: list[Pair] = []
+    seen: set[str] = set()
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {number}"
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InvalidParameterError(f"{where}: not JSON ({e})", param="pairs_file") from e
+        pair = _pair_from(raw, path.parent, where)
+        if pair.pair_id in seen:
+            raise InvalidParameterError(f"{where}: field 'pair_id' {pair.pair_id!r} repeats an earlier line",
+                                        param="pairs_file")
+        seen.add(pair.pair_id)
+        pairs.append(pair)
+    if not pairs:
+        raise InvalidParameterError(f"{path} holds no pairs", param="pairs_file")
+    return pairs
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m cothink.experiments.sharded_vqa_data``: write a ShardedVQA set."""
     import argparse
@@ -288,9 +395,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--count", type=int, default=50, help=f"items, kinds in turn ({', '.join(KINDS)})")
     p.add_argument("--px", type=int, default=VQA_PX,
                    help=f"picture size, a multiple of {GRID} (default {VQA_PX})")
-    p.add_argument("--out", type=Path, required=True, help="folder for NAME.jsonl + NAME.npz")
+    p.add_argument("--out", type=Path, default=None, help="folder for NAME.jsonl + NAME.npz (with scenes)")
+    p.add_argument("--pairs-file-out", type=Path, default=None,
+                   help="folder for a pairs file NAME.pairs.jsonl + NAME-images/*.png (what the experiment's "
+                        "--pairs-file reads)")
     args = p.parse_args(argv)
-    print(save_vqa(sharded_vqa(args.seed, args.count, px=args.px), args.out))
+    if args.out is None and args.pairs_file_out is None:
+        p.error("give --out, --pairs-file-out or both")
+    data = sharded_vqa(args.seed, args.count, px=args.px)
+    for folder, write in ((args.out, save_vqa), (args.pairs_file_out, save_pairs)):
+        if folder is not None:
+            print(write(data, folder))
     return 0
 
 
