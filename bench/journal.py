@@ -80,16 +80,20 @@ def run_mode(args: argparse.Namespace, folder: Path, mode: str, journal: Path | 
             "journal_bytes": size}
 
 
-def run_recovery(folder: Path, journal: Path) -> dict[str, Any]:
+def run_recovery(folder: Path, journal: Path, kv_tokens: int | None = None) -> dict[str, Any]:
+    """A fresh server on `journal`: its recovery report, and the seconds from its start to ready."""
     import cothink
     from cothink.server import BackgroundServer, ServerSettings, create_app
 
+    start = time.perf_counter()
+    limits = {} if kv_tokens is None else {"kv_tokens": kv_tokens}
     settings = ServerSettings(model_name="bench", session_idle_s=None, journal_dir=str(journal))
-    app = create_app(cothink.Engine.from_pretrained(folder), settings)
+    app = create_app(cothink.Engine.from_pretrained(folder, **limits), settings)
     with BackgroundServer(app) as server:
         _wait_ready(server.url)
         report = server.call(lambda: app.state.cothink.recovery.report())
-    return {**report, "tokens_per_s": report["tokens_replayed"] / max(report["seconds"], 1e-9)}
+    return {**report, "tokens_per_s": report["tokens_replayed"] / max(report["seconds"], 1e-9),
+            "start_to_ready_s": time.perf_counter() - start}
 
 
 def _write_sessions(url: str, sessions: int, tokens: int) -> None:
@@ -128,15 +132,10 @@ def run_recovery_at_size(
                     break
                 time.sleep(0.2)
     size = sum(p.stat().st_size for p in journal.iterdir())
-    start = time.perf_counter()
-    app = create_app(cothink.Engine.from_pretrained(folder, kv_tokens=args.recovery_tokens + 4096),
-                     ServerSettings(model_name="bench", session_idle_s=None, journal_dir=str(journal)))
-    with BackgroundServer(app) as server:
-        _wait_ready(server.url)
-        report = server.call(lambda: app.state.cothink.recovery.report())
     tokens = per_session * args.recovery_sessions
+    recovery = run_recovery(folder, journal, kv_tokens=args.recovery_tokens + 4096)
     return {"compacted": compact, "sessions": args.recovery_sessions, "tokens": tokens,
-            "directory_bytes": size, "start_to_ready_s": time.perf_counter() - start, **report}
+            "directory_bytes": size, **recovery}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -363,7 +363,7 @@ class FileJournal(Journal):
         file = self.files.get(session.id)
         if file is None:
             return
-        self._checked(session.id, {"t": "deleted"})
+        self._write(session.id, [{"t": "deleted"}])
         file.close()
         del self.files[session.id]
         for block_id in self.of_session.pop(session.id, set()):
@@ -397,7 +397,7 @@ class FileJournal(Journal):
         self.track(session, entry)
 
     def block_released(self, session: Session, entry: BlockEntry) -> None:
-        self._checked(session.id, {"t": "release", "block": entry.id})
+        self._write(session.id, [{"t": "release", "block": entry.id}])
         self.untrack(entry.block.id)
 
     # ---- coroutines --------------------------------------------------------------------------------
@@ -469,9 +469,6 @@ class FileJournal(Journal):
         except JournalWriteError as exc:
             log.error("session %s: %s", session_id, exc)
             raise journal_unavailable(exc) from None
-
-    def _checked(self, session_id: str, record: dict[str, Any]) -> None:
-        self._write(session_id, [record])
 
     def catch_up(self, block: Block) -> None:
         """Append what `block` gained (or lost) since its journal last caught up; JournalWriteError
