@@ -344,6 +344,15 @@ def test_a_long_journal_is_compacted_onto_a_snapshot_and_restores_from_it(tmp_pa
             last = alice.post(
                 f"{base}/generate", json={"view": [a, b], "max_tokens": 3, "stream": False}
             ).json()
+            first = scan(path).records[1]["snapshot"]
+            for i in range(40):  # a second compaction, after `last` finished: it must keep `last` listed
+                if scan(path).records[1]["snapshot"] != first:
+                    break
+                assert (
+                    alice.post(f"{base}/blocks/{a}/extend", json={"token_ids": [300 + i] * 64}).status_code
+                    == 200
+                )
+            assert wait_for(lambda: scan(path).records[1]["snapshot"] != first, timeout=30)
             before = blocks_of(alice, sid)
     assert path.stat().st_size < 2048 + 4096  # what was written after the last compaction, not all of it
     with running_server(tiny_engine(), settings(journal_dir)) as server:

@@ -578,7 +578,8 @@ class FileJournal(Journal):
         2. The snapshot file is written (a worker thread) and fsynced; meanwhile records go on being
            appended to the old journal, after `mark`.
         3. Again with no await: a new journal (`session`, `base` naming the snapshot and its blocks,
-           the running writers' `work` records, then the old journal's records after `mark`, copied
+           the finished generations' `work` and `end` records, the running writers' `work` records,
+           then the old journal's records after `mark`, copied
            as they are) is written beside the old one, fsynced, and renamed over it. A crash at any
            point leaves either the old journal or the new one, both complete; a snapshot no journal
            names is deleted at the next start.
@@ -600,6 +601,16 @@ class FileJournal(Journal):
             for co in session.running()
             if co.id in self.started
         ]
+        finished = [  # finished generations: listed after a restart, as an uncompacted journal lists them
+            record
+            for co in session.coroutines.values()
+            if co.kind == "generate" and not co.running and co.block is not None
+            for record in (
+                {"t": "work", "co": co.id, "kind": co.kind, "block": co.block, "view": co.view,
+                 "name": co.name, "params": None, "tokens": list(co.token_ids)},
+                {"t": "end", "co": co.id, "finish": co.finish_reason or co.status},
+            )
+        ]
         mark = file.end
         snapshot = self.directory / base["snapshot"]
         try:
@@ -616,7 +627,7 @@ class FileJournal(Journal):
                 snapshot.unlink()
             return
         tail = os.pread(file.fd, file.end - mark, mark) if file.end > mark else b""
-        head = [self.heads[session.id], base, *works]
+        head = [self.heads[session.id], base, *finished, *works]
         fresh = file.path.with_name(file.path.name + ".next")
         with contextlib.suppress(OSError):
             fresh.unlink()
