@@ -10,9 +10,11 @@ alone, by cothink (``runner.vision.encode``, on its compute thread) and by trans
 --repeats, the two alternating.
 
 Decode under a stream: an interactive generation of --decode-tokens tokens after a short prompt, alone,
-then while a background coroutine appends a live stream to its own block at --fps frames per second
-(one ``extend(frames=[f0, f1], timestamp=...)`` per pair of frames, paced in real time). Reported: the
-generation's inter-token latency (median, p90, max) in both runs, and the frame groups encoded.
+then while a background coroutine prefills text (512-token extends, one after another: the bound the
+stream is held to), then while a background coroutine appends a live stream to its own block at --fps
+frames per second (one ``extend(frames=[f0, f1], timestamp=...)`` per pair of frames, paced in real
+time). Reported: the generation's inter-token latency (median, p90, max) in each run, and the text
+tokens prefilled or frame groups encoded meanwhile.
 Writes vision.json to --out.
 """
 
@@ -129,11 +131,14 @@ def bench_tower(folder: Path, args: argparse.Namespace, dtype: torch.dtype) -> d
     }
 
 
-async def _decode(engine: Any, n: int, stream: bool, fps: float, frame_size: tuple[int, int]) -> dict:
+LOADS = ("alone", "text", "stream")  # what runs in the background while the generation decodes
+
+
+async def _decode(engine: Any, n: int, load: str, fps: float, frame_size: tuple[int, int]) -> dict:
     ctx, out = engine.block("ctx"), engine.block("out")
     await engine.extend(ctx, token_ids=list(range(100, 116)))
     stamps: list[float] = []
-    groups = 0
+    groups = prefilled = 0
     done = asyncio.Event()
 
     async def camera() -> None:
@@ -146,7 +151,18 @@ async def _decode(engine: Any, n: int, stream: bool, fps: float, frame_size: tup
             groups += 1
             await asyncio.sleep(max(0.0, t0 + 2 * groups / fps - time.perf_counter()))
 
-    task = asyncio.create_task(camera()) if stream else None
+    async def reader() -> None:  # background text prefill: 512-token extends, one after another
+        nonlocal prefilled
+        block = engine.block("reader")
+        while not done.is_set():
+            if len(block) > 4096:
+                engine.truncate(block, 0)
+            ids = [100 + (prefilled + i) % 1000 for i in range(512)]
+            await engine.extend(block, token_ids=ids, name="reader")
+            prefilled += 512
+
+    background = {"alone": None, "text": reader, "stream": camera}[load]
+    task = asyncio.create_task(background()) if background is not None else None
     gen = engine.generate([ctx, out], max_tokens=n, priority="interactive", stop_at_eos=False, name="talker")
     async for _ in gen:
         stamps.append(time.perf_counter())
@@ -154,19 +170,19 @@ async def _decode(engine: Any, n: int, stream: bool, fps: float, frame_size: tup
     if task is not None:
         await task
     gaps = [b - a for a, b in zip(stamps, stamps[1:])] or [0.0]
-    return {"stream": stream, "tokens": len(stamps), "frame_groups": groups,
+    return {"load": load, "tokens": len(stamps), "frame_groups": groups, "text_tokens_prefilled": prefilled,
             "itl_median_ms": 1e3 * statistics.median(gaps),
             "itl_p90_ms": 1e3 * sorted(gaps)[int(0.9 * (len(gaps) - 1))], "itl_max_ms": 1e3 * max(gaps)}
 
 
 def bench_decode(folder: Path, args: argparse.Namespace, dtype: torch.dtype) -> list[dict[str, Any]]:
     rows = []
-    for stream in (False, True):
+    for load in LOADS:
         engine = cothink.Engine.from_pretrained(folder, dtype=dtype)
 
-        async def main(engine=engine, stream=stream) -> dict:
+        async def main(engine=engine, load=load) -> dict:
             async with engine:
-                return await _decode(engine, args.decode_tokens, stream, args.fps, _size(args.frame_size))
+                return await _decode(engine, args.decode_tokens, load, args.fps, _size(args.frame_size))
 
         rows.append(asyncio.run(main()))
     return rows
@@ -185,7 +201,11 @@ def main(argv: list[str] | None = None) -> int:
           f"{C.fmt(tower['transformers_tokens_per_s'])} tokens/s ({C.fmt(tower['ratio'], 2)}x)")
     decode = bench_decode(folder, args, dtype)
     for row in decode:
-        what = f"with a {args.fps:g} fps stream ({row['frame_groups']} groups)" if row["stream"] else "alone"
+        what = {
+            "alone": "alone",
+            "text": f"with a background text prefill ({row['text_tokens_prefilled']} tokens)",
+            "stream": f"with a {args.fps:g} fps stream ({row['frame_groups']} groups)",
+        }[row["load"]]
         print(f"interactive decode {what}: inter-token median {C.fmt(row['itl_median_ms'], 2)} ms, "
               f"p90 {C.fmt(row['itl_p90_ms'], 2)} ms, max {C.fmt(row['itl_max_ms'], 2)} ms")
     model = named or args.model

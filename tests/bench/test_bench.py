@@ -261,12 +261,12 @@ def test_compile_probe_quick(tiny_folder, tmp_path, capsys):
 
 
 def test_vision_smoke(tmp_path, capsys):
-    """bench/vision.py on its tiny random multimodal model: the tower table and both decode runs."""
+    """bench/vision.py on its tiny random multimodal model: the tower table and the three decode runs."""
     bench = _load("vision")
     argv = ["--model", "tiny-vl-random", "--out", str(tmp_path), "--images", "1", "--size", "64x96",
             "--repeats", "1", "--decode-tokens", "6", "--fps", "8", "--frame-size", "64x64"]
     assert bench.main(argv) == 0
     data = json.loads((tmp_path / "vision.json").read_text())
     assert data["tower"]["vision_tokens"] > 0 and data["tower"]["cothink_tokens_per_s"] > 0
-    assert [row["stream"] for row in data["decode"]] == [False, True]
+    assert [row["load"] for row in data["decode"]] == ["alone", "text", "stream"]
     assert "interactive decode with a 8 fps stream" in capsys.readouterr().out

@@ -98,7 +98,8 @@ def test_tower_equals_transformers(family):
 @torch.no_grad()
 def test_features_are_context_free(family):
     """A grid's features alone equal its rows in a batch; a video's frame groups encoded one at a time
-    equal the video encoded whole (streams can encode group by group)."""
+    equal the video encoded whole (streams can encode group by group). Up to rounding: matrix kernels
+    may round a row differently in a batch of another size (seen up to 1.7e-6 on features of scale 2)."""
     model = _build(family, seed=5)
     cfg = vision_config_from_hf(model.config)
     tower = _tower_from(model.model.visual, cfg)
@@ -110,13 +111,13 @@ def test_features_are_context_free(family):
         pixels = x[start : start + grid.patches]
         start += grid.patches
         alone = tower(pixels, [grid])
-        assert torch.allclose(alone.merged, part.merged, atol=1e-6, rtol=0)
+        assert torch.allclose(alone.merged, part.merged, atol=1e-5, rtol=0)
         for a, b in zip(alone.deepstack, part.deepstack, strict=True):
-            assert torch.allclose(a, b, atol=1e-6, rtol=0)
+            assert torch.allclose(a, b, atol=1e-5, rtol=0)
         if grid.t > 1:  # group by group
             step = PatchGrid(1, grid.h, grid.w)
             groups = [tower(frame, [step]) for frame in pixels.split(step.patches)]
-            assert torch.allclose(torch.cat([g.merged for g in groups]), part.merged, atol=1e-6, rtol=0)
+            assert torch.allclose(torch.cat([g.merged for g in groups]), part.merged, atol=1e-5, rtol=0)
 
 
 @torch.no_grad()
@@ -160,6 +161,43 @@ def test_stages_equal_the_forward_bit_for_bit(family):
     tower.run_blocks(state, 1)
     with pytest.raises(InvalidParameterError, match="1 of"):
         tower.finish(state)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_vl"])
+@torch.no_grad()
+def test_work_cut_inside_blocks_equals_the_forward(family):
+    """`run` stops after any row of either phase of a block (frames cut mid-way, grids of several
+    frame sizes): the features equal the forward's up to the rounding of smaller matrix products; each
+    call runs at least one row and no more work than asked beyond that row; `run_blocks` after a cut
+    finishes the block begun."""
+    model = _build(family, seed=11)
+    cfg = vision_config_from_hf(model.config)
+    tower = _tower_from(model.model.visual, cfg)
+    x = _pixels(GRIDS, cfg.patch_dim, seed=12)
+    want = tower(x, GRIDS)
+    scale = float(want.merged.abs().max())
+    first, second = tower.phase_shares()
+    assert 0 < first < 1 and abs(first + second - 1) < 1e-12
+    patches = x.shape[0]
+    for budget in (0.01, 5.5, 37.0, patches * 0.7):
+        state, calls = tower.start(x, GRIDS), 0
+        while state.done < tower.depth:
+            before = (state.done, state.phase, state.row)
+            ran = tower.run(state, budget)
+            calls += 1
+            assert (state.done, state.phase, state.row) != before
+            assert ran <= budget + 1e-9 or ran <= max(first, second) + 1e-9  # one forced row at most
+        assert state.qkv is None and state.row == 0 and state.phase == 0
+        got = tower.finish(state)
+        assert float((got.merged - want.merged).abs().max()) <= 1e-5 * scale, (family, budget)
+        for a, b in zip(got.deepstack, want.deepstack, strict=True):
+            assert float((a - b).abs().max()) <= 1e-5 * max(1.0, float(b.abs().max()))
+        assert calls >= tower.depth * patches / max(budget, patches) - 1
+    state = tower.start(x, GRIDS)
+    tower.run(state, 3.0)  # inside block 0
+    assert state.done == 0 and state.row > 0
+    tower.run_blocks(state, 1)
+    assert state.done == 1 and state.row == 0 and state.phase == 0
 
 
 def test_bad_grids_are_refused():

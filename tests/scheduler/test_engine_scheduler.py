@@ -106,16 +106,18 @@ def test_background_shrinks_while_an_interactive_generation_decodes():
 
 def test_encode_budget_shrinks_like_background_prefill():
     """A step's vision tower work: vision_step_patch_blocks; a background encode while an interactive
-    generation decodes gets the share background prefill gets (interactive_step_tokens of a
-    max_prefill_chunk), at least one patch-block; an interactive encode keeps the whole budget."""
+    generation decodes gets what background prefill may add to that step (interactive_step_tokens - 1
+    tokens) in the decoder's multiply-adds, never above vision_step_patch_blocks; an interactive
+    encode keeps the whole budget."""
     cfg = SchedulerConfig(max_prefill_chunk=128, interactive_step_tokens=4, vision_step_patch_blocks=2048)
-    assert encode_step_patch_blocks(cfg, BACKGROUND, interactive_decode=False) == 2048
-    assert encode_step_patch_blocks(cfg, BACKGROUND, interactive_decode=True) == 64
-    assert encode_step_patch_blocks(cfg, INTERACTIVE, interactive_decode=True) == 2048
-    tiny = SchedulerConfig(max_prefill_chunk=128, interactive_step_tokens=4, vision_step_patch_blocks=16)
-    assert encode_step_patch_blocks(tiny, BACKGROUND, interactive_decode=True) == 1
-    wide = SchedulerConfig(max_prefill_chunk=2, interactive_step_tokens=4, vision_step_patch_blocks=16)
-    assert encode_step_patch_blocks(wide, BACKGROUND, interactive_decode=True) == 16  # never above it
+    assert encode_step_patch_blocks(cfg, BACKGROUND, False, 0.5) == 2048
+    assert encode_step_patch_blocks(cfg, BACKGROUND, True, 0.5) == 6  # 3 tokens, a patch-block is half one
+    assert encode_step_patch_blocks(cfg, BACKGROUND, True, 4.0) == 0.75  # the tower runs at least a row
+    assert encode_step_patch_blocks(cfg, INTERACTIVE, True, 0.5) == 2048
+    tiny = SchedulerConfig(interactive_step_tokens=4, vision_step_patch_blocks=2)
+    assert encode_step_patch_blocks(tiny, BACKGROUND, True, 0.5) == 2  # never above it
+    one = SchedulerConfig(interactive_step_tokens=1)
+    assert encode_step_patch_blocks(one, BACKGROUND, True, 1.0) == 1  # background never starves
     works = [Fake("bg", BACKGROUND, decode=True), Fake("int-pre", INTERACTIVE, wanted=5)]
     assert not interactive_decoding(works)
     assert interactive_decoding([*works, Fake("int", INTERACTIVE, decode=True)])

@@ -71,15 +71,15 @@ class Vision:
         with torch.inference_mode():
             return self.tower(pixels.to(self.tower.patch_embed.proj.weight.device), [grid])
 
-    # `encode` in resumable stages (the scheduler spreads an image over steps): start, run_blocks
-    # until `state.done == tower.depth`, finish; features bit-identical to `encode`'s
+    # `encode` in resumable stages (the scheduler spreads an image over steps): start, run until
+    # `state.done == tower.depth`, finish; features equal to `encode`'s up to rounding (VisionTower.run)
     def start(self, pixels: torch.Tensor, grid: PatchGrid) -> EncodeState:
         with torch.inference_mode():
             return self.tower.start(pixels.to(self.tower.patch_embed.proj.weight.device), [grid])
 
-    def run_blocks(self, state: EncodeState, n: int) -> None:
+    def run(self, state: EncodeState, patch_blocks: float) -> float:
         with torch.inference_mode():
-            self.tower.run_blocks(state, n)
+            return self.tower.run(state, patch_blocks)
 
     def finish(self, state: EncodeState) -> VisionFeatures:
         with torch.inference_mode():

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from cothink.models.config import FULL_ATTENTION, GDNConfig, ModelConfig
+from cothink.models.moe import SparseMoeBlock
 from cothink.models.packing import FastLinear
 from cothink.ops.gdn import affine_summary, causal_conv, delta_rule, l2norm
 
@@ -319,6 +320,21 @@ class CausalLM(nn.Module):
         self.config = cfg
         self.model = Decoder(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def token_macs(self) -> int:
+        """About the multiply-adds of one prefill token through the decoder layers: the elements of
+        their weight matrices, a routed MoE's experts at their top_k share (embedding and lm_head,
+        which a prefill token does not read in full, left out)."""
+        shares = {
+            f"{name}.experts.": m.cfg.top_k / m.cfg.num_experts
+            for name, m in self.model.layers.named_modules()
+            if isinstance(m, SparseMoeBlock)
+        }
+        total = 0.0
+        for key, t in self.model.layers.state_dict().items():
+            if t.dim() >= 2:
+                total += t.numel() * next((f for p, f in shares.items() if key.startswith(p)), 1.0)
+        return int(total)
 
     def fuse_projections(self) -> None:
         """Concatenate the projections that read the same input (q/k/v, gate/up, the GDN inputs):

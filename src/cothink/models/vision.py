@@ -12,9 +12,14 @@ Every image and every frame group is independent of the others it is batched wit
 context-free, so an image can be encoded ahead of time and a stream group by group.
 
 The forward pass also runs in resumable stages, so the scheduler can spread one image over several
-steps: `start` (patch and position embedding, rotary tables) -> `run_blocks` (the next n blocks and the
-DeepStack mergers at their layers, any number of times) -> `finish` (the merger). The stages are the
-forward pass cut between blocks: their features are bit-identical to `forward`'s.
+steps: `start` (patch and position embedding, rotary tables) -> `run_blocks` (the next n blocks) or
+`run` (about a given amount of work, patches x blocks, cut inside a block) any number of times ->
+`finish` (the merger). A block is two row-wise phases: (1) norm1 and the rotated q/k/v of a range of
+patch rows, kept in the state; (2) once every row has its q/k/v, the attention of a range of rows
+(each row reads its whole frame's keys), proj, residual and the MLP. So work can stop after any row of
+either phase. Cut between blocks (`run_blocks`) the stages are bit-identical to `forward`; cut inside a
+block, the same arithmetic runs on fewer rows at a time, which matrix kernels may round differently
+(tests hold it to 1e-5 of the features' scale).
 
 Parameter names follow the checkpoint under `model.visual.` so the weights load by name
 (models/weights.py::load_vision_tower); the patch embedding's Conv3d weight is stored flattened.
@@ -22,7 +27,7 @@ Parameter names follow the checkpoint under `model.visual.` so the weights load 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -83,14 +88,20 @@ class EncodeState:
     frames: list[tuple[int, int]]  # (count, length) runs of equal-length frames, one per grid
     done: int = 0  # blocks run
     deepstack: list[torch.Tensor] = field(default_factory=list)  # merged outputs of the listed blocks run
+    # inside block `done`: the phase (0: q/k/v, 1: attention and MLP) and the rows it has run
+    phase: int = 0
+    row: int = 0
+    qkv: torch.Tensor | None = None  # [patches, 3, heads, head_dim], q and k rotated: block `done`'s
 
     @property
     def patches(self) -> int:
         return self.x.shape[0]
 
     def nbytes(self) -> int:
-        """Memory the state holds between stages (the DeepStack features not included)."""
-        return sum(t.numel() * t.element_size() for t in (self.x, self.cos, self.sin))
+        """Memory the state holds between stages, at its largest (the q/k/v of a block allocated; the
+        DeepStack features not included)."""
+        qkv = 3 * self.x.numel() * self.x.element_size()
+        return qkv + sum(t.numel() * t.element_size() for t in (self.x, self.cos, self.sin))
 
 
 def rotary_frequencies(cfg: VisionConfig) -> torch.Tensor:
@@ -131,23 +142,51 @@ class VisionAttention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: Sequence[tuple[int, int]]
     ) -> torch.Tensor:
         """x [N, hidden]; cos/sin [N, head_dim] fp32; frames: (count, length) runs of equal-length frames."""
+        return self.proj(self.attend(self.rotated_qkv(x, cos, sin), frames, 0, x.shape[0]))
+
+    def rotated_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[n, 3, heads, head_dim] of n rows, q and k rotated (in fp32, as the reference does)."""
         n = x.shape[0]
-        q, k, v = self.qkv(x).view(n, 3, self.num_heads, self.head_dim).unbind(1)
+        qkv = self.qkv(x).view(n, 3, self.num_heads, self.head_dim)
         cos, sin = cos[:, None, :], sin[:, None, :]
-        # rotation in fp32, as the reference does for every dtype
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(x.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(x.dtype)
-        out, start = [], 0
-        for count, length in frames:  # frames of one grid share a length: one batched call per grid
-            end = start + count * length
+        for i in (0, 1):
+            t = qkv[:, i].float()
+            qkv[:, i] = (t * cos + _rotate_half(t) * sin).to(x.dtype)
+        return qkv
 
-            def heads(t: torch.Tensor) -> torch.Tensor:
-                return t[start:end].view(count, length, self.num_heads, self.head_dim).transpose(1, 2)
+    def attend(self, qkv: torch.Tensor, frames: Sequence[tuple[int, int]], r0: int, r1: int) -> torch.Tensor:
+        """The attention output [r1 - r0, hidden] (before proj) of rows r0..r1, each row reading its whole
+        frame: whole frames of a grid in one batched call, the rows of a cut frame in one call."""
+        q, k, v = qkv.unbind(1)
+        out = []
+        for a, b, first, length in _frame_pieces(frames, r0, r1):
+            n = (b - a) // length if a == first and b - a >= length else 1  # whole frames, or rows of one
+            shape = (n, -1, self.num_heads, self.head_dim)
+            keys = slice(first, first + n * length)
+            o = F.scaled_dot_product_attention(  # [n, heads, rows per frame, D]
+                q[a:b].reshape(shape).transpose(1, 2),
+                k[keys].reshape(shape).transpose(1, 2),
+                v[keys].reshape(shape).transpose(1, 2),
+            )
+            out.append(o.transpose(1, 2).reshape(b - a, -1))
+        return torch.cat(out)
 
-            o = F.scaled_dot_product_attention(heads(q), heads(k), heads(v))  # [count, heads, length, D]
-            out.append(o.transpose(1, 2).reshape(count * length, -1))
-            start = end
-        return self.proj(torch.cat(out))
+
+def _frame_pieces(frames: Sequence[tuple[int, int]], r0: int, r1: int) -> Iterator[tuple[int, int, int, int]]:
+    """Rows r0..r1 as pieces (a, b, first, length): rows a..b read the frame(s) from row `first`, each
+    `length` rows; a piece is either whole frames (a == first, b - a a multiple of length) or the rows
+    of one frame."""
+    start = 0
+    for count, length in frames:  # (count, length) runs of equal-length frames
+        end = start + count * length
+        a, b = max(r0, start), min(r1, end)
+        while a < b:
+            first = start + (a - start) // length * length
+            whole = (b - first) // length if a == first else 0
+            cut = first + whole * length if whole else min(b, first + length)
+            yield a, cut, first, length
+            a = cut
+        start = end
 
 
 class VisionBlock(nn.Module):
@@ -161,7 +200,17 @@ class VisionBlock(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: Sequence[tuple[int, int]]
     ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), cos, sin, frames)
+        return self.rest(x, self.qkv(x, cos, sin), frames, 0, x.shape[0])
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Phase 1 of rows x (cos/sin theirs): their rotated q/k/v."""
+        return self.attn.rotated_qkv(self.norm1(x), cos, sin)
+
+    def rest(
+        self, x: torch.Tensor, qkv: torch.Tensor, frames: Sequence[tuple[int, int]], r0: int, r1: int
+    ) -> torch.Tensor:
+        """Phase 2: rows r0..r1 of the block's output, given every row's q/k/v and x = rows r0..r1."""
+        x = x + self.attn.proj(self.attn.attend(qkv, frames, r0, r1))
         return x + self.mlp(self.norm2(x))
 
 
@@ -223,9 +272,23 @@ class VisionTower(nn.Module):
         return len(self.blocks)
 
     def state_row_bytes(self) -> int:
-        """Bytes one patch takes in an EncodeState between stages: its hidden row and rotary rows."""
+        """Bytes one patch takes in an EncodeState between stages, at most: its hidden row, its q/k/v
+        rows and its rotary rows."""
         size = torch.empty((), dtype=self.dtype).element_size()
-        return self.config.hidden_size * size + 2 * self.config.head_dim * 4
+        return 4 * self.config.hidden_size * size + 2 * self.config.head_dim * 4
+
+    def patch_block_macs(self) -> int:
+        """Multiply-adds of one patch through one block's matrices (q/k/v, proj, MLP; the attention
+        scores, which grow with the frame, left out)."""
+        h, i = self.config.hidden_size, self.config.intermediate_size
+        return 4 * h * h + 2 * h * i
+
+    def phase_shares(self) -> tuple[float, float]:
+        """Each phase's part of a block's work, by multiply-adds per row (the attention scores, which
+        grow with the frame, left out): q/k/v 3h^2; proj h^2 and the MLP 2hI."""
+        h = self.config.hidden_size
+        first = 3 * h * h / self.patch_block_macs()
+        return first, 1.0 - first
 
     def forward(self, pixel_values: torch.Tensor, grids: Sequence[PatchGrid]) -> VisionFeatures:
         state = self.start(pixel_values, grids)
@@ -242,15 +305,57 @@ class VisionTower(nn.Module):
         return EncodeState(x, cos, sin, [(g.t, g.h * g.w) for g in grids])
 
     def run_blocks(self, state: EncodeState, n: int) -> None:
-        """Run the next n blocks (fewer if fewer are left) on the state, with the DeepStack mergers of
-        the listed blocks among them."""
-        layers = self.config.deepstack_layers
+        """Run the next n blocks (fewer if fewer are left; a block begun by `run` counts as one) on the
+        state, with the DeepStack mergers of the listed blocks among them."""
         end = min(self.depth, state.done + n)
-        for i in range(state.done, end):
-            state.x = self.blocks[i](state.x, state.cos, state.sin, state.frames)
-            state.done = i + 1
-            if i in layers:
-                state.deepstack.append(self.deepstack_merger_list[layers.index(i)](state.x))
+        while state.done < end:
+            self._run_rows(state, state.patches)
+
+    def run(self, state: EncodeState, patch_blocks: float) -> float:
+        """Run about `patch_blocks` of work (patches x blocks, each phase weighed by `phase_shares`):
+        as many rows as fit, at least one; returns the work run."""
+        shares, ran = self.phase_shares(), 0.0
+        while state.done < self.depth:
+            share = shares[state.phase]
+            rows = int((patch_blocks - ran) / share + 1e-9)
+            if rows < 1:
+                if ran:
+                    break
+                rows = 1  # the encode always advances
+            rows = self._run_rows(state, rows)
+            ran += rows * share
+        return ran
+
+    def _run_rows(self, state: EncodeState, rows: int) -> int:
+        """Run up to `rows` rows of the current phase (not past its end); returns the rows run."""
+        block, n = self.blocks[state.done], state.patches
+        r0 = state.row
+        r1 = min(n, r0 + rows)
+        if state.phase == 0:
+            qkv = block.qkv(state.x[r0:r1], state.cos[r0:r1], state.sin[r0:r1])
+            if r0 == 0 and r1 == n:
+                state.qkv = qkv
+            else:
+                if state.qkv is None:
+                    state.qkv = qkv.new_empty((n, *qkv.shape[1:]))
+                state.qkv[r0:r1] = qkv
+        else:
+            assert state.qkv is not None
+            out = block.rest(state.x[r0:r1], state.qkv, state.frames, r0, r1)
+            if r0 == 0 and r1 == n:
+                state.x = out
+            else:  # every row's q/k/v is made: the block's input rows are not read again
+                state.x[r0:r1] = out
+        state.row = r1 if r1 < n else 0
+        if r1 == n:
+            state.phase ^= 1
+            if state.phase == 0:  # the block is done
+                state.qkv = None
+                layers = self.config.deepstack_layers
+                if state.done in layers:
+                    state.deepstack.append(self.deepstack_merger_list[layers.index(state.done)](state.x))
+                state.done += 1
+        return r1 - r0
 
     def finish(self, state: EncodeState) -> VisionFeatures:
         """The merged features of a state that has run every block."""

@@ -129,6 +129,7 @@ class Engine:
         self.tokenizer = runner.tokenizer
         self._accounting = Accounting(self.limits.timeline_steps, self.limits.max_tracked_coroutines)
         self._ownership = Ownership(runner)
+        self._tokens_per_patch_block: float | None = None  # TowerSizes', counted once
         try:
             runner.store.budget_bytes = parse_bytes(self.limits.memory_budget)
         except ValueError as exc:
@@ -460,10 +461,15 @@ class Engine:
         return vision.config.out_hidden_size * size * (1 + len(vision.config.deepstack_layers))
 
     def _tower_sizes(self) -> TowerSizes:
-        """What the scheduler admits and budgets for an encode: tower depth, feature and state rows."""
+        """What the scheduler admits and budgets for an encode: tower depth, feature and state rows,
+        and a patch-block's cost in text tokens."""
         vision = self.runner.vision
         assert vision is not None
-        return TowerSizes(vision.tower.depth, self._feature_row_bytes(), vision.tower.state_row_bytes())
+        if self._tokens_per_patch_block is None:
+            text = max(1, self.runner.model.token_macs())
+            self._tokens_per_patch_block = vision.tower.patch_block_macs() / text
+        return TowerSizes(vision.tower.depth, self._feature_row_bytes(), vision.tower.state_row_bytes(),
+                          self._tokens_per_patch_block)
 
     def generate(
         self,

@@ -18,8 +18,10 @@ steps, however much background work is queued.
 
 Vision encoding keeps the same bound: an encode runs at most `vision_step_patch_blocks` of tower
 work (patches x blocks) per step, about what a `max_prefill_chunk` text chunk costs, and while an
-interactive generation decodes, a background encode's share shrinks as background prefill does
-(`encode_step_patch_blocks`); at least one tower block runs per step, so an encode always advances.
+interactive generation decodes, a background encode may add to a step only what background text
+prefill may, counted in the decoder's multiply-adds (`encode_step_patch_blocks`); the tower is cut
+between the rows of a block's two phases, and at least one row runs per step, so an encode always
+advances.
 """
 
 from __future__ import annotations
@@ -68,12 +70,12 @@ class SchedulerConfig:
     background_min_tokens: int = 16
     interactive_step_tokens: int = 4  # step size cap while an interactive generation decodes
     # Vision tower work one step may run: patches x blocks of the image or frame group being encoded
-    # (at least one block). The default is about one default max_prefill_chunk (128 tokens) of text
-    # prefill on a small decoder: the released Qwen3.5 tower (27 blocks, hidden 1152) runs a
+    # (at least one row of a block's phase). The default is about one default max_prefill_chunk (128
+    # tokens) of text prefill on a small decoder: the released Qwen3.5 tower (27 blocks, hidden 1152) runs a
     # patch-block in ~0.23 ms fp32 on two CPU threads (a 640 x 480 image, 1200 patches x 27 blocks, in
     # 7.3 s), so 2048 patch-blocks take ~0.46 s, about a 128-token chunk of the embedded SmolLM2-135M
     # there (300-450 tokens/s); in FLOPs (~35 MFLOPs a patch-block, 2 x parameters a text token) it
-    # is the chunk of a ~0.3B decoder. That image then takes 27 steps of one block each.
+    # is the chunk of a ~0.3B decoder. That image then takes about 16 steps.
     vision_step_patch_blocks: int = 2048
 
     def __post_init__(self) -> None:
@@ -98,15 +100,19 @@ def interactive_decoding(works: Iterable[Schedulable]) -> bool:
     return any(w.is_decode and w.priority.klass == PriorityClass.INTERACTIVE for w in works)
 
 
-def encode_step_patch_blocks(cfg: SchedulerConfig, klass: PriorityClass, interactive_decode: bool) -> int:
+def encode_step_patch_blocks(
+    cfg: SchedulerConfig, klass: PriorityClass, interactive_decode: bool, tokens_per_patch_block: float
+) -> float:
     """The tower work (patches x blocks) an encode may run in one step: `vision_step_patch_blocks`;
-    for a background encode while an interactive generation decodes, scaled down as background
-    prefill is (interactive_step_tokens instead of max_prefill_chunk tokens), to no less than 1. The
-    encode rounds down to whole blocks but runs at least one."""
+    for a background encode while an interactive generation decodes, what background text prefill
+    may add to that step (interactive_step_tokens - 1 tokens, at least 1) in the decoder's
+    multiply-adds (`tokens_per_patch_block`: one patch-block's in text tokens), never above
+    `vision_step_patch_blocks`. The encode runs at least one row of a block's phase
+    (`VisionTower.run`)."""
     if klass == PriorityClass.BACKGROUND and interactive_decode:
-        scaled = cfg.vision_step_patch_blocks * cfg.interactive_step_tokens // cfg.max_prefill_chunk
-        return max(1, min(cfg.vision_step_patch_blocks, scaled))
-    return cfg.vision_step_patch_blocks
+        tokens = max(1, cfg.interactive_step_tokens - 1)
+        return min(float(cfg.vision_step_patch_blocks), tokens / tokens_per_patch_block)
+    return float(cfg.vision_step_patch_blocks)
 
 
 class Schedulable(Protocol):

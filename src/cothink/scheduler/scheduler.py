@@ -42,7 +42,6 @@ from cothink.scheduler.policy import (
     FairShares,
     SchedulerConfig,
     StepPolicy,
-    encode_step_patch_blocks,
     interactive_decoding,
     plan_step,
 )
@@ -334,9 +333,8 @@ class Scheduler:
         if len(computing) > 1:  # one vision encode per step: a step's length stays bounded
             chosen = [(w, n) for w, n in chosen if not w.computes or w is computing[0]]
         if computing:  # its share of tower work, under the same latency bound as text prefill
-            klass = computing[0].priority.klass
-            computing[0].plan_compute(
-                encode_step_patch_blocks(self.config, klass, interactive_decoding(runnable)))
+            encode = computing[0]
+            encode.plan_compute(encode.compute_budget(self.config, interactive_decoding(runnable)))
         for work in set(from_cache) - {w for w, _ in chosen}:
             work.next_logits = None  # not this step: the view may change before its turn
         self._sample([w for w, _ in chosen if isinstance(w, GenerateWork)])

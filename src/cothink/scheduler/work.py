@@ -23,7 +23,7 @@ from cothink.memory.block import Block, VisionSpan, span_at
 from cothink.memory.store import BlockStore
 from cothink.models.vision import EncodeState, PatchGrid, VisionFeatures
 from cothink.models.text import IncrementalDecoder
-from cothink.scheduler.policy import Priority
+from cothink.scheduler.policy import Priority, SchedulerConfig, encode_step_patch_blocks
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,11 @@ class Work:
         """What a step of n scheduled tokens costs this work's coroutine in its fair share."""
         return n
 
-    def plan_compute(self, patch_blocks: int) -> None:
+    def compute_budget(self, cfg: SchedulerConfig, interactive_decode: bool) -> float:
+        """The vision tower work (patches x blocks) a step may give this work (`computes` works)."""
+        return 0.0
+
+    def plan_compute(self, patch_blocks: float) -> None:
         """The vision tower work (patches x blocks) this step's `compute` may run (`computes` works;
         the scheduler tells it before `items`)."""
 
@@ -278,20 +282,21 @@ class TowerSizes:
     depth: int  # blocks
     feature_row_bytes: int  # one placeholder's features (merged + DeepStack)
     patch_state_bytes: int  # one patch's part of the tower state kept between steps (EncodeState)
+    tokens_per_patch_block: float = 1.0  # one patch-block's multiply-adds in text prefill tokens
 
 
 class EncodeWork(Work):
     """Encode an extend's images and frame groups with the vision tower on the compute thread, one
-    image or frame group at a time and a bounded part of it per step (as many tower blocks as the
-    step's patch-block budget allows, at least one: `plan_compute`); then hand over to the extend
-    that writes them (`successor`).
+    image or frame group at a time and a bounded part of it per step (the step's patch-block budget,
+    cut between the rows of a block's phases, at least one row: `plan_compute`); then hand over to
+    the extend that writes them (`successor`).
 
     It is the writer of the extend's block from submission (other writers get BlockBusyError), so
     the block is untouched until every image is encoded: a failure leaves it as it was. An image's
     tower state lives between its steps: its memory (the state and the image's features) is
     admitted when the image starts and counted in the store's vision_bytes until the image is done
     (then only its features stay) or the work leaves the scheduler. Its cost for the scheduler is
-    the image's placeholder count, spread over the image's steps by the blocks each runs."""
+    the image's placeholder count, spread over the image's steps by the work each runs."""
 
     kind = "encode"
     computes = True
@@ -302,17 +307,14 @@ class EncodeWork(Work):
         self.extend, self.vision, self.tower = extend, extend.vision, tower
         self._state: EncodeState | None = None  # the image being encoded, between its steps
         self._reserved = 0  # bytes counted in store.vision_bytes for that image
-        self._blocks = 0  # tower blocks this step runs
-        self._ran = 0  # patch-blocks the last step ran
+        self._budget = 0.0  # patch-blocks this step may run
+        self._progress = 0.0  # patch-blocks of the image run so far
+        self._ran = 0.0  # patch-blocks the last step ran
         self._result: VisionFeatures | BaseException | None = None  # None: the image goes on
 
     @property
     def _next(self) -> VisionUnit:
         return self.vision.units[len(self.vision.features)]
-
-    @property
-    def _done(self) -> int:
-        return self._state.done if self._state is not None else 0
 
     def _unit_bytes(self, unit: VisionUnit) -> int:
         """An image's peak memory while encoded: its tower state and its features."""
@@ -325,16 +327,20 @@ class EncodeWork(Work):
         extra = 0 if self._reserved else self._unit_bytes(self._next)  # held from the image's start
         return [Growth(None, 0, extra_bytes=extra)]
 
-    def plan_compute(self, patch_blocks: int) -> None:
-        left = self.tower.depth - self._done
-        self._blocks = min(left, max(1, patch_blocks // self._next.grid.patches))
+    def compute_budget(self, cfg: SchedulerConfig, interactive_decode: bool) -> float:
+        return encode_step_patch_blocks(
+            cfg, self.priority.klass, interactive_decode, self.tower.tokens_per_patch_block)
+
+    def plan_compute(self, patch_blocks: float) -> None:
+        self._budget = patch_blocks
 
     def cost(self, n: int) -> int:
-        """The image's placeholders in proportion to the blocks this step runs (summing to them)."""
-        tokens, depth, done = self._next.tokens, self.tower.depth, self._done
-        if done + self._blocks >= depth:
-            return tokens - (tokens * done // depth if depth else 0)
-        return tokens * (done + self._blocks) // depth - tokens * done // depth
+        """The image's placeholders in proportion to the work this step runs (summing to them)."""
+        tokens, total = self._next.tokens, self.tower.depth * self._next.grid.patches
+        done = self._progress
+        if done + self._budget >= total:
+            return tokens - int(tokens * done // total)
+        return int(tokens * (done + self._budget) // total) - int(tokens * done // total)
 
     def items(self, n: int, runner: ModelRunner) -> list[StepItem]:
         if not self._reserved:  # the image starts this step
@@ -343,21 +349,21 @@ class EncodeWork(Work):
         return []
 
     def compute(self, runner: ModelRunner) -> None:
-        unit, self._ran = self._next, 0
+        unit, self._ran = self._next, 0.0
         try:
             vision = runner.vision
             assert vision is not None
             if self._state is None:
                 self._state = vision.start(unit.pixels, unit.grid)
-            vision.run_blocks(self._state, self._blocks)
-            self._ran = self._blocks * unit.grid.patches
+            self._ran = vision.run(self._state, self._budget)
+            self._progress += self._ran
             if self._state.done == self.tower.depth:
                 self._result = vision.finish(self._state)
         except Exception as exc:  # raised on the event loop by after_step
             self._result = exc
 
     def step_patch_blocks(self) -> int:
-        return self._ran
+        return max(1, round(self._ran)) if self._ran else 0
 
     def after_step(self, logits: list[torch.Tensor], runner: ModelRunner) -> None:
         result, self._result = self._result, None
@@ -373,7 +379,7 @@ class EncodeWork(Work):
 
     def _release_state(self, store: BlockStore) -> None:
         store.vision_bytes -= self._reserved
-        self._reserved, self._state = 0, None
+        self._reserved, self._state, self._progress = 0, None, 0.0
 
     def successor(self) -> Work | None:
         return self.extend if self.outcome == "done" else None
