@@ -64,14 +64,14 @@ async def test_summary_of_evicted_blocks_stays_in_front():
 
 @pytest.mark.slow
 async def test_streamed_tokens_on_smollm2():
-    """The same promise on the real SmolLM2: a stream four times the window (4,096 tokens of prefill in
+    """The same promise on the real SmolLM2: a stream three times the window (3,072 tokens of prefill in
     blocks of 128, a window of 1,024). Appends are one block long, so every append is in the same phase
     of the block chain."""
     from support import smollm2_dir
 
     from cothink import Engine
 
-    block, window, stream = 128, 1024, 4096
+    block, window, stream = 128, 1024, 3072
     engine = Engine.from_pretrained(smollm2_dir(), kv_tokens=4096)
     async with engine:
         ctx = RollingContext(engine, "log", block_tokens=block, max_tokens=window)

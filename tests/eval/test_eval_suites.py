@@ -59,6 +59,7 @@ def test_sync_cost_baseline_really_reencodes(ctx):
     assert res.summary and res.conditions
 
 
+@pytest.mark.parametrize("tiny", ["llama"], indirect=True)  # the leak and its detector know no family
 def test_soak_detects_an_injected_leak(ctx):
     # A pool large enough that the leak never fills it within the run, however fast the machine:
     # a full pool would stall the sessions and flatten the very curve the detector reads.
