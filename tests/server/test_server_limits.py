@@ -92,6 +92,14 @@ def test_a_stop_output_always_parses(server):
 # ------------------------------------------------------------------- malformed input
 
 
+def test_nesting_depth_skips_strings_and_does_not_depend_on_the_stack():
+    from cothink.server.socket_routes import MAX_WS_DEPTH, nesting_depth
+
+    assert nesting_depth('{"a": "[[[{{", "b": [1, {"c": "\\"]]]"}]}') == 3  # brackets in strings skipped
+    assert nesting_depth("[" * (MAX_WS_DEPTH + 1) + "]" * (MAX_WS_DEPTH + 1)) == MAX_WS_DEPTH + 1
+    assert nesting_depth('"[[["') == 0 and nesting_depth("{}") == 1
+
+
 def test_a_websocket_message_nested_too_deep_gets_an_error_event(server, caplog):
     with httpx.Client(base_url=server.url, timeout=30) as http:
         sid = http.post("/v1/sessions").json()["id"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from typing import Any
 
 from fastapi import APIRouter, WebSocket, WebSocketDisconnect
@@ -21,6 +22,23 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 log = logging.getLogger("cothink.server")
 
 _WS_MESSAGE = TypeAdapter(WsMessage)
+MAX_WS_DEPTH = 512  # arrays and objects nested deeper are refused before parsing (code too_deep)
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # a string (skipped) or a bracket
+
+
+def nesting_depth(raw: str) -> int:
+    """The deepest nesting of arrays and objects in a JSON text, strings skipped, without parsing it
+    (json.loads's own limit is the interpreter's recursion limit, which depends on the stack it is
+    called from)."""
+    depth = deepest = 0
+    for m in _JSON_TOKENS.finditer(raw):
+        c = m.group()
+        if c == "[" or c == "{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif c == "]" or c == "}":
+            depth -= 1
+    return deepest
 _WS_TYPES = ("generate", "extend", "probe", "cancel")
 
 
@@ -101,13 +119,15 @@ class _SessionSocket:
             await self.send({"type": "error", **err.body()}, None)
             return None
         try:  # json.loads, as for HTTP bodies: a lone surrogate escape is then a 400 naming its field
+            if raw.count("[") + raw.count("{") > MAX_WS_DEPTH and nesting_depth(raw) > MAX_WS_DEPTH:
+                raise RecursionError
             return _WS_MESSAGE.validate_python(json.loads(raw))
         except json.JSONDecodeError:
             err = APIError(400, "the message is not valid JSON", code="invalid_json")
             await self.send({"type": "error", **err.body()}, None)
         except ValidationError as exc:
             await self.send({"type": "error", **ws_validation_error(exc).body()}, None)
-        except RecursionError:  # arrays or objects nested about a thousand deep; the socket stays open
+        except RecursionError:  # arrays or objects nested too deep; the socket stays open
             log.warning("refused a WebSocket message nested too deep", extra={"session": self.session.id})
             err = APIError(400, "the message nests arrays or objects too deep", code="too_deep")
             await self.send({"type": "error", **err.body()}, None)
