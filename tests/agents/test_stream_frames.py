@@ -1,6 +1,7 @@
 """The stream agent fed pixel frame groups (and text events mixed in) on a tiny multimodal model with
 random weights: each group lands in the agent's observation window as one frame group at its
-timestamp, and the event probe, the thinker, the output probe and the describer all run over it."""
+timestamp, the event probe compares it with the previous group, and the event probe, the thinker,
+the output probe and the describer all run over it."""
 
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ def test_frame_groups_land_in_the_window_with_their_timestamps():
             async def probe_yes(view, question, role, **kw):  # read the window as the probes see it
                 if role == "event":
                     seen["tokens"] = [t for b in view[1:] for t in b.tokens]
+                    seen.setdefault("questions", []).append(question)
                 return await original(view, question, role, **kw)
 
             agent.probe_yes = probe_yes
@@ -58,6 +60,11 @@ def test_frame_groups_land_in_the_window_with_their_timestamps():
     stamps = [text.index(f"<{0.5 * t:.1f} seconds>") for t in range(4)]
     assert stamps == sorted(stamps), text  # in stream order, each group at its timestamp
     assert text.index("[0] cam") < stamps[0] and text.index("the camera pans left") < stamps[2]
+    # the event probe compares each frame group with the previous one (both in the window); text: new?
+    questions = seen["questions"]
+    assert "Compare" not in questions[0] and "new" in questions[2]
+    assert "frames [1] with frames [0]" in questions[1]
+    assert "frames [3] with frames [1]" in questions[3] and "frames [4] with frames [3]" in questions[4]
     said = [e.text for e in result.events if e.kind == "event"]
     assert said[0] == "2 frame(s) at 0.0 s cam" and said[2] == "the camera pans left"
     for role in ("event", "thinker", "output", "describer"):

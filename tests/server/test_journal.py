@@ -337,8 +337,12 @@ def test_a_long_journal_is_compacted_onto_a_snapshot_and_restores_from_it(tmp_pa
                 if i >= 10 and compacted():
                     break
             assert wait_for(compacted, timeout=30)
-            snapshots = list(journal_dir.glob(f"*{SNAPSHOT_SUFFIX}"))
-            assert len(snapshots) == 1 and scan(path).records[1]["snapshot"] == snapshots[0].name
+
+            def one_snapshot_named() -> bool:  # a compaction may be writing the next one meanwhile
+                snapshots = list(journal_dir.glob(f"*{SNAPSHOT_SUFFIX}"))
+                return len(snapshots) == 1 and scan(path).records[1]["snapshot"] == snapshots[0].name
+
+            assert wait_for(one_snapshot_named, timeout=30)
             fork = alice.post(f"{base}/blocks/{b}/fork").json()["id"]  # after the snapshot: in the tail
             assert alice.post(f"{base}/blocks/{fork}/extend", json={"token_ids": [9]}).status_code == 200
             last = alice.post(

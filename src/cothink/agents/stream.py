@@ -9,7 +9,8 @@
 - **event probe** (``<name>.event``): each incoming event is appended to the bounded observation window
   (a text event as a line; a frame group after its index line, through ``engine.extend(frames=...,
   timestamp=...)``, which needs a multimodal model) and a probe asks "did something new happen?" over
-  ``[ctx, *window]``;
+  ``[ctx, *window]``; for a frame group whose predecessor is still in the window, it asks whether
+  anything changed between the two (by their index lines);
 - **thinker** (``<name>.thinker``, background): keeps writing notes that link events, reading the window
   live (a :class:`BackgroundThinker`);
 - **output probe** (``<name>.output``): after a new event, "is there something worth saying now?" over
@@ -187,6 +188,7 @@ class _StreamRun:
         self.thinker: BackgroundThinker | None = None
         self.thinker_task: asyncio.Task | None = None
         self.reader: asyncio.Task | None = None
+        self.last_frames: int | None = None  # the index of the last frame group in the window
 
     async def run(self, events: AsyncIterable[Event]) -> None:
         self.reader = asyncio.create_task(self.intake(events), name=self.agent.coroutine("coordinator"))
@@ -260,19 +262,22 @@ class _StreamRun:
         agent, c = self.agent, self.counters
         while (queued := await self.next_event()) is not None:
             index, ev = queued
+            question = "Did something new happen in the last event? Answer Yes or No."
             if isinstance(ev, Frames):
                 label = f"[{index}] {ev.label} " if ev.label else f"[{index}] "
+                dropped = self.window.dropped_chunks
                 await self.window.append_frames(label, ev, agent.coroutine("event"))
+                if self.last_frames is not None and self.window.dropped_chunks == dropped:
+                    # the previous frame group is still in the window: compare the two
+                    question = (f"Compare frames [{index}] with frames [{self.last_frames}]. Did something "
+                                "change? Answer Yes or No.")
+                self.last_frames = index
             else:
                 await self.window.append(f"[{index}] {ev}\n", agent.coroutine("event"))
             agent.emit("event", "event", str(ev))
             if self.thinker is None and agent.think_tokens > 0:
                 self.start_thinker()
-            p_new = await agent.probe_yes(
-                self.view(notes=False),
-                "Did something new happen in the last event? Answer Yes or No.",
-                "event",
-            )
+            p_new = await agent.probe_yes(self.view(notes=False), question, "event")
             agent.emit("probe", "event", "new?", value=p_new)
             if p_new < agent.event_threshold:
                 continue

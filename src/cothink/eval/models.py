@@ -184,18 +184,21 @@ def load(
     """Load 'smollm2', 'qwen35-random' or a local folder (which must have a tokenizer); `quantize`
     as in load_model ("int8" refuses model families it does not support)."""
     from cothink.execution.runner import load_model
-    from cothink.models.hub import resolve_model_path
+    from cothink.models.hub import EMBEDDED_MODELS, resolve_model_path
 
     if key == "qwen35-random":
         folder = build_qwen35_random()
         description = describe_qwen35_random()
     else:
         folder = resolve_model_path(key)
-        description = (
-            "SmolLM2-135M-Instruct (embedded; Llama architecture, 30 layers, attention only)"
-            if (key == "smollm2")
-            else f"model folder {folder}"
-        )
+        embedded = EMBEDDED_MODELS.get(key)
+        if key == "smollm2":
+            description = "SmolLM2-135M-Instruct (embedded; Llama architecture, 30 layers, attention only)"
+        elif embedded is not None:
+            description = (f"{embedded.folder} (embedded: a {embedded.model_type} checkpoint de-quantised "
+                           f"from its shipped {embedded.source.file})")
+        else:
+            description = f"model folder {folder}"
     t0 = time.perf_counter()
     # A minimal pool for the loading runner: the suites make their own engines.
     runner = load_model(folder, "cpu", dtype, kv_tokens=16, max_context=max_context, quantize=quantize)

@@ -339,7 +339,10 @@ class Experiment:
 
 def add_common_arguments(p: argparse.ArgumentParser, *, name: str, default_max_tokens: int = 128) -> None:
     p.add_argument(
-        "--model", default="smollm2", help="smollm2, qwen35-random or a local model folder (default: smollm2)"
+        "--model",
+        default="smollm2",
+        help="smollm2, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b (embedded: `cothink prepare` them first), "
+        "qwen35-random or a local model folder (default: smollm2)",
     )
     p.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: float32)")
     p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
