@@ -9,6 +9,7 @@ import json
 import random
 import time
 
+import numpy as np
 import pytest
 
 from cothink.errors import InvalidParameterError
@@ -142,6 +143,29 @@ def test_pixel_frames_reach_the_engine_as_frame_groups():
     assert (live.frames[1].frames[0] == stream.pixels[2]).all()
 
 
+def test_frame_diff_scores_exactly_the_frames_that_change():
+    """The model-free change detector: score 1 for a frame whose content differs from the previous
+    frame's (a text frame's index line does not count; a frame group compares its frames and the
+    previous group's last one), 0 otherwise; it speaks on changes, --min-gap apart."""
+    from types import SimpleNamespace
+
+    from cothink.agents.stream import Frames
+
+    texts = ["a", "a", "b", "b", "c", "c"]
+    live = sc.LiveFrames([sc.frame_text(i, t) for i, t in enumerate(texts)], fps=200.0)
+    run = asyncio.run(sc.run_frame_diff(live, SimpleNamespace(min_gap_s=0.0)))
+    assert [s for _, s in run.timeline.scores] == [0.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+    assert [u for _, u in run.timeline.said] == ["frame 2 | b", "frame 4 | c"]
+    live = sc.LiveFrames([sc.frame_text(i, t) for i, t in enumerate(texts)], fps=200.0)
+    run = asyncio.run(sc.run_frame_diff(live, SimpleNamespace(min_gap_s=60.0)))
+    assert len(run.timeline.said) == 1  # the second change came within the gap
+    still, moved = np.zeros((4, 4, 3), np.uint8), np.ones((4, 4, 3), np.uint8)
+    groups = [Frames([still, still], 0.0), Frames([still, still], 1.0), Frames([still, moved], 2.0),
+              Frames([moved, moved], 3.0), Frames([still, still], 4.0)]
+    run = asyncio.run(sc.run_frame_diff(sc.LiveFrames(groups, fps=200.0), SimpleNamespace(min_gap_s=0.0)))
+    assert [s for _, s in run.timeline.scores] == [0.0, 0.0, 1.0, 0.0, 1.0]
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     from cothink.eval.models import build_tiny_model
@@ -161,12 +185,15 @@ def test_quick_run_and_replay(tiny, tmp_path):
     assert (out / "report.md").exists() and (out / "stream_commentary.png").stat().st_size > 1000
     results = harness.read_results(out / "results.json", sc.CommentaryConfig, sc.CommentaryRow)
     ticks = results.config.ticks
-    assert len(results.rows) == 3 * ticks and raw["config"]["machine"]["torch"]
+    assert len(results.rows) == len(sc.METHODS) * ticks and raw["config"]["machine"]["torch"]
     by = {m: [r for r in results.rows if r.method == m] for m in sc.METHODS}
     assert sum(r.forward_passes for r in by["stream-agent"]) > 0
     assert sum(r.tokens_encoded for r in by["turn-based"]) > 0
     fixed = by["fixed-interval"]
     assert sum(r.forward_passes for r in fixed) == 0 and any(r.spoke for r in fixed)
+    diff = by["frame-diff"]  # a procedural scene changes only at its events
+    assert sum(r.forward_passes for r in diff) == 0
+    assert {r.tick for r in diff if r.p_speak == 1.0} <= {r.tick for r in diff if r.events}
     for m, entry in raw["summary"].items():
         assert entry["ticks"] == ticks and entry["events"] == sum(bool(r.events) for r in by[m])
     # the saved stream replays: the same frames and truth, through --stream

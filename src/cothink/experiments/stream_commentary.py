@@ -23,6 +23,10 @@ Methods, on the same streams:
   the speak score); on yes (and ``--min-gap`` since the last utterance) it writes a sentence there.
 - `fixed-interval`: model-free, speaks every ``--interval`` seconds (score 1 at those ticks, else 0);
   its utterance is the newest frame's text (pixels: which frames).
+- `frame-diff`: model-free change detector: score 1 for a frame that differs from the one before it (a
+  text frame's content, its index line left out; a frame group's pixels, the previous group's last frame
+  included), else 0; it speaks on a change (and ``--min-gap``). What a score that moves with any change
+  in the input reaches: the ceiling a model's AUC must beat to show judgement rather than change.
 
 Metric (per method, ticks pooled over streams): timing ROC-AUC of the per-tick speak score against the
 label "an event happened within the last ``--window`` seconds" (W; ties count one half, so a constant
@@ -45,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from cothink.errors import InvalidParameterError
 from cothink.experiments import harness
 from cothink.experiments.harness import ExperimentConfig, Results, Row
@@ -59,7 +65,7 @@ from cothink.experiments.streams import (
 
 NAME = "stream-commentary"
 log = logging.getLogger("cothink.experiments.stream_commentary")
-METHODS = ("stream-agent", "turn-based", "fixed-interval")
+METHODS = ("stream-agent", "turn-based", "fixed-interval", "frame-diff")
 MODEL_METHODS = ("stream-agent", "turn-based")
 SYSTEM = "You comment on a live stream. Be brief and concrete."
 TASKS = {
@@ -363,6 +369,32 @@ async def run_fixed_interval(live: LiveFrames, config: CommentaryConfig) -> Meth
     return MethodRun(tl, live.handed, 0, 0, 0)
 
 
+def _content(frame: Any) -> list[Any]:
+    """What a frame shows, in order: a text frame without its index line, or a frame group's pixels."""
+    if isinstance(frame, str):
+        return [frame.split("\n", 1)[-1]]
+    return [np.asarray(f) for f in frame.frames]
+
+
+def _changed(before: list[Any], now: list[Any]) -> bool:
+    """Whether anything differs from the previous frame's last content through this frame's."""
+    seq = [before[-1], *now]
+    return any(not np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(seq, seq[1:]))
+
+
+async def run_frame_diff(live: LiveFrames, config: CommentaryConfig) -> MethodRun:
+    tl, before, last_said = live.timeline, None, -math.inf
+    async for frame in live:
+        now, content = live.now(), _content(frame)
+        changed = before is not None and _changed(before, content)
+        tl.scores.append((now, float(changed)))
+        if changed and now - last_said >= config.min_gap_s:
+            tl.said.append((now, frame_label(frame)))
+            last_said = now
+        before = content
+    return MethodRun(tl, live.handed, 0, 0, 0)
+
+
 async def run_method(handle: Any, stream: Stream, method: str, config: CommentaryConfig) -> MethodRun:
     task = TASKS.get(stream.source, TASKS["procedural"])
     if config.frames == "pixels":
@@ -370,6 +402,8 @@ async def run_method(handle: Any, stream: Stream, method: str, config: Commentar
     patch = temporal_patch(handle)
     if method == "fixed-interval":
         return await run_fixed_interval(live_frames(stream, config, patch), config)
+    if method == "frame-diff":
+        return await run_frame_diff(live_frames(stream, config, patch), config)
     engine = handle.engine(kv_tokens=16384)
     passes = [0]
     async with engine:
@@ -629,7 +663,7 @@ def run(args: argparse.Namespace) -> int:
 
 EXPERIMENT = harness.Experiment(
     name=NAME,
-    help="stream commentary: when to speak about a live stream (stream agent vs turn-based vs fixed)",
+    help="stream commentary: when to speak about a live stream (stream agent vs baselines)",
     description=__doc__.split("\n\n")[0] if __doc__ else "",
     configure=configure,
     run=run,
