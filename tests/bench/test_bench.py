@@ -260,6 +260,21 @@ def test_compile_probe_quick(tiny_folder, tmp_path, capsys):
     assert row["same_tokens"] is True
 
 
+def test_interactive_steps_smoke(tiny_folder, tmp_path, capsys):
+    """bench/interactive_steps.py on a tiny model: both runs, the steps that carried the interactive
+    token split by path, the gaps between steps and the p99 ratio line."""
+    bench = _load("interactive_steps")
+    argv = ["--model", str(tiny_folder), "--out", str(tmp_path), "--background", "2", "--tokens", "12"]
+    assert bench.main(argv) == 0
+    data = json.loads((tmp_path / "interactive_steps.json").read_text())
+    alone, loaded = data["runs"]
+    assert alone["background"] == 0 and loaded["background"] == 2
+    assert alone["gaps"]["n"] == 11 and alone["tokens_per_step"] == 1.0
+    assert sum(d["n"] for d in loaded["by_path"].values()) == loaded["steps"]["n"] >= 12
+    assert loaded["tokens_per_step"] > 1.0  # background tokens rode with the interactive ones
+    assert "inter-token p99 with 2 background / alone" in capsys.readouterr().out
+
+
 def test_vision_smoke(tmp_path, capsys):
     """bench/vision.py on its tiny random multimodal model: the tower table and the three decode runs."""
     bench = _load("vision")
