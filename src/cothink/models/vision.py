@@ -159,10 +159,8 @@ class VisionAttention(nn.Module):
         frame: whole frames of a grid in one batched call, the rows of a cut frame in one call."""
         q, k, v = qkv.unbind(1)
         out = []
-        for a, b, first, length in _frame_pieces(frames, r0, r1):
-            n = (b - a) // length if a == first and b - a >= length else 1  # whole frames, or rows of one
+        for a, b, keys, n in _frame_pieces(frames, r0, r1):
             shape = (n, -1, self.num_heads, self.head_dim)
-            keys = slice(first, first + n * length)
             o = F.scaled_dot_product_attention(  # [n, heads, rows per frame, D]
                 q[a:b].reshape(shape).transpose(1, 2),
                 k[keys].reshape(shape).transpose(1, 2),
@@ -172,19 +170,24 @@ class VisionAttention(nn.Module):
         return torch.cat(out)
 
 
-def _frame_pieces(frames: Sequence[tuple[int, int]], r0: int, r1: int) -> Iterator[tuple[int, int, int, int]]:
-    """Rows r0..r1 as pieces (a, b, first, length): rows a..b read the frame(s) from row `first`, each
-    `length` rows; a piece is either whole frames (a == first, b - a a multiple of length) or the rows
-    of one frame."""
+def _frame_pieces(
+    frames: Sequence[tuple[int, int]], r0: int, r1: int
+) -> Iterator[tuple[int, int, slice, int]]:
+    """Rows r0..r1 as pieces (a, b, keys, n): rows a..b read the key rows `keys`, n frames of them;
+    a piece is either n whole frames (keys = a..b) or some rows of one frame (n = 1)."""
     start = 0
     for count, length in frames:  # (count, length) runs of equal-length frames
         end = start + count * length
         a, b = max(r0, start), min(r1, end)
         while a < b:
-            first = start + (a - start) // length * length
+            first = start + (a - start) // length * length  # the frame row a is in
             whole = (b - first) // length if a == first else 0
-            cut = first + whole * length if whole else min(b, first + length)
-            yield a, cut, first, length
+            if whole:
+                cut = first + whole * length
+                yield a, cut, slice(first, cut), whole
+            else:
+                cut = min(b, first + length)
+                yield a, cut, slice(first, first + length), 1
             a = cut
         start = end
 

@@ -70,12 +70,12 @@ class SchedulerConfig:
     background_min_tokens: int = 16
     interactive_step_tokens: int = 4  # step size cap while an interactive generation decodes
     # Vision tower work one step may run: patches x blocks of the image or frame group being encoded
-    # (at least one row of a block's phase). The default is about one default max_prefill_chunk (128
-    # tokens) of text prefill on a small decoder: the released Qwen3.5 tower (27 blocks, hidden 1152) runs a
-    # patch-block in ~0.23 ms fp32 on two CPU threads (a 640 x 480 image, 1200 patches x 27 blocks, in
-    # 7.3 s), so 2048 patch-blocks take ~0.46 s, about a 128-token chunk of the embedded SmolLM2-135M
-    # there (300-450 tokens/s); in FLOPs (~35 MFLOPs a patch-block, 2 x parameters a text token) it
-    # is the chunk of a ~0.3B decoder. That image then takes about 16 steps.
+    # (at least one row of a block's phase). The default is about one default max_prefill_chunk
+    # (128 tokens) of text prefill on a small decoder: the released Qwen3.5 tower (27 blocks, hidden
+    # 1152) runs a patch-block in ~0.23 ms fp32 on two CPU threads (a 640 x 480 image, 1200 patches x
+    # 27 blocks, in 7.3 s), so 2048 patch-blocks take ~0.46 s, about a 128-token chunk of the embedded
+    # SmolLM2-135M there (300-450 tokens/s); in FLOPs (~35 MFLOPs a patch-block, 2 x parameters a text
+    # token) it is the chunk of a ~0.3B decoder. That image then takes about 16 steps.
     vision_step_patch_blocks: int = 2048
 
     def __post_init__(self) -> None:

@@ -408,9 +408,7 @@ class FileJournal(Journal):
         if entry is None or session.id not in self.files:
             return
         tracked = self.tracked.get(entry.block.id)
-        record = {"t": "work", "co": co.id, "kind": co.kind, "block": co.block, "view": co.view,
-                  "name": co.name, "params": params}
-        self._write(session.id, [*self._diff(tracked), record])
+        self._write(session.id, [*self._diff(tracked), _work_record(co, params)])
         self._advance(tracked)
         if tracked is not None and tracked.writer is None:  # else the engine refuses this one (busy)
             tracked.writer = co.id
@@ -578,9 +576,9 @@ class FileJournal(Journal):
         2. The snapshot file is written (a worker thread) and fsynced; meanwhile records go on being
            appended to the old journal, after `mark`.
         3. Again with no await: a new journal (`session`, `base` naming the snapshot and its blocks,
-           the finished generations' `work` and `end` records, the running writers' `work` records,
-           then the old journal's records after `mark`, copied
-           as they are) is written beside the old one, fsynced, and renamed over it. A crash at any
+           the coroutines' records (`_coroutine_records`), then the old journal's records after
+           `mark`, copied as they are) is written beside the old one, fsynced, and renamed over it
+           (`_replace`). A crash at any
            point leaves either the old journal or the new one, both complete; a snapshot no journal
            names is deleted at the next start.
         """
@@ -595,22 +593,7 @@ class FileJournal(Journal):
         entries = [e for e in session.blocks.values() if not e.block.freed]
         base = {"t": "base", "snapshot": f"{session.id}.{secrets.token_hex(6)}{SNAPSHOT_SUFFIX}",
                 "blocks": [{"id": e.id, "name": e.name, "created": e.created} for e in entries]}
-        works = [  # what running writers wrote before the snapshot: in it, and theirs
-            {"t": "work", "co": co.id, "kind": co.kind, "block": co.block, "view": co.view, "name": co.name,
-             "params": None, "tokens": self._written(session, co)}
-            for co in session.running()
-            if co.id in self.started
-        ]
-        finished = [  # finished generations: listed after a restart, as an uncompacted journal lists them
-            record
-            for co in session.coroutines.values()
-            if co.kind == "generate" and not co.running and co.block is not None
-            for record in (
-                {"t": "work", "co": co.id, "kind": co.kind, "block": co.block, "view": co.view,
-                 "name": co.name, "params": None, "tokens": list(co.token_ids)},
-                {"t": "end", "co": co.id, "finish": co.finish_reason or co.status},
-            )
-        ]
+        coroutines = self._coroutine_records(session)
         mark = file.end
         snapshot = self.directory / base["snapshot"]
         try:
@@ -626,8 +609,35 @@ class FileJournal(Journal):
             with contextlib.suppress(OSError):
                 snapshot.unlink()
             return
+        replacement = self._replace(file, [self.heads[session.id], base, *coroutines], mark, snapshot)
+        self.files[session.id] = replacement
+        file.close()
+        old = self.bases.get(session.id)
+        self.bases[session.id] = base["snapshot"]
+        if old is not None:
+            with contextlib.suppress(OSError):
+                (self.directory / old).unlink()
+        log.info("session %s: journal compacted from %d to %d bytes", session.id, mark, replacement.end)
+
+    def _coroutine_records(self, session: Session) -> list[dict[str, Any]]:
+        """A compacted journal's coroutines: the finished generations' `work` and `end` (listed after a
+        restart, as an uncompacted journal lists them), then the running writers' `work` with what
+        they wrote before the snapshot (in it, and theirs)."""
+        records = []
+        for co in session.coroutines.values():
+            if co.kind == "generate" and not co.running and co.block is not None:
+                records += [_work_record(co, None, list(co.token_ids)),
+                            {"t": "end", "co": co.id, "finish": co.finish_reason or co.status}]
+        records += [_work_record(co, None, self._written(session, co))
+                    for co in session.running() if co.id in self.started]
+        return records
+
+    def _replace(
+        self, file: JournalFile, head: list[dict[str, Any]], mark: int, snapshot: Path
+    ) -> JournalFile:
+        """Write `head` and the old journal's records after `mark` beside it, fsynced, and rename the
+        result over it; on a failure both the new file and `snapshot` are removed."""
         tail = os.pread(file.fd, file.end - mark, mark) if file.end > mark else b""
-        head = [self.heads[session.id], base, *finished, *works]
         fresh = file.path.with_name(file.path.name + ".next")
         with contextlib.suppress(OSError):
             fresh.unlink()
@@ -644,14 +654,7 @@ class FileJournal(Journal):
             with contextlib.suppress(OSError):
                 snapshot.unlink()
             raise
-        self.files[session.id] = replacement
-        file.close()
-        old = self.bases.get(session.id)
-        self.bases[session.id] = base["snapshot"]
-        if old is not None:
-            with contextlib.suppress(OSError):
-                (self.directory / old).unlink()
-        log.info("session %s: journal compacted from %d to %d bytes", session.id, mark, replacement.end)
+        return replacement
 
     def close(self) -> None:
         if self.engine is not None and self._on_step in self.engine.step_listeners:
@@ -659,6 +662,16 @@ class FileJournal(Journal):
         for file in self.files.values():
             file.close()
         self.files.clear()
+
+
+def _work_record(co: CoroutineEntry, params: dict[str, Any] | None,
+                 tokens: list[int] | None = None) -> dict[str, Any]:
+    """A coroutine's `work` record; `tokens`: what it wrote before a compaction's snapshot."""
+    record = {"t": "work", "co": co.id, "kind": co.kind, "block": co.block, "view": co.view,
+              "name": co.name, "params": params}
+    if tokens is not None:
+        record["tokens"] = tokens
+    return record
 
 
 def _fsync_path(path: Path) -> None:

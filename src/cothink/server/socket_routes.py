@@ -22,6 +22,7 @@ router = APIRouter(prefix="/v1/sessions", tags=["sessions"])
 log = logging.getLogger("cothink.server")
 
 _WS_MESSAGE = TypeAdapter(WsMessage)
+_WS_TYPES = ("generate", "extend", "probe", "cancel")
 MAX_WS_DEPTH = 512  # arrays and objects nested deeper are refused before parsing (code too_deep)
 _JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')  # a string (skipped) or a bracket
 
@@ -39,7 +40,6 @@ def nesting_depth(raw: str) -> int:
         elif c == "]" or c == "}":
             depth -= 1
     return deepest
-_WS_TYPES = ("generate", "extend", "probe", "cancel")
 
 
 def ws_validation_error(exc: ValidationError) -> APIError:
@@ -118,16 +118,18 @@ class _SessionSocket:
             err = APIError(413, f"message exceeds {limit} bytes", code="body_too_large")
             await self.send({"type": "error", **err.body()}, None)
             return None
+        deep = raw.count("[") + raw.count("{") > MAX_WS_DEPTH and nesting_depth(raw) > MAX_WS_DEPTH
         try:  # json.loads, as for HTTP bodies: a lone surrogate escape is then a 400 naming its field
-            if raw.count("[") + raw.count("{") > MAX_WS_DEPTH and nesting_depth(raw) > MAX_WS_DEPTH:
-                raise RecursionError
-            return _WS_MESSAGE.validate_python(json.loads(raw))
+            if not deep:
+                return _WS_MESSAGE.validate_python(json.loads(raw))
         except json.JSONDecodeError:
             err = APIError(400, "the message is not valid JSON", code="invalid_json")
             await self.send({"type": "error", **err.body()}, None)
         except ValidationError as exc:
             await self.send({"type": "error", **ws_validation_error(exc).body()}, None)
-        except RecursionError:  # arrays or objects nested too deep; the socket stays open
+        except RecursionError:  # a safety net: the scan refuses such messages first
+            deep = True
+        if deep:  # arrays or objects nested too deep; the socket stays open
             log.warning("refused a WebSocket message nested too deep", extra={"session": self.session.id})
             err = APIError(400, "the message nests arrays or objects too deep", code="too_deep")
             await self.send({"type": "error", **err.body()}, None)
