@@ -103,26 +103,26 @@ def tiny_hybrid(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "hybrid", hybrid=True, seed=3)
 
 
-def test_quick_run_rows_and_mid_generation_insertion(tiny_hybrid, tmp_path):
-    shards = [
-        m5.Shard(
-            unique_id="t/1",
-            partial="A box holds $x$ apples. How many apples are in 2 boxes?",
-            supplement="Let $x = 3$.",
-            answer="6",
-        ),
-        m5.Shard(unique_id="t/2", partial="What is $f(3)$?", supplement="If $f(x) = 2x + 1$.", answer="7"),
-    ]
-    shards_file = m5.write_shards(tmp_path / "shards.jsonl", shards)
+TWO_SHARDS = [
+    m5.Shard(
+        unique_id="t/1",
+        partial="A box holds $x$ apples. How many apples are in 2 boxes?",
+        supplement="Let $x = 3$.",
+        answer="6",
+    ),
+    m5.Shard(unique_id="t/2", partial="What is $f(3)$?", supplement="If $f(x) = 2x + 1$.", answer="7"),
+]
+
+
+def _quick_args(model: Path, shards_file: Path, out: Path, *extra: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     harness.add_parser(parser.add_subparsers(dest="command"))
-    out = tmp_path / "out"
-    args = parser.parse_args(
+    return parser.parse_args(
         [
             "experiment",
             "math500-sharded",
             "--model",
-            str(tiny_hybrid),
+            str(model),
             "--shards",
             str(shards_file),
             "--quick",
@@ -135,8 +135,15 @@ def test_quick_run_rows_and_mid_generation_insertion(tiny_hybrid, tmp_path):
             "--out",
             str(out),
             "--no-progress",
+            *extra,
         ]
     )
+
+
+def test_quick_run_rows_and_mid_generation_insertion(tiny_hybrid, tmp_path):
+    shards_file = m5.write_shards(tmp_path / "shards.jsonl", TWO_SHARDS)
+    out = tmp_path / "out"
+    args = _quick_args(tiny_hybrid, shards_file, out)
     assert args.func(args) == 0
     results = harness.read_results(out / "results.json", m5.MathConfig, m5.MathRow)
     raw = json.loads((out / "results.json").read_text())
@@ -186,3 +193,45 @@ def test_write_shards_flag_saves_the_builtin_split(tmp_path):
     assert args.func(args) == 0
     expected, _ = m5.build_shards(m5.load_problems(DATA))
     assert m5.read_shards(out) == expected
+
+
+def test_resume_keeps_finished_problems_and_runs_the_rest(tiny_hybrid, tmp_path):
+    shards_file = m5.write_shards(tmp_path / "shards.jsonl", TWO_SHARDS)
+    out = tmp_path / "out"
+    first = _quick_args(tiny_hybrid, shards_file, out, "--limit", "1")
+    assert first.func(first) == 0
+    saved = harness.read_results(out / "results.json", m5.MathConfig, m5.MathRow)
+    assert {r.unique_id for r in saved.rows} == {"t/1"}
+
+    more = _quick_args(tiny_hybrid, shards_file, out, "--limit", "2", "--resume")
+    assert more.func(more) == 0
+    resumed = harness.read_results(out / "results.json", m5.MathConfig, m5.MathRow)
+    assert [r for r in resumed.rows if r.unique_id == "t/1"] == saved.rows  # kept as saved, not rerun
+    assert len([r for r in resumed.rows if r.unique_id == "t/2"]) == len(m5.cases(resumed.config))
+    assert [p.units for p in resumed.config.earlier_parts] == [1]
+    assert resumed.config.earlier_parts[0].started_at == saved.config.started_at
+    assert resumed.config.problems == 2
+    assert "resumed run" in (out / "report.md").read_text()
+
+    # a problem cut off mid-way (one of its rows missing) is run again, whole
+    raw = json.loads((out / "results.json").read_text())
+    raw["rows"] = [r for r in raw["rows"] if not (r["unique_id"] == "t/2" and r["condition"] == "full")]
+    (out / "results.json").write_text(json.dumps(raw))
+    again = _quick_args(tiny_hybrid, shards_file, out, "--limit", "2", "--resume")
+    assert again.func(again) == 0
+    final = harness.read_results(out / "results.json", m5.MathConfig, m5.MathRow)
+    assert len(final.rows) == 2 * len(m5.cases(final.config))
+    assert [p.units for p in final.config.earlier_parts] == [1, 0]
+    assert [r for r in final.rows if r.unique_id == "t/1"] == saved.rows
+
+
+def test_resume_refuses_a_run_with_other_settings(tiny_hybrid, tmp_path):
+    shards_file = m5.write_shards(tmp_path / "shards.jsonl", TWO_SHARDS)
+    out = tmp_path / "out"
+    first = _quick_args(tiny_hybrid, shards_file, out, "--limit", "1")
+    assert first.func(first) == 0
+    before = (out / "results.json").read_text()
+    other = _quick_args(tiny_hybrid, shards_file, out, "--resume", "--step-tokens", "5")
+    with pytest.raises(harness.ResumeMismatchError, match="step_tokens"):
+        other.func(other)
+    assert (out / "results.json").read_text() == before  # nothing lost

@@ -86,8 +86,19 @@ def optional_import(module: str, needed_by: str) -> ModuleType:
 # ------------------------------------------------------------------------------------------ records
 
 
+class RunPart(BaseModel):
+    """An earlier invocation of a run that was continued with ``--resume``: where, when and how long it
+    ran, and how many units (problems, episodes) it finished."""
+
+    machine: dict[str, Any]
+    started_at: str
+    wall_s: float
+    units: int
+
+
 class ExperimentConfig(BaseModel):
-    """Knobs shared by every experiment; subclasses add their own fields."""
+    """Knobs shared by every experiment; subclasses add their own fields. ``machine``, ``started_at`` and
+    ``wall_s`` describe the latest invocation; a resumed run lists the ones before it in ``earlier_parts``."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -103,6 +114,7 @@ class ExperimentConfig(BaseModel):
     machine: dict[str, Any] = {}
     started_at: str = ""
     wall_s: float = 0.0
+    earlier_parts: list[RunPart] = []
 
 
 class Row(BaseModel):
@@ -133,6 +145,62 @@ def write_results(out: Path, results: Results[Any, Any]) -> Path:
 def read_results(path: Path, config_type: type[ConfigT], row_type: type[RowT]) -> Results[ConfigT, RowT]:
     """Parse a results.json back into typed records (raises pydantic.ValidationError on a bad file)."""
     return Results[config_type, row_type].model_validate_json(Path(path).read_text())  # type: ignore[valid-type]
+
+
+class ResumeMismatchError(CothinkError, ValueError):
+    """``--resume`` found a saved run whose settings differ from this invocation's in a field that changes
+    the results."""
+
+
+def resume(
+    out: Path,
+    config: ConfigT,
+    row_type: type[RowT],
+    *,
+    unit: Callable[[RowT], str],
+    rows_per_unit: int,
+    same: Sequence[str],
+) -> list[RowT]:
+    """Continue the run saved in ``out/results.json``: the rows of its finished units (a unit, named by
+    ``unit(row)``, is finished when it has ``rows_per_unit`` rows; a unit cut off mid-way is run again),
+    and ``config.earlier_parts`` extended with the saved invocation. No saved run: no rows.
+
+    Raises :class:`ResumeMismatchError` when a field named in ``same`` (those that change what a row
+    measures: model, dtype, budgets...) differs; speed settings (concurrency, threads) may change."""
+    path = out / "results.json"
+    if not path.exists():
+        return []
+    saved = read_results(path, type(config), row_type)
+    differ = [f for f in same if getattr(saved.config, f) != getattr(config, f)]
+    if differ:
+        detail = ", ".join(f"{f}: saved {getattr(saved.config, f)!r}, now {getattr(config, f)!r}" for f in differ)
+        raise ResumeMismatchError(f"cannot resume {path}: {detail}")
+    per_unit: dict[str, list[RowT]] = {}
+    for row in saved.rows:
+        per_unit.setdefault(unit(row), []).append(row)
+    finished = {u for u, rows in per_unit.items() if len(rows) == rows_per_unit}
+    before = sum(part.units for part in saved.config.earlier_parts)
+    config.earlier_parts = [
+        *saved.config.earlier_parts,
+        RunPart(
+            machine=saved.config.machine,
+            started_at=saved.config.started_at,
+            wall_s=saved.config.wall_s,
+            units=len(finished) - before,
+        ),
+    ]
+    return [r for r in saved.rows if unit(r) in finished]
+
+
+def parts_line(config: ExperimentConfig, unit_name: str) -> str:
+    """A report's account of a resumed run's invocations (empty for a run made in one go)."""
+    if not config.earlier_parts:
+        return ""
+    parts = [
+        f"{p.units} {unit_name} in {p.wall_s / 60:.0f} min from {p.started_at} ({machine_line(p.machine)})"
+        for p in config.earlier_parts
+    ]
+    return f"- resumed run; earlier invocations: {'; '.join(parts)}; the latest is the machine line above"
 
 
 def begin(config: ExperimentConfig) -> float:

@@ -667,6 +667,7 @@ def report(results: Results[MathConfig, MathRow], plot_name: str = "math500_shar
         f"- machine: {harness.machine_line(cfg.machine)}, "
         f"{cfg.machine.get('torch_threads', '?')} torch threads; "
         f"run took {cfg.wall_s / 60:.1f} min, started {cfg.started_at}",
+        *filter(None, [harness.parts_line(cfg, "problems")]),
         f"- insertions mid-generation at exactly step k: {on_time} of {len(mid)} insert rows with k > 0 "
         "(the rest: the thinker finished before step k; the supplement came after)",
         f"- answers from the answer cue (no \\boxed in the thinking): {cued} of {len(results.rows)} rows",
@@ -792,6 +793,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=256, help="engine step token budget (default 256)")
     p.add_argument("--save-every", type=int, default=5, help="write partial results every N problems")
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run saved in OUT: keep its finished problems, run the rest (its result-changing "
+        "settings must match; concurrency and threads may differ)",
+    )
+    p.add_argument(
         "--render-only",
         action="store_true",
         help="rewrite report.md and the plot from the existing OUT/results.json and exit",
@@ -843,6 +850,7 @@ def run(args: argparse.Namespace) -> int:
         args.steps = [k for k in args.steps if k <= 2] or [0]
     shards, full_text, skipped = select(args)
     cfg = _config(args, shards, skipped)
+    kept = _resumed_rows(Path(args.out), cfg, shards) if args.resume else []
     handle = harness.load_model(args.model, args.dtype)
     cfg.model_description = handle.description
     cfg.machine = harness.machine_info()
@@ -852,10 +860,13 @@ def run(args: argparse.Namespace) -> int:
         Path(args.out),
         shards,
         console,
+        kept=kept,
         save_every=args.save_every,
         show_progress=args.progress if args.progress is not None else console.is_terminal,
     )
-    rows = asyncio.run(_run_on_engine(handle, args, shards, full_text, writer))
+    done = {r.unique_id for r in kept}
+    todo = [s for s in shards if s.unique_id not in done]
+    rows = asyncio.run(_run_on_engine(handle, args, todo, full_text, writer))
     results = writer.save(rows, final=True)
     console.print(
         f"{NAME}: {len(shards)} problems, {len(rows)} rows in {cfg.wall_s:.0f}s -> {writer.out}/results.json"
@@ -863,6 +874,30 @@ def run(args: argparse.Namespace) -> int:
     for c, by in results.summary.items():
         console.print(f"  {c:8s} " + "  ".join(f"k={k}: {v:.2f}" for k, v in by.items()))
     return 0
+
+
+# the config fields that change what a row measures: a resumed run must keep them
+RESULT_FIELDS = (
+    "model",
+    "dtype",
+    "seed",
+    "quick",
+    "max_tokens",
+    "shards_file",
+    "steps",
+    "conditions",
+    "step_tokens",
+    "answer_tokens",
+)
+
+
+def _resumed_rows(out: Path, cfg: MathConfig, shards: Sequence[Shard]) -> list[MathRow]:
+    """The saved rows of the problems a resumed run has finished, among those selected now."""
+    rows = harness.resume(
+        out, cfg, MathRow, unit=lambda r: r.unique_id, rows_per_unit=len(cases(cfg)), same=RESULT_FIELDS
+    )
+    selected = {s.unique_id for s in shards}
+    return [r for r in rows if r.unique_id in selected]
 
 
 def _render_only(out: Path, console: Any) -> int:
@@ -919,10 +954,12 @@ class _ResultsWriter:
         shards: Sequence[Shard],
         console: Any,
         *,
+        kept: Sequence[MathRow] = (),
         save_every: int,
         show_progress: bool,
     ):
         self.cfg, self.out, self.console = cfg, out, console
+        self.kept = list(kept)  # rows of the problems a resumed run had finished before
         self.save_every, self.show_progress = save_every, show_progress
         self.total = len(shards)
         # rows in a stable order (problem, then case), whatever order the cases finished in
@@ -932,7 +969,7 @@ class _ResultsWriter:
 
     def save(self, rows: list[MathRow], final: bool) -> Results[MathConfig, MathRow]:
         cfg = self.cfg
-        rows = sorted(rows, key=lambda r: (self.order[r.unique_id], self.case_order[(r.condition, r.k)]))
+        rows = sorted([*self.kept, *rows], key=lambda r: (self.order[r.unique_id], self.case_order[(r.condition, r.k)]))
         cfg.wall_s = round(time.perf_counter() - self.t0, 1)
         cfg.problems = len({r.unique_id for r in rows}) if not final else self.total
         results = Results[MathConfig, MathRow](config=cfg, rows=rows, summary=summarize(rows))
@@ -942,7 +979,7 @@ class _ResultsWriter:
         return results
 
     def on_problem(self, rows: list[MathRow]) -> None:
-        n = len({r.unique_id for r in rows})
+        n = len({r.unique_id for r in [*self.kept, *rows]})
         if not self.show_progress:
             self.console.print(
                 f"{NAME}: {n}/{self.total} problems done, {time.perf_counter() - self.t0:.0f}s"
