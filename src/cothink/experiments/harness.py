@@ -173,7 +173,9 @@ def resume(
     saved = read_results(path, type(config), row_type)
     differ = [f for f in same if getattr(saved.config, f) != getattr(config, f)]
     if differ:
-        detail = ", ".join(f"{f}: saved {getattr(saved.config, f)!r}, now {getattr(config, f)!r}" for f in differ)
+        detail = ", ".join(
+            f"{f}: saved {getattr(saved.config, f)!r}, now {getattr(config, f)!r}" for f in differ
+        )
         raise ResumeMismatchError(f"cannot resume {path}: {detail}")
     per_unit: dict[str, list[RowT]] = {}
     for row in saved.rows:

@@ -969,7 +969,9 @@ class _ResultsWriter:
 
     def save(self, rows: list[MathRow], final: bool) -> Results[MathConfig, MathRow]:
         cfg = self.cfg
-        rows = sorted([*self.kept, *rows], key=lambda r: (self.order[r.unique_id], self.case_order[(r.condition, r.k)]))
+        rows = sorted(
+            [*self.kept, *rows], key=lambda r: (self.order[r.unique_id], self.case_order[(r.condition, r.k)])
+        )
         cfg.wall_s = round(time.perf_counter() - self.t0, 1)
         cfg.problems = len({r.unique_id for r in rows}) if not final else self.total
         results = Results[MathConfig, MathRow](config=cfg, rows=rows, summary=summarize(rows))
