@@ -75,7 +75,7 @@ def test_interactive_class_before_background():
     works = _numbered(Fake("bg-decode", BACKGROUND, decode=True), Fake("bg-pre", BACKGROUND, wanted=50),
                       Fake("int-pre", INTERACTIVE, wanted=50), Fake("int-decode", INTERACTIVE, decode=True))
     plan = _plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16,
-                 interactive_step_tokens=256)
+                 interactive_step_tokens=256, interactive_background_chunk=128)
     assert [name for name, _ in plan] == ["int-decode", "int-pre", "bg-decode", "bg-pre"]
     assert dict(plan) == {"int-decode": 1, "int-pre": 50, "bg-decode": 1, "bg-pre": 50}
 
@@ -86,10 +86,10 @@ def test_background_shrinks_while_an_interactive_generation_decodes():
     works = _numbered(Fake("int-decode", INTERACTIVE, decode=True), Fake("bg-pre", BACKGROUND, wanted=500),
                       Fake("bg-pre2", BACKGROUND, wanted=500))
     plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16,
-                      interactive_step_tokens=32))
+                      interactive_step_tokens=32, interactive_background_chunk=128))
     assert plan == {"int-decode": 1, "bg-pre": 31} and sum(plan.values()) == 32
     plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=24,
-                      interactive_step_tokens=8))
+                      interactive_step_tokens=8, interactive_background_chunk=128))
     assert plan == {"int-decode": 1, "bg-pre": 7}, "the cap holds the background reserve too"
     plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16,
                       interactive_step_tokens=1))
@@ -97,11 +97,28 @@ def test_background_shrinks_while_an_interactive_generation_decodes():
     # an interactive prefill (a probe) is not capped: only background work shrinks
     works.append(Fake("int-pre", INTERACTIVE, wanted=100, seq=9))
     plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16,
-                      interactive_step_tokens=32))
+                      interactive_step_tokens=32, interactive_background_chunk=128))
     assert plan["int-pre"] == 100 and plan["bg-pre"] == 16
     # without an interactive decoder, background prefill uses the whole budget
     plan = dict(_plan(works[1:3], max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16))
     assert plan == {"bg-pre": 128, "bg-pre2": 128}
+
+
+def test_background_prefill_comes_in_single_tokens_while_an_interactive_generation_decodes():
+    """By default a background prefill chunk is one token while an interactive generation decodes, so
+    every item of such a step is a single token (the fused decode path's shape); the cap on the step
+    still holds, and without an interactive decoder chunks are whole again."""
+    works = _numbered(Fake("int-decode", INTERACTIVE, decode=True), Fake("bg-pre", BACKGROUND, wanted=500),
+                      Fake("bg-pre2", BACKGROUND, wanted=500), Fake("bg-pre3", BACKGROUND, wanted=500),
+                      Fake("bg-pre4", BACKGROUND, wanted=500))
+    plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16))
+    assert set(plan.values()) == {1} and sum(plan.values()) == SchedulerConfig().interactive_step_tokens
+    plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, interactive_background_chunk=2))
+    assert plan == {"int-decode": 1, "bg-pre": 2, "bg-pre2": 1}
+    plan = dict(_plan(works[1:], max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16))
+    assert plan == {"bg-pre": 128, "bg-pre2": 128}
+    with pytest.raises(ValueError, match="interactive_background_chunk"):
+        SchedulerConfig(interactive_background_chunk=0)
 
 
 def test_encode_budget_shrinks_like_background_prefill():
@@ -299,9 +316,12 @@ async def test_probe_within_bound_behind_4k_background_prefill(decoders):
     assert at["finish", "probe"] == probe_steps[-1]
     # while the probe was served, the background prefill kept progressing by its reserve:
     # background_min_tokens, or while interactive generations decode, what the step cap leaves
-    # (interactive_step_tokens - 1, default 3; at least one token)
+    # (interactive_step_tokens - 1, default 3; at least one token) in chunks of at most
+    # interactive_background_chunk tokens (default 1)
+    default = SchedulerConfig()
     reserve = LIMITS["background_min_tokens"] if not decoders else min(
-        LIMITS["background_min_tokens"], SchedulerConfig().interactive_step_tokens - 1)
+        LIMITS["background_min_tokens"], default.interactive_step_tokens - 1,
+        default.interactive_background_chunk)
     for i in range(submitted + 1, probe_steps[-1] + 1):
         bg = [it.tokens for it in steps[i].items if it.coroutine == "bg"]
         assert bg and bg[0] >= reserve, (i, steps[i].items)

@@ -11,7 +11,10 @@ Order of service (network flow control in spirit):
 Latency bound: while an interactive generation is decoding, a step carries at most
 `interactive_step_tokens` tokens in all (background work's reserve shrinks to fit, but to no less
 than one token, so background never starves): background prefill chunks and decode tokens wait,
-and each interactive token costs about one small step.
+and each interactive token costs about one small step. In such a step a background prefill chunk
+carries at most `interactive_background_chunk` tokens (default 1): a step whose items are all single
+tokens stays on the native backend's fused decode path, which a multi-token chunk would leave for the
+slower per-module path (bench/interactive_steps.py measures both).
 An interactive item of q tokens, behind d interactive decoders and no other interactive prefill,
 is fully served within ceil(q / min(max_prefill_chunk, max_batch_tokens - background_min_tokens - d))
 steps, however much background work is queued.
@@ -69,6 +72,7 @@ class SchedulerConfig:
     max_prefill_chunk: int = 128
     background_min_tokens: int = 16
     interactive_step_tokens: int = 4  # step size cap while an interactive generation decodes
+    interactive_background_chunk: int = 1  # a background prefill chunk's cap while one decodes
     # Vision tower work one step may run: patches x blocks of the image or frame group being encoded
     # (at least one row of a block's phase). The default is about one default max_prefill_chunk
     # (128 tokens) of text prefill on a small decoder: the released Qwen3.5 tower (27 blocks, hidden
@@ -85,10 +89,9 @@ class SchedulerConfig:
             raise InvalidParameterError(
                 "background_min_tokens must be in [0, max_batch_tokens)", param="background_min_tokens"
             )
-        if self.interactive_step_tokens < 1:
-            raise InvalidParameterError(
-                "interactive_step_tokens must be >= 1", param="interactive_step_tokens"
-            )
+        for name in ("interactive_step_tokens", "interactive_background_chunk"):
+            if getattr(self, name) < 1:
+                raise InvalidParameterError(f"{name} must be >= 1", param=name)
         if self.vision_step_patch_blocks < 1:
             raise InvalidParameterError(
                 "vision_step_patch_blocks must be >= 1", param="vision_step_patch_blocks"
@@ -205,6 +208,8 @@ def plan_step(
         used = cfg.max_batch_tokens - budget
         if work.priority.klass == PriorityClass.BACKGROUND:
             room = min(budget, max(reserve, background_cap - used))
+            if interactive_decode:  # single-token pieces keep the step on the fused decode path
+                room = min(room, cfg.interactive_background_chunk)
         else:
             room = budget - reserve
         n = 1 if work.is_decode else min(work.wanted_tokens(), cfg.max_prefill_chunk, room)
