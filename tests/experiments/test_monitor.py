@@ -285,6 +285,38 @@ def test_replayed_traces_subset_and_truncation(tmp_path):
 RECORDED = Path(__file__).resolve().parents[2] / "docs" / "experiments" / "monitor" / "traces.jsonl"
 
 
+def test_resume_runs_only_the_unfinished_tasks(tiny, tmp_path):
+    """A run cut short (its last two tasks missing) is continued with --resume on the same recorded
+    streams: the finished tasks and their probes are kept as saved, the missing ones run; a changed
+    setting is refused."""
+    parser = argparse.ArgumentParser()
+    harness.add_parser(parser.add_subparsers(dest="command"))
+    out = tmp_path / "out"
+    argv = ["experiment", "monitor", "--model", str(tiny), "--traces", str(RECORDED),
+            "--only", "memory_leak-1", "none-1", "--max-events", "3", "--passes-per-event", "2",
+            "--think-tokens", "4",
+            "--conditions", "focus-on", "rules", "--out", str(out), "--no-progress"]
+    first = parser.parse_args(argv)
+    assert first.func(first) == 0
+    saved = json.loads((out / "results.json").read_text())
+    assert len(saved["rows"]) == 4
+    raw = dict(saved, rows=saved["rows"][:2])
+    (out / "results.json").write_text(json.dumps(raw))
+    again = parser.parse_args([*argv, "--resume"])
+    assert again.func(again) == 0
+    resumed = json.loads((out / "results.json").read_text())
+    assert resumed["rows"][:2] == saved["rows"][:2], "the finished tasks are kept as saved"
+    tasks = [(r["scenario"], r["condition"]) for r in resumed["rows"]]
+    assert tasks == [(r["scenario"], r["condition"]) for r in saved["rows"]]
+    assert [p["units"] for p in resumed["config"]["earlier_parts"]] == [2]
+    # the probes of the kept model task survive beside those of the task run again
+    probes = [json.loads(line) for line in (out / "probes.jsonl").read_text().splitlines()]
+    assert {(p["scenario"], p["condition"]) for p in probes} == {t for t in tasks if t[1] != "rules"}
+    other = parser.parse_args([*argv, "--resume", "--think-tokens", "5"])
+    with pytest.raises(harness.ResumeMismatchError, match="think_tokens"):
+        other.func(other)
+
+
 def test_rule_engine_on_recorded_simulator_traces():
     """Deterministic thresholds over the simulator's recorded streams: every fault scenario gets a
     finding of its own type, after its onset; the healthy scenarios get none."""

@@ -407,6 +407,7 @@ def report(results: Results[MonitorConfig, MonitorRow]) -> str:
         f"every {c.interval_s} s of scenario time, delivered every {c.passes_per_event} forward passes "
         f"(backlog {c.backlog}); thinker {c.think_tokens} tokens; threshold {c.threshold}. "
         f"Machine: {harness.machine_line(c.machine)}; wall {c.wall_s:.0f} s.",
+        *filter(None, ["", harness.parts_line(c, "tasks")]),
         "",
         harness.markdown_table(
             [
@@ -495,6 +496,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--threshold", type=float, default=0.7, help="P(anomaly) that raises a finding (default 0.7)"
     )
     p.add_argument("--window-tokens", type=int, default=1024, help="observation window bound (default 1024)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run saved in OUT: keep its finished tasks, run the rest on the same streams "
+        "(its traces.jsonl unless --traces) and settings",
+    )
 
 
 def _conditions(args: argparse.Namespace) -> list[str]:
@@ -541,22 +548,32 @@ def run_experiment(
     out: Path,
     *,
     show_progress: bool | None = None,
+    resume: bool = False,
 ) -> Results[MonitorConfig, MonitorRow]:
+    """Every (scenario, condition) task, one after another; with `resume`, only those the run saved in
+    `out` has not finished (same streams and settings required)."""
     t0 = harness.begin(config)
     out.mkdir(parents=True, exist_ok=True)
+    if traces is None and resume and (out / "traces.jsonl").exists():  # the streams the saved run recorded
+        traces = load_traces(out / "traces.jsonl")
+        config.traces_file = str(out / "traces.jsonl")
     if traces is None:
         traces = asyncio.run(record_all(scenarios, config.interval_s))
         save_traces(traces, out / "traces.jsonl")
         config.traces_file = str(out / "traces.jsonl")
     config.scenarios = [t.scenario.id for t in traces]
+    rows: list[MonitorRow] = []
+    if resume:
+        rows = harness.resume(out, config, MonitorRow, unit=_task, rows_per_unit=1, same=RESULT_FIELDS)
+    done = {_task(r) for r in rows}
+    probes = ProbeLog([e for e in _saved_probes(out) if f"{e['scenario']}|{e['condition']}" in done])
     handle = harness.load_model(config.model, config.dtype)
     config.model_description = handle.description
-    rows: list[MonitorRow] = []
     # round-robin over anomaly types: a run cut short still covers every type about equally
     order = sorted(range(len(traces)), key=lambda i: (sum(t.scenario.anomaly == traces[i].scenario.anomaly
                                                           for t in traces[:i]), i))
-    jobs = [(traces[i], c) for i in order for c in config.conditions]
-    probes = ProbeLog()
+    jobs = [(traces[i], c) for i in order for c in config.conditions
+            if f"{traces[i].scenario.id}|{c}" not in done]
     with harness.progress(len(jobs), "monitor tasks", enabled=show_progress) as advance:
         for trace, condition in jobs:
             rows.append(asyncio.run(run_condition(handle, trace, condition, config, config.seed, probes)))
@@ -567,6 +584,24 @@ def run_experiment(
             save(out, config, rows, final=False)
     config.wall_s = time.perf_counter() - t0
     return save(out, config, rows, final=True)
+
+
+# the config fields that change what a task measures: a resumed run must keep them
+RESULT_FIELDS = (
+    "model", "dtype", "seed", "quick", "max_tokens", "conditions", "scenarios", "interval_s",
+    "passes_per_event", "backlog", "think_tokens", "threshold", "window_tokens",
+)
+
+
+def _task(row: MonitorRow) -> str:
+    return f"{row.scenario}|{row.condition}"
+
+
+def _saved_probes(out: Path) -> list[dict[str, Any]]:
+    path = out / "probes.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 FOLDER = harness.ResultsFolder(
@@ -605,7 +640,8 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     scenarios, traces = load_inputs(args)
-    results = run_experiment(build_config(args), scenarios, traces, args.out, show_progress=args.progress)
+    results = run_experiment(build_config(args), scenarios, traces, args.out, show_progress=args.progress,
+                             resume=args.resume)
     print(report(results))
     print(f"results: {args.out / 'results.json'}")
     return 0
