@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -124,16 +125,17 @@ def test_decode_attention_is_the_merge_of_per_run_attentions(dtype, partial):
     assert out[1].isnan().all()  # rows of other items are left alone
 
 
+@pytest.mark.parametrize("k", [48, 144])  # the blocks of 32 and 64 along k, and what is left
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_linear_is_the_float32_product_rounded_once(dtype):
+def test_linear_is_the_float32_product_rounded_once(dtype, k):
     """Row counts below, at and across the kernel's groups of 8 (1, 8, 9, 17), with and without a
     bias, an input with a row stride: float32 within float tolerance of float64, bfloat16 within one
     rounding of it; every row the same to the bit alone as in the batch; `float_out` the same values
     in float32."""
     g = torch.Generator().manual_seed(5)
-    w = torch.randn(70, 48, generator=g).to(dtype)
+    w = torch.randn(70, k, generator=g).to(dtype)
     b = torch.randn(70, generator=g).to(dtype)
-    x_all = torch.randn(17, 96, generator=g).to(dtype)[:, :48]  # row stride 96
+    x_all = torch.randn(17, 2 * k, generator=g).to(dtype)[:, :k]  # row stride 2k
     assert native.linear_fits(w, b) and not native.linear_fits(w[:, :40].contiguous(), None)
     for rows in (1, 8, 9, 17):
         x = x_all[:rows]
@@ -152,16 +154,17 @@ def test_linear_is_the_float32_product_rounded_once(dtype):
         native.linear(x_all[:, :32], w, None)
 
 
+@pytest.mark.parametrize("k", [48, 144])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_linear_is_the_scaled_product_of_the_rounded_input(dtype):
+def test_int8_linear_is_the_scaled_product_of_the_rounded_input(dtype, k):
     """int8 weights with a bfloat16 scale per row: x rounded to bfloat16, the float32 sum times the
     scale rounded to bfloat16, then the bias in x's dtype; each row alone as in the batch. Scales,
     biases or dtypes that do not fit the kernel are refused."""
     g = torch.Generator().manual_seed(8)
-    q = torch.randint(-127, 128, (70, 48), generator=g, dtype=torch.int8)
+    q = torch.randint(-127, 128, (70, k), generator=g, dtype=torch.int8)
     scale = (torch.rand(70, generator=g) / 50).to(torch.bfloat16)
     b = torch.randn(70, generator=g).to(dtype)
-    x = torch.randn(17, 48, generator=g).to(dtype)
+    x = torch.randn(17, k, generator=g).to(dtype)
     assert native.linear_fits(q, b, scale) and not native.linear_fits(q, b, scale.float())
     for bias in (None, b):
         got = native.linear(x, q, bias, scale=scale)
@@ -199,6 +202,30 @@ def test_without_a_compiler_or_switched_off_the_torch_paths_run(tmp_path):
     assert _probe({"COTHINK_NATIVE": "0"}).startswith("False 16.0")
     assert _probe({"COTHINK_CACHE": str(tmp_path)}).startswith("True 16.0")
     assert len(list(tmp_path.glob("native/native-*.so"))) == 1  # built once, named for source, compiler, CPU
+
+
+def _has_avx512() -> bool:
+    try:
+        return " avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_avx512(), reason="the CPU has no AVX-512: the suite runs the portable kernels")
+def test_the_portable_products_where_the_cpu_has_avx512(tmp_path):
+    """The products' portable kernels (8-lane vectors), built here without AVX-512: the same
+    properties the tests above ask of the AVX-512 ones (a separate build, named by its flags)."""
+    env = {**os.environ, "COTHINK_NATIVE_CFLAGS": "-mno-avx512f", "COTHINK_CACHE": str(tmp_path),
+           "COTHINK_REQUIRE_NATIVE": "1"}
+    tests = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         "-k", "linear or thread_count or kernel_within_bound",
+         str(tests / "ops" / "test_native.py"), str(tests / "models" / "test_quant4.py")],
+        env=env, capture_output=True, text=True, timeout=600, cwd=tests.parent,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and len(list(tmp_path.glob("native/native-*.so"))) == 1
 
 
 @pytest.fixture

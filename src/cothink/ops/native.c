@@ -819,17 +819,180 @@ static inline __attribute__((always_inline)) void linear_group_q4(const float *x
     }
 }
 
-#define LINEAR_CASE(M)                                                                                \
-    case M:                                                                                           \
-        if (j->wt == WT_Q4)                                                                           \
-            linear_group_q4(j->xf, j->xsum, w, (const float *)scale, bias, y, j->ys, M, n, k, j->bf, \
-                            j->y_f32);                                                                \
-        else if (j->wt == WT_BF16)                                                                    \
-            linear_group(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_BF16, j->y_f32);        \
-        else if (j->wt == WT_INT8)                                                                    \
-            linear_group(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_INT8, j->y_f32);        \
-        else                                                                                          \
-            linear_group(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_F32, j->y_f32);         \
+/* AVX-512 (x86 CPUs that have it, where -march=native enables it): the same products over 16 float32
+ * lanes with fused multiply-adds, x in natural order (no `deal`). Each output's sum has one fixed
+ * order, whatever the row count or thread count: 16 lanes, two accumulators taking alternate blocks
+ * along k, added, then folded (hsum16). bfloat16 weights, where the CPU has AVX512_BF16, take
+ * VDPBF16PS (pairs of bfloat16 products, float32 sums; inputs below 2^-126 count as zero) on the
+ * bfloat16 input itself; else they are widened. Sums differ from the portable kernel's by float32
+ * rounding; COTHINK_NATIVE_CFLAGS=-mno-avx512f builds that one here (tested both ways). */
+#if defined(__AVX512F__)
+#define LINEAR_WIDE 1
+
+static inline float hsum16(__m512 v) {
+    __m256 lo = _mm512_castps512_ps256(v), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    v8 a, b;
+    memcpy(&a, &lo, sizeof a);
+    memcpy(&b, &hi, sizeof b);
+    return hsum8(a + b);
+}
+
+/* Elements i .. i+15 of a float32, bfloat16 or int8 weight row as float32 (exact), natural order */
+static inline __m512 ld16w_wide(const void *p, int64_t i, int wt) {
+    if (wt == WT_F32) return _mm512_loadu_ps((const float *)p + i);
+    if (wt == WT_BF16) {
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const bf16 *)p + i));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
+}
+
+/* One output of linear_group_wide / _bf16 after its sum: int8's scale, the bias, the rounding */
+static inline void linear_out(float v, int64_t r, const bf16 *scale, const void *bias, void *y, int64_t at,
+                              int bf, int wt, int y_f32) {
+    if (wt == WT_INT8) v = rnd(v * from_bf16(scale[r]), 1);
+    v += bias ? load(bias, r, bf) : 0.0f;
+    if (y_f32)
+        ((float *)y)[at] = rnd(v, bf);
+    else
+        store(y, at, v, bf);
+}
+
+/* linear_group with 16-lane fused multiply-adds; xf float32 in natural order */
+static inline __attribute__((always_inline)) void linear_group_wide(const float *xf, const void *w,
+                                                                     const bf16 *scale, const void *bias,
+                                                                     void *y, int64_t ys, int64_t m, int64_t n,
+                                                                     int64_t k, int bf, int wt, int y_f32) {
+    int64_t size = wt == WT_F32 ? 4 : (wt == WT_BF16 ? 2 : 1);
+    for (int64_t r = 0; r < n; r++) {
+        const char *wr = (const char *)w + r * k * size;
+        __m512 a0[LINEAR_GROUP], a1[LINEAR_GROUP];
+        for (int64_t i = 0; i < m; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+        int64_t e = 0;
+        for (; e + 32 <= k; e += 32) {
+            if (wt == WT_BF16) __builtin_prefetch(wr + e * size + LINEAR_PREFETCH);
+            __m512 w0 = ld16w_wide(wr, e, wt), w1 = ld16w_wide(wr, e + 16, wt);
+            for (int64_t i = 0; i < m; i++) {
+                a0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + i * k + e), w0, a0[i]);
+                a1[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + i * k + e + 16), w1, a1[i]);
+            }
+        }
+        if (e < k) { /* k is a multiple of 16 */
+            __m512 w0 = ld16w_wide(wr, e, wt);
+            for (int64_t i = 0; i < m; i++) a0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + i * k + e), w0, a0[i]);
+        }
+        for (int64_t i = 0; i < m; i++)
+            linear_out(hsum16(_mm512_add_ps(a0[i], a1[i])), r, scale, bias, y, i * ys + r, bf, wt, y_f32);
+    }
+}
+
+#if defined(__AVX512BF16__)
+#define LINEAR_BF16_PAIRS 1
+/* 32 bfloat16 from p (n < 32: the first n, zeros after) */
+static inline __m512bh ld32h(const bf16 *p, int64_t n) {
+    __m512i v = n >= 32 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi16((__mmask32)((1u << n) - 1u), p);
+    return (__m512bh)v;
+}
+
+/* linear_group for bfloat16 weights and inputs: xb [m, k] bfloat16, natural order */
+static inline __attribute__((always_inline)) void linear_group_bf16(const bf16 *xb, const void *w,
+                                                                     const void *bias, void *y, int64_t ys,
+                                                                     int64_t m, int64_t n, int64_t k,
+                                                                     int y_f32) {
+    for (int64_t r = 0; r < n; r++) {
+        const bf16 *wr = (const bf16 *)w + r * k;
+        __m512 a0[LINEAR_GROUP], a1[LINEAR_GROUP];
+        for (int64_t i = 0; i < m; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+        int64_t e = 0;
+        for (; e + 64 <= k; e += 64) {
+            __builtin_prefetch((const char *)(wr + e) + LINEAR_PREFETCH);
+            __m512bh w0 = ld32h(wr + e, 32), w1 = ld32h(wr + e + 32, 32);
+            for (int64_t i = 0; i < m; i++) {
+                a0[i] = _mm512_dpbf16_ps(a0[i], ld32h(xb + i * k + e, 32), w0);
+                a1[i] = _mm512_dpbf16_ps(a1[i], ld32h(xb + i * k + e + 32, 32), w1);
+            }
+        }
+        if (e < k) { /* 16, 32 or 48 left */
+            int64_t left = k - e, first = left < 32 ? left : 32;
+            __m512bh w0 = ld32h(wr + e, first);
+            for (int64_t i = 0; i < m; i++) a0[i] = _mm512_dpbf16_ps(a0[i], ld32h(xb + i * k + e, first), w0);
+            if (left > 32) {
+                __m512bh w1 = ld32h(wr + e + 32, left - 32);
+                for (int64_t i = 0; i < m; i++)
+                    a1[i] = _mm512_dpbf16_ps(a1[i], ld32h(xb + i * k + e + 32, left - 32), w1);
+            }
+        }
+        for (int64_t i = 0; i < m; i++)
+            linear_out(hsum16(_mm512_add_ps(a0[i], a1[i])), r, NULL, bias, y, i * ys + r, 1, WT_BF16, y_f32);
+    }
+}
+#endif
+
+/* linear_group_q4 with 16-lane fused multiply-adds: per group d = x . q over 16 lanes, then
+ * acc += d * scale; xf float32 in natural order */
+static inline __attribute__((always_inline)) void linear_group_q4_wide(const float *xf, const float *xsum,
+                                                                        const uint8_t *w, const float *sm,
+                                                                        const void *bias, void *y, int64_t ys,
+                                                                        int64_t m, int64_t n, int64_t k, int bf,
+                                                                        int y_f32) {
+    int64_t groups = k / Q4_GROUP;
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    for (int64_t r = 0; r < n; r++) {
+        const uint8_t *wr = w + r * (k / 2);
+        const float *smr = sm + r * groups * 2;
+        __m512 acc[LINEAR_GROUP];
+        float off[LINEAR_GROUP] = {0};
+        for (int64_t i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m128i b = _mm_loadu_si128((const __m128i *)(wr + g * 16));
+            __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
+            __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+            __m512 scale = _mm512_set1_ps(smr[2 * g]);
+            float offset = smr[2 * g + 1];
+            for (int64_t i = 0; i < m; i++) {
+                const float *xg = xf + i * k + g * Q4_GROUP;
+                __m512 d = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16), q1, _mm512_mul_ps(_mm512_loadu_ps(xg), q0));
+                acc[i] = _mm512_fmadd_ps(d, scale, acc[i]);
+                off[i] += offset * xsum[i * groups + g];
+            }
+        }
+        float b = bias ? load(bias, r, bf) : 0.0f;
+        for (int64_t i = 0; i < m; i++) {
+            float v = hsum16(acc[i]) + off[i] + b;
+            if (y_f32)
+                ((float *)y)[i * ys + r] = rnd(v, bf);
+            else
+                store(y, i * ys + r, v, bf);
+        }
+    }
+}
+#define LINEAR_GROUP_Q4 linear_group_q4_wide
+#define LINEAR_GROUP_W linear_group_wide
+#else
+#define LINEAR_WIDE 0
+#define LINEAR_GROUP_Q4 linear_group_q4
+#define LINEAR_GROUP_W linear_group
+#endif
+#ifndef LINEAR_BF16_PAIRS
+#define LINEAR_BF16_PAIRS 0
+#endif
+
+#if LINEAR_BF16_PAIRS
+#define LINEAR_CASE_BF16(M) linear_group_bf16((const bf16 *)j->xf, w, bias, y, j->ys, M, n, k, j->y_f32)
+#else
+#define LINEAR_CASE_BF16(M) LINEAR_GROUP_W(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_BF16, j->y_f32)
+#endif
+#define LINEAR_CASE(M)                                                                                   \
+    case M:                                                                                              \
+        if (j->wt == WT_Q4)                                                                              \
+            LINEAR_GROUP_Q4(j->xf, j->xsum, w, (const float *)scale, bias, y, j->ys, M, n, k, j->bf,     \
+                            j->y_f32);                                                                   \
+        else if (j->wt == WT_BF16)                                                                       \
+            LINEAR_CASE_BF16(M);                                                                         \
+        else if (j->wt == WT_INT8)                                                                       \
+            LINEAR_GROUP_W(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_INT8, j->y_f32);          \
+        else                                                                                             \
+            LINEAR_GROUP_W(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_F32, j->y_f32);           \
         break;
 
 /* One group of <= LINEAR_GROUP rows of ct_linear, for its weight rows split over threads. */
@@ -882,7 +1045,7 @@ typedef struct {
 
 #define Q4_CASE(M)                                                                                              \
     case M:                                                                                                     \
-        linear_group_q4(xf, xsum, w, scale, bias, y, j->ys, M, n, k, j->bf, j->y_f32);                      \
+        LINEAR_GROUP_Q4(xf, xsum, w, scale, bias, y, j->ys, M, n, k, j->bf, j->y_f32);                      \
         break;
 
 /* weight rows begin .. end-1 of a Q4Job, for every group of rows */
@@ -937,9 +1100,14 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
     for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
         int64_t rows = m - i0 < LINEAR_GROUP ? m - i0 : LINEAR_GROUP;
         for (int64_t i = 0; i < rows; i++) {
-            load_row((const char *)x + (i0 + i) * xs * size, k, bf, xf + i * k);
+            const char *xi = (const char *)x + (i0 + i) * xs * size;
+            if (LINEAR_BF16_PAIRS && wt == WT_BF16) { /* the bfloat16 input itself, rows packed */
+                memcpy((bf16 *)xf + i * k, xi, (size_t)k * sizeof(bf16));
+                continue;
+            }
+            load_row(xi, k, bf, xf + i * k);
             if (wt == WT_INT8) round_row(xf + i * k, k, 1);
-            deal(xf + i * k, k, wt == WT_BF16, 0);
+            if (!LINEAR_WIDE) deal(xf + i * k, k, wt == WT_BF16, 0);
             if (wt == WT_Q4)
                 for (int64_t g = 0; g < groups; g++) xsum[i * groups + g] = sum(xf + i * k + g * Q4_GROUP, Q4_GROUP);
         }

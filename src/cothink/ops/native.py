@@ -54,7 +54,10 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 WEIGHT_TYPES = {**DTYPES, torch.int8: 2, torch.uint8: 3}
 # weights per 4-bit group (Q4_GROUP in native.c)
 Q4_GROUP = 32
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-pthread"]
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-pthread",
+          # extra compiler flags (part of the cache key), e.g. -mno-avx512f for the portable kernels on a
+          # CPU with AVX-512 (the tests build both)
+          *os.environ.get("COTHINK_NATIVE_CFLAGS", "").split()]
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
