@@ -158,3 +158,32 @@ def test_helper_threads_attend_only_in_steps_whose_products_run_in_c(tiny_model,
     runner.step([StepItem(b, [6], logits="last") for b in blocks[:NATIVE_MAX_ROWS]])
     layers = runner.config.num_layers
     assert seen == [1] * layers + [None] * layers  # None: torch's thread count
+
+
+@pytest.mark.skipif(not native.bf16_tiles(), reason="bfloat16 on AMX tiles: only on CPUs with them")
+def test_packed_bfloat16_linears_take_the_c_kernel_where_it_runs_on_tiles(tiny_model, fused_calls):
+    """Where oneDNN has bfloat16 kernels the linears are prepacked for it; where the C kernel runs
+    bfloat16 on AMX tiles as well, products of up to NATIVE_MAX_ROWS rows run in C on the plain weight
+    (the packed one, unpacked: the same values), wider ones in oneDNN, and a decode step takes the
+    fused step, to the bit of the per-module path."""
+    from cothink.execution.native_modules import NATIVE_MAX_ROWS, NativePackedLinear, use_torch_modules
+
+    fused = tiny_model("llama3").runner(dtype=torch.bfloat16)
+    modules = tiny_model("llama3").runner(dtype=torch.bfloat16)
+    linears = [m for m in fused.model.modules() if isinstance(m, packing.FastLinear)]
+    assert linears and all(isinstance(m, NativePackedLinear) for m in linears)
+    lin = linears[0]
+    assert torch.equal(lin.operands()[0], lin.packed.to_dense())
+    x = torch.randn(NATIVE_MAX_ROWS + 1, lin.in_features).to(torch.bfloat16)
+    assert torch.equal(lin(x[:NATIVE_MAX_ROWS]), native.linear(x[:NATIVE_MAX_ROWS], *lin.operands()[::2]))
+    assert torch.equal(lin(x), packing.PackedLinear.forward(lin, x))  # wider: oneDNN's product
+    assert fused.fused_decode is not None and fused.fused_decode.weights == torch.bfloat16
+    modules.fused_decode = None
+    got, got_kv = _conversation(fused)
+    want, want_kv = _conversation(modules)
+    assert fused_calls == [3] * 5 + [1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
+    use_torch_modules(modules.model)
+    restored = [m for m in modules.model.modules() if isinstance(m, packing.FastLinear)]
+    assert all(type(m) is packing.PackedLinear for m in restored)

@@ -125,7 +125,7 @@ def test_decode_attention_is_the_merge_of_per_run_attentions(dtype, partial):
     assert out[1].isnan().all()  # rows of other items are left alone
 
 
-@pytest.mark.parametrize("k", [48, 144])  # the blocks of 32 and 64 along k, and what is left
+@pytest.mark.parametrize("k", [48, 144, 128])  # blocks of 32 and 64 along k, what is left, AMX tiles
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_is_the_float32_product_rounded_once(dtype, k):
     """Row counts below, at and across the kernel's groups of 8 (1, 8, 9, 17), with and without a

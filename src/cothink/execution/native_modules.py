@@ -6,7 +6,8 @@ backend, `use_native_modules` replaces, in a model whose projections are fused (
 plain module by its native subclass here, sharing its parameters: the norms (with the residual add
 before them, and per head for the q/k norms), SiLU x up, the attention output gate, Gated DeltaNet's
 gates, output norm and a decoding token's conv + delta rule, and the linears (`NativeCpuLinear`,
-`NativeInt8Linear`, `NativeInt4Linear`). Each takes its kernel where the input is one the kernel reads
+`NativeInt8Linear`, `NativeInt4Linear`; oneDNN-packed bfloat16 ones, `NativePackedLinear`, where the
+C kernel runs bfloat16 on AMX tiles). Each takes its kernel where the input is one the kernel reads
 and otherwise runs the plain module's torch code; the kernels make the torch path's roundings to the
 model dtype (tests/ops/test_native.py; 4-bit products: within float32 rounding, models/quant4.py).
 `use_torch_modules` puts the plain modules back. The eager modules (`fast=False`) are never replaced.
@@ -29,7 +30,7 @@ import torch
 from torch import nn
 
 from cothink.models.config import GDNConfig
-from cothink.models.packing import CpuLinear
+from cothink.models.packing import CpuLinear, PackedLinear
 from cothink.models.quant4 import Int4Linear
 from cothink.models.quantize import Int8Linear
 from cothink.models.transformer import (
@@ -204,6 +205,30 @@ class NativeCpuLinear(NativeLinear, CpuLinear):
         return super().forward(x)
 
 
+class NativePackedLinear(NativeLinear, PackedLinear):
+    """PackedLinear with its products of up to NATIVE_MAX_ROWS rows in the C kernel, where that runs
+    bfloat16 on AMX tiles (`native.bf16_tiles`): as fast as oneDNN's product there, and no per-call
+    dispatch, so a decode step can take the fused step. It keeps the plain weight beside oneDNN's
+    packed one (which wider steps, prefill chunks, still use): the linears' memory twice."""
+
+    @classmethod
+    def of(cls, other: PackedLinear) -> NativePackedLinear:
+        layer = super().of(other)
+        layer._w = other.packed.to_dense().contiguous()  # the weight, exactly: a reorder is a copy
+        layer._fit_native(torch.bfloat16)
+        return layer
+
+    def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        return self._w, None, self.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
+        if self._takes_native(rows):
+            y = self._native(rows)
+            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+        return super().forward(x)
+
+
 class NativeInt8Linear(NativeLinear, Int8Linear):
     """Int8Linear with its products of up to NATIVE_MAX_ROWS rows in the C kernel (input rounded to
     bfloat16, each output's sum times its scale rounded as torch's int8 kernel does, bias included)."""
@@ -294,17 +319,21 @@ def use_native_modules(model: CausalLM) -> None:
     """Replace, in place, each plain module of a fast-path model by its native module (module doc).
     The eager modules stay as they are."""
     if model.fused:
-        _replace(model, {plain: _MAKE[plain](fast) for plain, fast in _NATIVE.items()})
+        makers = {plain: _MAKE[plain](fast) for plain, fast in _NATIVE.items()}
+        if native.bf16_tiles():  # oneDNN's bfloat16 products: the C kernel's for decode-sized steps too
+            makers[PackedLinear] = NativePackedLinear.of
+        _replace(model, makers)
 
 
 def use_torch_modules(model: CausalLM) -> None:
     """Put the plain torch modules back, in place, wherever native ones were swapped in."""
-    _replace(model, {fast: _MAKE[plain](plain) for plain, fast in _NATIVE.items()})
+    _replace(model, {fast: _MAKE[plain](plain) for plain, fast in _NATIVE.items()}
+             | {NativePackedLinear: PackedLinear.of})
 
 
 def has_native_modules(model: nn.Module) -> bool:
     """Whether any of the model's modules runs cothink's C kernels."""
-    return any(type(m) in _NATIVE.values() for m in model.modules())
+    return any(type(m) in (*_NATIVE.values(), NativePackedLinear) for m in model.modules())
 
 
 def _replace(model: nn.Module, makers: dict[type[nn.Module], Callable[[nn.Module], nn.Module]]) -> None:

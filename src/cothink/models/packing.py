@@ -63,6 +63,16 @@ class PackedLinear(FastLinear):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
+    @classmethod
+    def of(cls, other: PackedLinear) -> PackedLinear:
+        """A PackedLinear sharing `other`'s packed weight and bias (no second reorder)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features = other.out_features, other.in_features
+        layer.packed = other.packed
+        layer.register_buffer("bias", other.bias)
+        return layer
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.device.type != "cpu":  # not the fast path's input: plain math
             bias = None if self.bias is None else self.bias.to(x.dtype)

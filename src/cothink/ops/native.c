@@ -22,10 +22,14 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 /* The version of this library's interface (the ct_* signatures and the tables they read), raised with
  * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
-#define CT_ABI_VERSION 3
+#define CT_ABI_VERSION 4
 
 int ct_abi_version(void) { return CT_ABI_VERSION; }
 
@@ -977,99 +981,260 @@ static inline __attribute__((always_inline)) void linear_group_q4_wide(const flo
 #define LINEAR_BF16_PAIRS 0
 #endif
 
-#if LINEAR_BF16_PAIRS
-#define LINEAR_CASE_BF16(M) linear_group_bf16((const bf16 *)j->xf, w, bias, y, j->ys, M, n, k, j->y_f32)
+/* AMX (x86 CPUs with tile registers, Linux): bfloat16 products on 16 x 16 tiles, for every row count,
+ * so a row's result does not depend on the batch. The weight is the A operand as it is stored (16
+ * output rows x 32 of k per tile, loaded with the row stride), x the B operand: its rows packed once
+ * per call in the tiles' pair layout (`pack_pairs`, 16 rows a block, zero-padded). Four accumulator
+ * tiles cover 32 outputs x 32 rows; each output's sum runs over k in one fixed order. Output rows
+ * that do not fill a tile of 16 (the last of a layer with n % 16 != 0) take the AVX-512 kernel. The
+ * process asks the kernel for the tile state once (arch_prctl); refused, the AVX-512 kernel runs. */
+#if LINEAR_BF16_PAIRS && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__) && \
+    defined(SYS_arch_prctl)
+#define LINEAR_AMX 1
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_ready(void) {
+    static atomic_int state = -1; /* -1: not asked yet */
+    int s = atomic_load(&state);
+    if (s < 0) {
+        s = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+        atomic_store(&state, s);
+    }
+    return s;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* every tile 16 rows of 64 bytes: 0-3 accumulators (16 x 16 float32), 4-5 weight, 6-7 x */
+static void amx_configure(void) {
+    TileConfig c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.colsb[t] = 64;
+        c.rows[t] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* x rows [m, k] (bfloat16, row stride k) into the B operand's layout: per block of 16 rows, per pair of
+ * k, the 16 rows' two elements side by side (64 bytes); rows past m are zero. */
+static void pack_pairs(const bf16 *x, int64_t m, int64_t k, bf16 *out) {
+    int64_t blocks = (m + 15) / 16;
+    memset(out, 0, (size_t)(blocks * k * 16) * sizeof(bf16));
+    for (int64_t i = 0; i < m; i++) {
+        bf16 *o = out + (i / 16) * k * 16 + (i % 16) * 2;
+        for (int64_t p = 0; p < k / 2; p++) {
+            o[p * 32] = x[i * k + 2 * p];
+            o[p * 32 + 1] = x[i * k + 2 * p + 1];
+        }
+    }
+}
+
+/* 16 float32 rounded to bfloat16 as to_bf16 rounds each (nearest even, NaN quiet), as the bit patterns of
+ * the bfloat16 values widened back to float32 */
+static inline __m512i round_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
+}
+
+/* One tile of results, 16 outputs (r0..) x 16 rows of x (i0..): bias, one rounding to bfloat16, into
+ * y [m, n] (y_f32: float32 holding the rounded values); linear_out's arithmetic, 16 outputs at a time. */
+static void amx_out(const float *t, int64_t r0, int64_t i0, int64_t m, const void *bias, void *y, int64_t ys,
+                    int y_f32) {
+    float col[16];
+    __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const bf16 *)bias + r0))), 16))
+                    : _mm512_setzero_ps();
+    for (int64_t c = 0; c < 16 && i0 + c < m; c++) {
+        for (int a = 0; a < 16; a++) col[a] = t[a * 16 + c];
+        __m512i r = round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(col), b));
+        if (y_f32)
+            _mm512_storeu_si512((float *)y + (i0 + c) * ys + r0, r);
+        else
+            _mm256_storeu_si256((__m256i *)((bf16 *)y + (i0 + c) * ys + r0),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    }
+}
+
+/* Up to 64 outputs (r0.., `nr` blocks of 16) x 16 rows of x (xb: one packed block): four accumulators
+ * over one x tile. What a step of up to 16 rows (a decode step) runs: four independent chains. */
+static void amx_tall(const bf16 *xb, const bf16 *w, int64_t k, int64_t r0, int nr, float t[4][256]) {
+    int64_t stride = k * (int64_t)sizeof(bf16);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t e = 0; e < k; e += 32) {
+        _tile_loadd(6, xb + e * 16, 64);
+        _tile_loadd(4, w + r0 * k + e, stride);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nr > 1) {
+            _tile_loadd(5, w + (r0 + 16) * k + e, stride);
+            _tile_dpbf16ps(1, 5, 6);
+        }
+        if (nr > 2) {
+            _tile_loadd(7, w + (r0 + 32) * k + e, stride);
+            _tile_dpbf16ps(2, 7, 6);
+        }
+        if (nr > 3) {
+            _tile_loadd(4, w + (r0 + 48) * k + e, stride);
+            _tile_dpbf16ps(3, 4, 6);
+        }
+    }
+    _tile_stored(0, t[0], 64);
+    _tile_stored(1, t[1], 64);
+    _tile_stored(2, t[2], 64);
+    _tile_stored(3, t[3], 64);
+}
+
+/* 32 outputs (r0.., `nr` blocks of 16) x 32 rows of x (x0, x1: two packed blocks, x1 NULL: one) */
+static void amx_square(const bf16 *x0, const bf16 *x1, const bf16 *w, int64_t k, int64_t r0, int nr,
+                       float t[4][256]) {
+    int64_t stride = k * (int64_t)sizeof(bf16);
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t e = 0; e < k; e += 32) {
+        _tile_loadd(4, w + r0 * k + e, stride);
+        _tile_loadd(6, x0 + e * 16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (nr > 1) {
+            _tile_loadd(5, w + (r0 + 16) * k + e, stride);
+            _tile_dpbf16ps(1, 5, 6);
+        }
+        if (x1) {
+            _tile_loadd(7, x1 + e * 16, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            if (nr > 1) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, t[0], 64);
+    _tile_stored(1, t[1], 64);
+    _tile_stored(2, t[2], 64);
+    _tile_stored(3, t[3], 64);
+}
+
+/* Weight rows 0 .. n-1 (a multiple of 16 of them) for every row of x: xp the packed rows. Each output's
+ * sum is the same chain of tile products over k whichever routine computes it. */
+static void linear_rows_amx(const bf16 *xp, const bf16 *w, const void *bias, void *y, int64_t ys, int64_t m,
+                            int64_t k, int64_t n, int y_f32) {
+    float t[4][256];
+    int64_t blocks = (m + 15) / 16;
+    amx_configure();
+    if (blocks == 1) {
+        for (int64_t r0 = 0; r0 < n; r0 += 64) {
+            int nr = (int)((n - r0) / 16 < 4 ? (n - r0) / 16 : 4);
+            amx_tall(xp, w, k, r0, nr, t);
+            for (int a = 0; a < nr; a++) amx_out(t[a], r0 + 16 * a, 0, m, bias, y, ys, y_f32);
+        }
+    } else {
+        for (int64_t r0 = 0; r0 < n; r0 += 32) {
+            int nr = r0 + 32 <= n ? 2 : 1;
+            for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
+                const bf16 *x0 = xp + b0 * k * 16, *x1 = b0 + 1 < blocks ? x0 + k * 16 : NULL;
+                amx_square(x0, x1, w, k, r0, nr, t);
+                amx_out(t[0], r0, b0 * 16, m, bias, y, ys, y_f32);
+                if (nr > 1) amx_out(t[1], r0 + 16, b0 * 16, m, bias, y, ys, y_f32);
+                if (x1) amx_out(t[2], r0, b0 * 16 + 16, m, bias, y, ys, y_f32);
+                if (x1 && nr > 1) amx_out(t[3], r0 + 16, b0 * 16 + 16, m, bias, y, ys, y_f32);
+            }
+        }
+    }
+    _tile_release();
+}
 #else
-#define LINEAR_CASE_BF16(M) LINEAR_GROUP_W(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_BF16, j->y_f32)
+#define LINEAR_AMX 0
+#endif
+
+/* Whether ct_linear's bfloat16 products (k a multiple of 32, 16 or more outputs) run on AMX tiles */
+int ct_linear_tiles(void) {
+#if LINEAR_AMX
+    return amx_ready();
+#else
+    return 0;
+#endif
+}
+
+#if LINEAR_BF16_PAIRS
+#define LINEAR_CASE_BF16(M) linear_group_bf16((const bf16 *)xf, w, bias, y, j->ys, M, n, k, j->y_f32)
+#else
+#define LINEAR_CASE_BF16(M) LINEAR_GROUP_W(xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_BF16, j->y_f32)
 #endif
 #define LINEAR_CASE(M)                                                                                   \
     case M:                                                                                              \
         if (j->wt == WT_Q4)                                                                              \
-            LINEAR_GROUP_Q4(j->xf, j->xsum, w, (const float *)scale, bias, y, j->ys, M, n, k, j->bf,     \
-                            j->y_f32);                                                                   \
+            LINEAR_GROUP_Q4(xf, xsum, w, (const float *)scale, bias, y, j->ys, M, n, k, j->bf, j->y_f32); \
         else if (j->wt == WT_BF16)                                                                       \
             LINEAR_CASE_BF16(M);                                                                         \
         else if (j->wt == WT_INT8)                                                                       \
-            LINEAR_GROUP_W(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_INT8, j->y_f32);          \
+            LINEAR_GROUP_W(xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_INT8, j->y_f32);             \
         else                                                                                             \
-            LINEAR_GROUP_W(j->xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_F32, j->y_f32);           \
+            LINEAR_GROUP_W(xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_F32, j->y_f32);              \
         break;
 
-/* One group of <= LINEAR_GROUP rows of ct_linear, for its weight rows split over threads. */
+/* ct_linear's work, its weight rows split over threads: every row of x, prepared up front. */
 typedef struct {
-    const float *xf, *xsum; /* xsum: the rows' Q4_GROUP sums (WT_Q4 only) */
+    const void *x;      /* [m, k] float32 in the kernel's order, or the bfloat16 rows (LINEAR_BF16_PAIRS) */
+    const void *xp;     /* the bfloat16 rows packed for AMX (`pack_pairs`), or NULL */
+    const float *xsum;  /* [m, k / Q4_GROUP]: the rows' group sums (WT_Q4 only) */
     const void *w, *bias, *scale;
     void *y;
     int64_t ys, m, k;
     int bf, wt, y_f32;
 } LinearJob;
 
-/* weight rows begin .. end-1 of a LinearJob */
+/* Weight rows begin .. end-1 of a LinearJob for every group of LINEAR_GROUP rows of x: a task's
+ * weight rows are read from memory once, the groups after the first find them in cache. */
 static void linear_rows(void *ctx, int64_t begin, int64_t end) {
     const LinearJob *j = ctx;
-    int64_t size = j->bf ? 2 : 4, n = end - begin, k = j->k;
+    int64_t size = j->bf ? 2 : 4, n = end - begin, k = j->k, groups = k / Q4_GROUP;
+    int64_t x_size = LINEAR_BF16_PAIRS && j->wt == WT_BF16 ? 2 : 4, y_size = j->y_f32 ? 4 : size;
     const void *w = (const char *)j->w + begin * weight_row_bytes(j->wt, k);
     /* int8: a bfloat16 per row; 4-bit: a float32 scale and offset per group */
     const void *scale = !j->scale ? NULL
-                      : j->wt == WT_Q4 ? (const void *)((const float *)j->scale + begin * (k / Q4_GROUP) * 2)
+                      : j->wt == WT_Q4 ? (const void *)((const float *)j->scale + begin * groups * 2)
                                        : (const void *)((const bf16 *)j->scale + begin);
     const void *bias = j->bias ? (const char *)j->bias + begin * size : NULL;
-    void *y = (char *)j->y + begin * (j->y_f32 ? 4 : size);
-    switch (j->m) {
-        LINEAR_CASE(1)
-        LINEAR_CASE(2)
-        LINEAR_CASE(3)
-        LINEAR_CASE(4)
-        LINEAR_CASE(5)
-        LINEAR_CASE(6)
-        LINEAR_CASE(7)
-        LINEAR_CASE(8)
+#if LINEAR_AMX
+    if (j->xp) { /* whole tiles of 16 outputs on AMX, what is left below */
+        int64_t tiled = (n / 16) * 16;
+        linear_rows_amx(j->xp, w, bias, (char *)j->y + begin * y_size, j->ys, j->m, k, tiled, j->y_f32);
+        if (tiled == n) return;
+        w = (const bf16 *)w + tiled * k;
+        bias = bias ? (const char *)bias + tiled * size : NULL;
+        begin += tiled;
+        n -= tiled;
+    }
+#endif
+    for (int64_t i0 = 0; i0 < j->m; i0 += LINEAR_GROUP) {
+        const float *xf = (const float *)((const char *)j->x + i0 * k * x_size);
+        const float *xsum = j->xsum + i0 * groups;
+        void *y = (char *)j->y + (i0 * j->ys + begin) * y_size;
+        switch (j->m - i0 < LINEAR_GROUP ? j->m - i0 : LINEAR_GROUP) {
+            LINEAR_CASE(1)
+            LINEAR_CASE(2)
+            LINEAR_CASE(3)
+            LINEAR_CASE(4)
+            LINEAR_CASE(5)
+            LINEAR_CASE(6)
+            LINEAR_CASE(7)
+            LINEAR_CASE(8)
+        }
     }
 }
 
 /* Weight rows a thread claims at a time (~36-96 KiB of a SmolLM2-sized layer) */
 #define LINEAR_GRAIN 32
-
-/* A 4-bit product of more than LINEAR_GROUP rows, all rows' inputs prepared up front: each task runs
- * every group of LINEAR_GROUP rows over its weight rows, so the weights are read from memory once
- * (the groups after the first find them in cache), not once per group. */
-typedef struct {
-    const float *xf, *xsum; /* [m, k] float32 inputs and their [m, k / Q4_GROUP] group sums */
-    const uint8_t *w;
-    const float *scale;
-    const void *bias;
-    void *y;
-    int64_t ys, m, k;
-    int bf, y_f32;
-} Q4Job;
-
-#define Q4_CASE(M)                                                                                              \
-    case M:                                                                                                     \
-        LINEAR_GROUP_Q4(xf, xsum, w, scale, bias, y, j->ys, M, n, k, j->bf, j->y_f32);                      \
-        break;
-
-/* weight rows begin .. end-1 of a Q4Job, for every group of rows */
-static void q4_rows(void *ctx, int64_t begin, int64_t end) {
-    const Q4Job *j = ctx;
-    int64_t n = end - begin, k = j->k, groups = k / Q4_GROUP, size = j->y_f32 ? 4 : (j->bf ? 2 : 4);
-    const uint8_t *w = j->w + begin * (k / 2);
-    const float *scale = j->scale + begin * groups * 2;
-    const void *bias = j->bias ? (const char *)j->bias + begin * (j->bf ? 2 : 4) : NULL;
-    for (int64_t i0 = 0; i0 < j->m; i0 += LINEAR_GROUP) {
-        const float *xf = j->xf + i0 * k, *xsum = j->xsum + i0 * groups;
-        void *y = (char *)j->y + (i0 * j->ys + begin) * size;
-        switch (j->m - i0 < LINEAR_GROUP ? j->m - i0 : LINEAR_GROUP) {
-            Q4_CASE(1)
-            Q4_CASE(2)
-            Q4_CASE(3)
-            Q4_CASE(4)
-            Q4_CASE(5)
-            Q4_CASE(6)
-            Q4_CASE(7)
-            Q4_CASE(8)
-        }
-    }
-}
 
 /* y = x w^T (+ bias) for x [m, k] (row stride xs), w [n, k] and y [m, n] (row stride ys); x, y and
  * the bias of the model dtype bf (or y float32 holding the rounded values, y_f32: the logits without
@@ -1077,44 +1242,35 @@ static void q4_rows(void *ctx, int64_t begin, int64_t end) {
  * torch's int8 kernel takes it; 4-bit: `scale` the groups' [n, k / Q4_GROUP, 2] scales and offsets, x
  * as it is); k a multiple of 16, of Q4_GROUP for 4-bit (Python checks). Float32 sums in a fixed order per
  * output, so a row's result does not depend on the others nor on `threads`; bfloat16 results
- * rounded once, after the bias. A decode-sized product is bound by reading the weight: one pass per
- * LINEAR_GROUP rows, its weight rows split over up to `threads` threads. */
+ * rounded once, after the bias. A decode-sized product is bound by reading the weight: it is read
+ * once, whatever m, its rows split over up to `threads` threads. */
 void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, const void *bias, void *y,
                int64_t ys, int64_t m, int64_t n, int64_t k, int bf, int wt, int y_f32, int64_t threads) {
-    int64_t size = bf ? 2 : 4, y_size = y_f32 ? 4 : size;
-    int64_t groups = k / Q4_GROUP;
-    if (wt == WT_Q4 && m > LINEAR_GROUP) { /* the same sums per output as group by group, below */
-        float *xa = malloc((size_t)(m * k) * sizeof(float)), *sa = malloc((size_t)(m * groups) * sizeof(float));
-        for (int64_t i = 0; i < m; i++) {
-            load_row((const char *)x + i * xs * size, k, bf, xa + i * k);
-            for (int64_t g = 0; g < groups; g++) sa[i * groups + g] = sum(xa + i * k + g * Q4_GROUP, Q4_GROUP);
+    int64_t size = bf ? 2 : 4, groups = k / Q4_GROUP;
+    float *xf = malloc((size_t)(m * k) * sizeof(float)), *xsum = malloc((size_t)(m * groups + 1) * sizeof(float));
+    for (int64_t i = 0; i < m; i++) {
+        const char *xi = (const char *)x + i * xs * size;
+        if (LINEAR_BF16_PAIRS && wt == WT_BF16) { /* the bfloat16 input itself, rows packed */
+            memcpy((bf16 *)xf + i * k, xi, (size_t)k * sizeof(bf16));
+            continue;
         }
-        Q4Job job = {xa, sa, w, scale, bias, y, ys, m, k, bf, y_f32};
-        parallel_for(q4_rows, &job, n, LINEAR_GRAIN, threads);
-        free(xa);
-        free(sa);
-        return;
+        load_row(xi, k, bf, xf + i * k);
+        if (wt == WT_INT8) round_row(xf + i * k, k, 1);
+        if (!LINEAR_WIDE) deal(xf + i * k, k, wt == WT_BF16, 0);
+        if (wt == WT_Q4)
+            for (int64_t g = 0; g < groups; g++) xsum[i * groups + g] = sum(xf + i * k + g * Q4_GROUP, Q4_GROUP);
     }
-    float *xf = malloc((size_t)(LINEAR_GROUP * k) * sizeof(float));
-    float *xsum = malloc((size_t)(LINEAR_GROUP * groups + 1) * sizeof(float));
-    for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
-        int64_t rows = m - i0 < LINEAR_GROUP ? m - i0 : LINEAR_GROUP;
-        for (int64_t i = 0; i < rows; i++) {
-            const char *xi = (const char *)x + (i0 + i) * xs * size;
-            if (LINEAR_BF16_PAIRS && wt == WT_BF16) { /* the bfloat16 input itself, rows packed */
-                memcpy((bf16 *)xf + i * k, xi, (size_t)k * sizeof(bf16));
-                continue;
-            }
-            load_row(xi, k, bf, xf + i * k);
-            if (wt == WT_INT8) round_row(xf + i * k, k, 1);
-            if (!LINEAR_WIDE) deal(xf + i * k, k, wt == WT_BF16, 0);
-            if (wt == WT_Q4)
-                for (int64_t g = 0; g < groups; g++) xsum[i * groups + g] = sum(xf + i * k + g * Q4_GROUP, Q4_GROUP);
-        }
-        LinearJob job = {xf, xsum, w, bias, scale, (char *)y + i0 * ys * y_size, ys, rows, k, bf, wt, y_f32};
-        parallel_for(linear_rows, &job, n, LINEAR_GRAIN, threads);
+    void *xp = NULL;
+#if LINEAR_AMX
+    if (wt == WT_BF16 && k % 32 == 0 && n >= 16 && amx_ready()) {
+        xp = malloc((size_t)(((m + 15) / 16) * k * 16) * sizeof(bf16));
+        pack_pairs((const bf16 *)xf, m, k, xp);
     }
+#endif
+    LinearJob job = {xf, xp, xsum, w, bias, scale, y, ys, m, k, bf, wt, y_f32};
+    parallel_for(linear_rows, &job, n, LINEAR_GRAIN, threads);
     free(xf);
+    free(xp);
     free(xsum);
 }
 

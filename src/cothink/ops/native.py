@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 ENABLED = os.environ.get("COTHINK_NATIVE", "1") != "0"
 REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 3
+ABI_VERSION = 4
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales, and
@@ -75,6 +75,7 @@ _SIGNATURES = {
     "ct_decode_layers": [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int, _I],
     "ct_q4_dequant": [_P, _P, _P, _I, _I, _I],
     "ct_helper_grains": [],
+    "ct_linear_tiles": [],
     "ct_layout": [ctypes.POINTER(_I)],
 }
 
@@ -266,6 +267,7 @@ def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, None
     lib.ct_helper_grains.restype = ctypes.c_int64
+    lib.ct_linear_tiles.restype = ctypes.c_int
     drift = layout_mismatches(lib)
     if drift:  # a field added, moved or retyped on one side only: never call the library
         reason = "native.py's structs do not match native.c's: " + "; ".join(drift)
@@ -307,6 +309,12 @@ def available() -> bool:
     """Whether the fused kernels can be used (switched on, and built for this machine); with
     COTHINK_REQUIRE_NATIVE=1, NativeKernelError where they are switched on but cannot be built."""
     return ENABLED and _library() is not None
+
+
+def bf16_tiles() -> bool:
+    """Whether `linear`'s bfloat16 products run on AMX tiles here (an x86 CPU with AMX, Linux granting
+    the tile state, the library built for them): then they are as fast as oneDNN's up to 32 rows."""
+    return available() and bool(_library().ct_linear_tiles())
 
 
 def helper_grains() -> int:
