@@ -729,6 +729,18 @@ static inline void ld16w(const void *p, int64_t i, int wt, v8 *lo, v8 *hi) {
     *hi = widen_i8((const int8_t *)p + i + 8);
 }
 
+/* One output of a linear after its float32 sum: int8's row scale (the sum times it, rounded to bfloat16),
+ * the bias, the rounding to the model dtype (y_f32: float32 holding the rounded value) */
+static inline void linear_out(float v, int64_t r, const bf16 *scale, const void *bias, void *y, int64_t at,
+                              int bf, int wt, int y_f32) {
+    if (wt == WT_INT8) v = rnd(v * from_bf16(scale[r]), 1);
+    v += bias ? load(bias, r, bf) : 0.0f;
+    if (y_f32)
+        ((float *)y)[at] = rnd(v, bf);
+    else
+        store(y, at, v, bf);
+}
+
 /* y[i, r] = x[i] . w[r] for m <= LINEAR_GROUP rows of xf (float32, ld16w's order for wt) and every
  * weight row r: each weight element is read once per pass. Inlined per (m, wt) constant pair. y is
  * of the model dtype bf, or float32 holding the values rounded to it (y_f32). int8: the sum times
@@ -746,16 +758,7 @@ static inline __attribute__((always_inline)) void linear_group(const float *xf, 
             ld16w(wr, e, wt, &w0, &w1);
             for (int64_t i = 0; i < m; i++) acc[i] += ld8(xf + i * k + e) * w0 + ld8(xf + i * k + e + 8) * w1;
         }
-        float b = bias ? load(bias, r, bf) : 0.0f;
-        for (int64_t i = 0; i < m; i++) {
-            float v = hsum8(acc[i]);
-            if (wt == WT_INT8) v = rnd(v * from_bf16(scale[r]), 1);
-            v += b;
-            if (y_f32)
-                ((float *)y)[i * ys + r] = rnd(v, bf);
-            else
-                store(y, i * ys + r, v, bf);
-        }
+        for (int64_t i = 0; i < m; i++) linear_out(hsum8(acc[i]), r, scale, bias, y, i * ys + r, bf, wt, y_f32);
     }
 }
 
@@ -812,14 +815,8 @@ static inline __attribute__((always_inline)) void linear_group_q4(const float *x
                 off[i] += offset * xsum[i * groups + g];
             }
         }
-        float b = bias ? load(bias, r, bf) : 0.0f;
-        for (int64_t i = 0; i < m; i++) {
-            float v = hsum8(acc[i]) + off[i] + b;
-            if (y_f32)
-                ((float *)y)[i * ys + r] = rnd(v, bf);
-            else
-                store(y, i * ys + r, v, bf);
-        }
+        for (int64_t i = 0; i < m; i++)
+            linear_out(hsum8(acc[i]) + off[i], r, NULL, bias, y, i * ys + r, bf, WT_Q4, y_f32);
     }
 }
 
@@ -849,17 +846,6 @@ static inline __m512 ld16w_wide(const void *p, int64_t i, int wt) {
         return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
     }
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const int8_t *)p + i))));
-}
-
-/* One output of linear_group_wide / _bf16 after its sum: int8's scale, the bias, the rounding */
-static inline void linear_out(float v, int64_t r, const bf16 *scale, const void *bias, void *y, int64_t at,
-                              int bf, int wt, int y_f32) {
-    if (wt == WT_INT8) v = rnd(v * from_bf16(scale[r]), 1);
-    v += bias ? load(bias, r, bf) : 0.0f;
-    if (y_f32)
-        ((float *)y)[at] = rnd(v, bf);
-    else
-        store(y, at, v, bf);
 }
 
 /* linear_group with 16-lane fused multiply-adds; xf float32 in natural order */
@@ -960,14 +946,8 @@ static inline __attribute__((always_inline)) void linear_group_q4_wide(const flo
                 off[i] += offset * xsum[i * groups + g];
             }
         }
-        float b = bias ? load(bias, r, bf) : 0.0f;
-        for (int64_t i = 0; i < m; i++) {
-            float v = hsum16(acc[i]) + off[i] + b;
-            if (y_f32)
-                ((float *)y)[i * ys + r] = rnd(v, bf);
-            else
-                store(y, i * ys + r, v, bf);
-        }
+        for (int64_t i = 0; i < m; i++)
+            linear_out(hsum16(acc[i]) + off[i], r, NULL, bias, y, i * ys + r, bf, WT_Q4, y_f32);
     }
 }
 #define LINEAR_GROUP_Q4 linear_group_q4_wide
