@@ -4,6 +4,8 @@ run wholly in the C kernels."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
 from support import count_fused_decode_rows, ids
@@ -187,3 +189,25 @@ def test_packed_bfloat16_linears_take_the_c_kernel_where_it_runs_on_tiles(tiny_m
     use_torch_modules(modules.model)
     restored = [m for m in modules.model.modules() if isinstance(m, packing.FastLinear)]
     assert all(type(m) is packing.PackedLinear for m in restored)
+
+
+async def test_background_prefill_beside_an_interactive_generation_keeps_the_fused_step():
+    """While an interactive generation decodes, background prefill comes in single tokens
+    (SchedulerConfig.interactive_background_chunk), so the steps that carry the interactive token and
+    a background prefill are all single-token items: the fused step runs them."""
+    from support import make_engine
+
+    engine = make_engine("llama")
+    async with engine:
+        ctx, big = engine.block("ctx"), engine.block("big")
+        await engine.extend(ctx, token_ids=ids(8, seed=1))
+        out = engine.block("out")
+        gen = engine.generate([ctx, out], max_tokens=24, priority="interactive", stop_at_eos=False, name="fg")
+        background = asyncio.create_task(engine.extend(big, token_ids=ids(64, seed=2), name="bg"))
+        await gen.collect()
+        await background
+    assert engine.runner.fused_decode is not None
+    shared = [r for r in engine.timeline if {i.coroutine for i in r.items} == {"fg", "bg"}]
+    assert shared, "the background prefill ran beside the interactive generation"
+    assert all(i.tokens == 1 for r in shared for i in r.items)
+    assert all(r.path == "fused" for r in shared)
