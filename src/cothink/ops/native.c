@@ -962,8 +962,7 @@ static inline __attribute__((always_inline)) void linear_group_q4_wide(const flo
 #endif
 
 /* AMX (x86 CPUs with tile registers, Linux): bfloat16 products on 16 x 16 tiles, for every row count,
- * so a row's result does not depend on the batch; int8 weights too, each tile widened to bfloat16
- * first (exact), with the input rounded to bfloat16 as the int8 kernels take it. The weight is the A operand as it is stored (16
+ * so a row's result does not depend on the batch. The weight is the A operand as it is stored (16
  * output rows x 32 of k per tile, loaded with the row stride), x the B operand: its rows packed once
  * per call in the tiles' pair layout (`pack_pairs`, 16 rows a block, zero-padded). Four accumulator
  * tiles cover 32 outputs x 32 rows; each output's sum runs over k in one fixed order. Output rows
@@ -1003,40 +1002,19 @@ static void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* x rows [m, k] (row stride k: bfloat16, or float32 holding bfloat16 values, `f32`) into the B operand's
- * layout: per block of 16 rows, per pair of k, the 16 rows' two elements side by side (64 bytes); rows
- * past m are zero. */
-static void pack_pairs(const void *x, int f32, int64_t m, int64_t k, bf16 *out) {
+/* x rows [m, k] (bfloat16, row stride k) into the B operand's layout: per block of 16 rows, per pair of
+ * k, the 16 rows' two elements side by side (64 bytes); rows past m are zero. */
+static void pack_pairs(const bf16 *x, int64_t m, int64_t k, bf16 *out) {
     int64_t blocks = (m + 15) / 16;
     memset(out, 0, (size_t)(blocks * k * 16) * sizeof(bf16));
     for (int64_t i = 0; i < m; i++) {
         bf16 *o = out + (i / 16) * k * 16 + (i % 16) * 2;
-        for (int64_t e = 0; e < k; e++)
-            o[(e / 2) * 32 + e % 2] = f32 ? to_bf16(((const float *)x)[i * k + e]) : ((const bf16 *)x)[i * k + e];
+        for (int64_t p = 0; p < k / 2; p++) {
+            o[p * 32] = x[i * k + 2 * p];
+            o[p * 32 + 1] = x[i * k + 2 * p + 1];
+        }
     }
 }
-
-/* An int8 weight tile, 16 rows (row stride k) x 32, as bfloat16 (exact: |q| <= 127) into out [16, 32] */
-static inline void widen_tile_i8(const int8_t *p, int64_t k, bf16 *out) {
-    for (int row = 0; row < 16; row++) {
-        __m256i b = _mm256_loadu_si256((const __m256i *)(p + row * k));
-        __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(b)));
-        __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(b, 1)));
-        _mm512_storeu_si512(out + row * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-}
-
-/* Tile T <- the A operand: weight rows r.. (16) x k columns e.. (32): bfloat16 in place, int8 widened
- * into buf first (T a constant, as the tile instructions need) */
-#define AMX_LOAD_A(T, w, wt, k, r, e, buf)                                                               \
-    do {                                                                                                 \
-        if ((wt) == WT_INT8) {                                                                           \
-            widen_tile_i8((const int8_t *)(w) + (r) * (k) + (e), (k), (buf));                            \
-            _tile_loadd(T, (buf), 64);                                                                   \
-        } else {                                                                                         \
-            _tile_loadd(T, (const bf16 *)(w) + (r) * (k) + (e), (k) * (int64_t)sizeof(bf16));            \
-        }                                                                                                \
-    } while (0)
 
 /* 16 float32 rounded to bfloat16 as to_bf16 rounds each (nearest even, NaN quiet), as the bit patterns of
  * the bfloat16 values widened back to float32 */
@@ -1048,61 +1026,47 @@ static inline __m512i round_bf16x16(__m512 v) {
     return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
 }
 
-/* 16 bfloat16 from p as float32 */
-static inline __m512 widen_bf16x16(const bf16 *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* One tile of results, 16 outputs (r0..) x 16 rows of x (i0..), into y [m, n]: linear_out's arithmetic
- * 16 outputs at a time (int8: the sum times the row scale, rounded to bfloat16; the bias; one rounding
- * to the model dtype bf; y_f32: float32 holding the rounded values). */
-static void amx_out(const float *t, int64_t r0, int64_t i0, int64_t m, const bf16 *scale, const void *bias,
-                    void *y, int64_t ys, int bf, int y_f32) {
+/* One tile of results, 16 outputs (r0..) x 16 rows of x (i0..): bias, one rounding to bfloat16, into
+ * y [m, n] (y_f32: float32 holding the rounded values); linear_out's arithmetic, 16 outputs at a time. */
+static void amx_out(const float *t, int64_t r0, int64_t i0, int64_t m, const void *bias, void *y, int64_t ys,
+                    int y_f32) {
     float col[16];
-    __m512 sc = scale ? widen_bf16x16(scale + r0) : _mm512_setzero_ps();
-    __m512 b = !bias ? _mm512_setzero_ps()
-             : bf    ? widen_bf16x16((const bf16 *)bias + r0)
-                     : _mm512_loadu_ps((const float *)bias + r0);
+    __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const bf16 *)bias + r0))), 16))
+                    : _mm512_setzero_ps();
     for (int64_t c = 0; c < 16 && i0 + c < m; c++) {
         for (int a = 0; a < 16; a++) col[a] = t[a * 16 + c];
-        __m512 v = _mm512_loadu_ps(col);
-        if (scale) v = _mm512_castsi512_ps(round_bf16x16(_mm512_mul_ps(v, sc)));
-        v = _mm512_add_ps(v, b);
-        int64_t at = (i0 + c) * ys + r0;
-        if (!bf) {
-            _mm512_storeu_ps((float *)y + at, v);
-            continue;
-        }
-        __m512i r = round_bf16x16(v);
+        __m512i r = round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(col), b));
         if (y_f32)
-            _mm512_storeu_si512((float *)y + at, r);
+            _mm512_storeu_si512((float *)y + (i0 + c) * ys + r0, r);
         else
-            _mm256_storeu_si256((__m256i *)((bf16 *)y + at), _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+            _mm256_storeu_si256((__m256i *)((bf16 *)y + (i0 + c) * ys + r0),
+                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
     }
 }
 
 /* Up to 64 outputs (r0.., `nr` blocks of 16) x 16 rows of x (xb: one packed block): four accumulators
  * over one x tile. What a step of up to 16 rows (a decode step) runs: four independent chains. */
-static inline __attribute__((always_inline)) void amx_tall(const bf16 *xb, const void *w, int wt, int64_t k,
-                                                           int64_t r0, int nr, bf16 *buf, float t[4][256]) {
+static void amx_tall(const bf16 *xb, const bf16 *w, int64_t k, int64_t r0, int nr, float t[4][256]) {
+    int64_t stride = k * (int64_t)sizeof(bf16);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t e = 0; e < k; e += 32) {
         _tile_loadd(6, xb + e * 16, 64);
-        AMX_LOAD_A(4, w, wt, k, r0, e, buf);
+        _tile_loadd(4, w + r0 * k + e, stride);
         _tile_dpbf16ps(0, 4, 6);
         if (nr > 1) {
-            AMX_LOAD_A(5, w, wt, k, r0 + 16, e, buf + 512);
+            _tile_loadd(5, w + (r0 + 16) * k + e, stride);
             _tile_dpbf16ps(1, 5, 6);
         }
         if (nr > 2) {
-            AMX_LOAD_A(7, w, wt, k, r0 + 32, e, buf + 1024);
+            _tile_loadd(7, w + (r0 + 32) * k + e, stride);
             _tile_dpbf16ps(2, 7, 6);
         }
         if (nr > 3) {
-            AMX_LOAD_A(4, w, wt, k, r0 + 48, e, buf + 1536);
+            _tile_loadd(4, w + (r0 + 48) * k + e, stride);
             _tile_dpbf16ps(3, 4, 6);
         }
     }
@@ -1113,19 +1077,19 @@ static inline __attribute__((always_inline)) void amx_tall(const bf16 *xb, const
 }
 
 /* 32 outputs (r0.., `nr` blocks of 16) x 32 rows of x (x0, x1: two packed blocks, x1 NULL: one) */
-static inline __attribute__((always_inline)) void amx_square(const bf16 *x0, const bf16 *x1, const void *w,
-                                                             int wt, int64_t k, int64_t r0, int nr, bf16 *buf,
-                                                             float t[4][256]) {
+static void amx_square(const bf16 *x0, const bf16 *x1, const bf16 *w, int64_t k, int64_t r0, int nr,
+                       float t[4][256]) {
+    int64_t stride = k * (int64_t)sizeof(bf16);
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t e = 0; e < k; e += 32) {
-        AMX_LOAD_A(4, w, wt, k, r0, e, buf);
+        _tile_loadd(4, w + r0 * k + e, stride);
         _tile_loadd(6, x0 + e * 16, 64);
         _tile_dpbf16ps(0, 4, 6);
         if (nr > 1) {
-            AMX_LOAD_A(5, w, wt, k, r0 + 16, e, buf + 512);
+            _tile_loadd(5, w + (r0 + 16) * k + e, stride);
             _tile_dpbf16ps(1, 5, 6);
         }
         if (x1) {
@@ -1140,37 +1104,29 @@ static inline __attribute__((always_inline)) void amx_square(const bf16 *x0, con
     _tile_stored(3, t[3], 64);
 }
 
-/* Weight rows 0 .. n-1 (a multiple of 16 of them; bfloat16, or int8 with its row scales) for every row
- * of x: xp the packed rows. Each output's sum is the same chain of tile products over k whichever
- * routine computes it. */
-static void linear_rows_amx(const bf16 *xp, const void *w, int wt, const bf16 *scale, const void *bias,
-                            void *y, int64_t ys, int64_t m, int64_t k, int64_t n, int bf, int y_f32) {
+/* Weight rows 0 .. n-1 (a multiple of 16 of them) for every row of x: xp the packed rows. Each output's
+ * sum is the same chain of tile products over k whichever routine computes it. */
+static void linear_rows_amx(const bf16 *xp, const bf16 *w, const void *bias, void *y, int64_t ys, int64_t m,
+                            int64_t k, int64_t n, int y_f32) {
     float t[4][256];
-    bf16 buf[4 * 512]; /* int8 weight tiles widened */
     int64_t blocks = (m + 15) / 16;
     amx_configure();
     if (blocks == 1) {
         for (int64_t r0 = 0; r0 < n; r0 += 64) {
             int nr = (int)((n - r0) / 16 < 4 ? (n - r0) / 16 : 4);
-            if (wt == WT_INT8)
-                amx_tall(xp, w, WT_INT8, k, r0, nr, buf, t);
-            else
-                amx_tall(xp, w, WT_BF16, k, r0, nr, buf, t);
-            for (int a = 0; a < nr; a++) amx_out(t[a], r0 + 16 * a, 0, m, scale, bias, y, ys, bf, y_f32);
+            amx_tall(xp, w, k, r0, nr, t);
+            for (int a = 0; a < nr; a++) amx_out(t[a], r0 + 16 * a, 0, m, bias, y, ys, y_f32);
         }
     } else {
         for (int64_t r0 = 0; r0 < n; r0 += 32) {
             int nr = r0 + 32 <= n ? 2 : 1;
             for (int64_t b0 = 0; b0 < blocks; b0 += 2) {
                 const bf16 *x0 = xp + b0 * k * 16, *x1 = b0 + 1 < blocks ? x0 + k * 16 : NULL;
-                if (wt == WT_INT8)
-                    amx_square(x0, x1, w, WT_INT8, k, r0, nr, buf, t);
-                else
-                    amx_square(x0, x1, w, WT_BF16, k, r0, nr, buf, t);
-                amx_out(t[0], r0, b0 * 16, m, scale, bias, y, ys, bf, y_f32);
-                if (nr > 1) amx_out(t[1], r0 + 16, b0 * 16, m, scale, bias, y, ys, bf, y_f32);
-                if (x1) amx_out(t[2], r0, b0 * 16 + 16, m, scale, bias, y, ys, bf, y_f32);
-                if (x1 && nr > 1) amx_out(t[3], r0 + 16, b0 * 16 + 16, m, scale, bias, y, ys, bf, y_f32);
+                amx_square(x0, x1, w, k, r0, nr, t);
+                amx_out(t[0], r0, b0 * 16, m, bias, y, ys, y_f32);
+                if (nr > 1) amx_out(t[1], r0 + 16, b0 * 16, m, bias, y, ys, y_f32);
+                if (x1) amx_out(t[2], r0, b0 * 16 + 16, m, bias, y, ys, y_f32);
+                if (x1 && nr > 1) amx_out(t[3], r0 + 16, b0 * 16 + 16, m, bias, y, ys, y_f32);
             }
         }
     }
@@ -1180,8 +1136,7 @@ static void linear_rows_amx(const bf16 *xp, const void *w, int wt, const bf16 *s
 #define LINEAR_AMX 0
 #endif
 
-/* Whether ct_linear's bfloat16 and int8-weight products (k a multiple of 32, 16 or more outputs) run on
- * AMX tiles */
+/* Whether ct_linear's bfloat16 products (k a multiple of 32, 16 or more outputs) run on AMX tiles */
 int ct_linear_tiles(void) {
 #if LINEAR_AMX
     return amx_ready();
@@ -1233,11 +1188,9 @@ static void linear_rows(void *ctx, int64_t begin, int64_t end) {
 #if LINEAR_AMX
     if (j->xp) { /* whole tiles of 16 outputs on AMX, what is left below */
         int64_t tiled = (n / 16) * 16;
-        linear_rows_amx(j->xp, w, j->wt, scale, bias, (char *)j->y + begin * y_size, j->ys, j->m, k, tiled, j->bf,
-                        j->y_f32);
+        linear_rows_amx(j->xp, w, bias, (char *)j->y + begin * y_size, j->ys, j->m, k, tiled, j->y_f32);
         if (tiled == n) return;
-        w = (const char *)w + tiled * weight_row_bytes(j->wt, k);
-        scale = scale ? (const void *)((const bf16 *)scale + tiled) : NULL;
+        w = (const bf16 *)w + tiled * k;
         bias = bias ? (const char *)bias + tiled * size : NULL;
         begin += tiled;
         n -= tiled;
@@ -1289,9 +1242,9 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
     }
     void *xp = NULL;
 #if LINEAR_AMX
-    if ((wt == WT_BF16 || wt == WT_INT8) && k % 32 == 0 && n >= 16 && amx_ready()) {
+    if (wt == WT_BF16 && k % 32 == 0 && n >= 16 && amx_ready()) {
         xp = malloc((size_t)(((m + 15) / 16) * k * 16) * sizeof(bf16));
-        pack_pairs(xf, wt == WT_INT8, m, k, xp); /* int8's rows: float32 holding bfloat16 values */
+        pack_pairs((const bf16 *)xf, m, k, xp);
     }
 #endif
     LinearJob job = {xf, xp, xsum, w, bias, scale, y, ys, m, k, bf, wt, y_f32};
