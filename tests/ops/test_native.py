@@ -154,7 +154,7 @@ def test_linear_is_the_float32_product_rounded_once(dtype, k):
         native.linear(x_all[:, :32], w, None)
 
 
-@pytest.mark.parametrize("k", [48, 144])
+@pytest.mark.parametrize("k", [48, 144, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_linear_is_the_scaled_product_of_the_rounded_input(dtype, k):
     """int8 weights with a bfloat16 scale per row: x rounded to bfloat16, the float32 sum times the
