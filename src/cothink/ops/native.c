@@ -681,12 +681,12 @@ void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int6
 
 /* Rows of a linear layer processed per pass over the weight: their accumulators stay in registers. */
 #define LINEAR_GROUP 8
-/* Bytes ahead of a bfloat16 weight stream that each cache line is prefetched: the loads of the rows
- * in flight are too few for the memory's latency (the loop's arithmetic fills the reorder window).
- * Measured on 2 threads, Zen 3, SmolLM2 single-stream decode (bench/step_phases.py, four alternated
- * runs a side): the fused layers 13.3 -> 12.0 ms per token, the lm_head 3.0 -> 2.4 (best runs). A
- * float32 stream ran slower with it (the layers ~1.15x the time), and int8 is bound by widening,
- * not by memory. */
+/* Bytes ahead of a weight stream that each cache line is prefetched: the loads of the rows in flight
+ * are too few for the memory's latency (the loop's arithmetic fills the reorder window). Measured on
+ * 2 threads, SmolLM2 single-stream decode (bench/step_phases.py): the portable kernel on Zen 3, the
+ * fused layers 13.3 -> 12.0 ms per token in bfloat16 (float32 ran slower with it, int8 was bound by
+ * widening: it prefetches bfloat16 only); the AVX-512 kernel on an Intel Xeon with AMX, int8 11.6 ->
+ * 9.1-9.8 ms (63.7 -> 75-80 tokens/s), float32 unchanged (25.8 -> 25.5 ms): it prefetches every type. */
 #define LINEAR_PREFETCH 2048
 
 /* Weight storage of ct_linear: the model dtype (x's: float32 or bfloat16), int8 with a bfloat16
@@ -860,7 +860,7 @@ static inline __attribute__((always_inline)) void linear_group_wide(const float 
         for (int64_t i = 0; i < m; i++) a0[i] = a1[i] = _mm512_setzero_ps();
         int64_t e = 0;
         for (; e + 32 <= k; e += 32) {
-            if (wt == WT_BF16) __builtin_prefetch(wr + e * size + LINEAR_PREFETCH);
+            __builtin_prefetch(wr + e * size + LINEAR_PREFETCH);
             __m512 w0 = ld16w_wide(wr, e, wt), w1 = ld16w_wide(wr, e + 16, wt);
             for (int64_t i = 0; i < m; i++) {
                 a0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + i * k + e), w0, a0[i]);
