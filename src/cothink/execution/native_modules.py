@@ -6,10 +6,11 @@ backend, `use_native_modules` replaces, in a model whose projections are fused (
 plain module by its native subclass here, sharing its parameters: the norms (with the residual add
 before them, and per head for the q/k norms), SiLU x up, the attention output gate, Gated DeltaNet's
 gates, output norm and a decoding token's conv + delta rule, and the linears (`NativeCpuLinear`,
-`NativeInt8Linear`, `NativeInt4Linear`; oneDNN-packed bfloat16 ones, `NativePackedLinear`, where the
-C kernel runs bfloat16 on AMX tiles). Each takes its kernel where the input is one the kernel reads
-and otherwise runs the plain module's torch code; the kernels make the torch path's roundings to the
-model dtype (tests/ops/test_native.py; 4-bit products: within float32 rounding, models/quant4.py).
+`NativeInt8Linear`, `NativeInt4Linear`; oneDNN-packed bfloat16 ones, `NativePackedLinear`, where
+the C kernel runs bfloat16 on AMX tiles and COTHINK_BF16_TILES=1). Each takes its kernel where the
+input is one the kernel reads and otherwise runs the plain module's torch code; the kernels make the
+torch path's roundings to the model dtype (tests/ops/test_native.py; 4-bit products: within float32
+rounding, models/quant4.py).
 `use_torch_modules` puts the plain modules back. The eager modules (`fast=False`) are never replaced.
 
 NATIVE_MAX_ROWS: rows up to which the C linear runs a product (and a decode step can take the fused
@@ -207,9 +208,10 @@ class NativeCpuLinear(NativeLinear, CpuLinear):
 
 class NativePackedLinear(NativeLinear, PackedLinear):
     """PackedLinear with its products of up to NATIVE_MAX_ROWS rows in the C kernel, where that runs
-    bfloat16 on AMX tiles (`native.bf16_tiles`): as fast as oneDNN's product there, and no per-call
-    dispatch, so a decode step can take the fused step. It keeps the plain weight beside oneDNN's
-    packed one (which wider steps, prefill chunks, still use): the linears' memory twice."""
+    bfloat16 on AMX tiles and the user opts in (`native.use_bf16_tiles`, COTHINK_BF16_TILES=1): as fast
+    as oneDNN's product there, and no per-call dispatch, so a decode step can take the fused step. It
+    keeps the plain weight beside oneDNN's packed one (which wider steps, prefill chunks, still use):
+    the linears' memory twice, which is why it is opt-in (docs/runtime.md)."""
 
     @classmethod
     def of(cls, other: PackedLinear) -> NativePackedLinear:
@@ -320,7 +322,7 @@ def use_native_modules(model: CausalLM) -> None:
     The eager modules stay as they are."""
     if model.fused:
         makers = {plain: _MAKE[plain](fast) for plain, fast in _NATIVE.items()}
-        if native.bf16_tiles():  # oneDNN's bfloat16 products: the C kernel's for decode-sized steps too
+        if native.use_bf16_tiles():  # oneDNN's bfloat16 products: the C kernel's for decode-sized steps too
             makers[PackedLinear] = NativePackedLinear.of
         _replace(model, makers)
 

@@ -45,6 +45,9 @@ log = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("COTHINK_NATIVE", "1") != "0"
 REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
+# bfloat16 products of decode-sized steps on AMX tiles in the C kernel, beside oneDNN's packed weights
+# (a second copy of every bfloat16 linear's weight): opt in, execution/native_modules.py
+BF16_TILES = os.environ.get("COTHINK_BF16_TILES", "0") == "1"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
 ABI_VERSION = 4
 SOURCE = Path(__file__).with_name("native.c")
@@ -315,6 +318,12 @@ def bf16_tiles() -> bool:
     """Whether `linear`'s bfloat16 products run on AMX tiles here (an x86 CPU with AMX, Linux granting
     the tile state, the library built for them): then they are as fast as oneDNN's up to 32 rows."""
     return available() and bool(_library().ct_linear_tiles())
+
+
+def use_bf16_tiles() -> bool:
+    """Whether oneDNN-packed bfloat16 linears also take the C kernel on AMX tiles for decode-sized steps
+    (COTHINK_BF16_TILES=1, where `bf16_tiles`): faster decode, a second copy of those weights."""
+    return BF16_TILES and bf16_tiles()
 
 
 def helper_grains() -> int:
