@@ -289,12 +289,14 @@ def fmt(x: float, digits: int = 1) -> str:
 
 # ------------------------------------------------------------------------------------- machine limits
 
-# "int8" runs cothink with weight-only int8 linears (bfloat16 activations) against transformers bf16
-COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16}
+# "int8" / "int4" run cothink with weight-only int8 / 4-bit linears (bfloat16 activations) against
+# transformers bf16
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.bfloat16,
+                  "int4": torch.bfloat16}
 
 
 def quantize_of(dtype_name: str) -> str | None:
-    return "int8" if dtype_name == "int8" else None
+    return dtype_name if dtype_name in ("int8", "int4") else None
 
 
 def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
@@ -308,9 +310,14 @@ def linear_parameters(model: torch.nn.Module) -> int:
 
 def streamed_weight_bytes(model: torch.nn.Module, dtype_name: str) -> int:
     """Bytes of weights one decode step reads: every linear (lm_head included; the embedding lookup
-    reads one row). "int8": one byte per weight plus a bfloat16 scale per output row."""
+    reads one row). "int8": one byte per weight plus a bfloat16 scale per output row. "int4": half a
+    byte per weight plus a float32 scale and offset per 32 (models/quant4.py), the lm_head int8."""
     if dtype_name == "int8":
         return sum(m.weight.numel() + 2 * m.weight.shape[0] for m in _linears(model))
+    if dtype_name == "int4":
+        head = getattr(model, "lm_head", None)
+        return sum(m.weight.numel() + 2 * m.weight.shape[0] if m is head else m.weight.numel() // 2
+                   + m.weight.numel() // 32 * 8 for m in _linears(model))
     elsize = torch.tensor([], dtype=DTYPES[dtype_name]).element_size()
     return linear_parameters(model) * elsize
 

@@ -10,8 +10,8 @@ transformers as ``model(ids, logits_to_keep=1)`` with a fresh DynamicCache. Deco
 (cothink: ``engine.generate``; transformers: a manual loop feeding each token with ``past_key_values``).
 Each measurement is the best of --repeats runs (after a warm-up at the first length); cothink and
 transformers alternate within each repeat. The ratios are cothink / transformers (above 1: cothink is
-faster). Dtype "int8" is cothink with weight-only int8 linears (bfloat16 activations) against
-transformers in bfloat16.
+faster). Dtypes "int8" and "int4" are cothink with weight-only int8 or 4-bit linears (bfloat16
+activations) against transformers in bfloat16.
 
 Limits, measured in the same run per dtype (bench/_common.py): GEMV bandwidth over a weight larger
 than the caches, and GEMM GFLOP/s, each the faster of `F.linear` and the kernel cothink's fast path
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         nargs="+",
         choices=list(C.COMPUTE_DTYPES),
         default=None,
-        help="dtypes to measure (default: float32 bfloat16 int8)",
+        help="dtypes to measure (default: float32 bfloat16 int8; int4 on request)",
     )
     p.add_argument(
         "--lengths", type=int, nargs="+", default=None, help="prefill lengths (default: 128 512 2048)"
