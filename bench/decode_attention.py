@@ -5,13 +5,15 @@
     python bench/decode_attention.py --quick    # context 128, N = 1 2
 
 N coroutines share a context of L tokens (one block, prefilled once); each decodes one token per step
-over [context, its own block], so a step reads about N x L keys per query head. Every step runs the
-same model twice, alternating: with the "native" backend's fused kernel at any size
-(`NATIVE_DECODE_MAX_KEYS` lifted; steps of up to 32 rows then run as the fused decode step,
-execution/fused_decode.py, as they do in use) and with the torch kernels (the limit set to 0: CPU
-flash attention per shared run, a padded batch for the own runs, LSE merges). Each is the best of
---repeats timed groups of --steps steps. Prints ms per step and the ratio torch / native; this is
-the measurement behind `NATIVE_DECODE_MAX_KEYS` (execution/attention_backends.py). Writes
+over [context, its own block], so a step reads about N x L keys per query head. With --private each
+coroutine reads a context of its own instead (N blocks of L tokens: as many distinct keys as reads).
+Every step runs the same model twice, alternating: with the "native" backend's fused kernel at any size
+(`NATIVE_DECODE_MAX_KEYS` and `NATIVE_DECODE_MAX_SHARING` lifted; steps of up to 32 rows then run as
+the fused decode step, execution/fused_decode.py, as they do in use) and with the torch kernels (the
+limits set to 0: CPU flash attention per shared run, a padded batch for the own runs, LSE merges).
+Each is the best of --repeats timed groups of --steps steps. Prints ms per step and the ratio torch /
+native; this is the measurement behind `NATIVE_DECODE_MAX_KEYS` and `NATIVE_DECODE_MAX_SHARING`
+(execution/attention_backends.py). Writes
 decode_attention.json and decode_attention.png to --out.
 """
 
@@ -43,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None,
                    help="decode steps per timed group (default 4; quick 2)")
     p.add_argument("--repeats", type=int, default=None, help="timed groups per kernel (default 3; quick 1)")
+    p.add_argument("--private", action="store_true",
+                   help="each coroutine reads a context of its own (default: one shared context)")
     args = p.parse_args(argv)
     q = args.quick
     args.contexts = args.contexts or ([128] if q else [256, 1024, 2048])
@@ -56,39 +60,44 @@ def kv_tokens(args: argparse.Namespace) -> int:
     """Pool slots for the largest context and its readers' blocks (each freed after its measurement),
     with a page of rounding per block."""
     per_block = OWN_TOKENS + 2 * (1 + args.repeats) * args.steps + 64  # both kernels' steps, a page
-    return max(args.contexts) + 64 + max(args.coroutines) * per_block
+    contexts = max(args.coroutines) if args.private else 1
+    return contexts * (max(args.contexts) + 64) + max(args.coroutines) * per_block
 
 
-def measure(runner: Any, context: Any, n: int, args: argparse.Namespace) -> dict[str, float]:
+def measure(runner: Any, contexts: list[Any], args: argparse.Namespace) -> dict[str, float]:
+    """Decode steps of one coroutine per context block in `contexts` (the same block n times: shared)."""
     from cothink.execution import attention_backends
     from cothink.execution.step import StepItem
 
+    n = len(contexts)
     own = [runner.new_block() for _ in range(n)]
-    runner.step([StepItem(b, [7 + i] * OWN_TOKENS, view=[context, b], logits="none")
-                 for i, b in enumerate(own)])
+    runner.step([StepItem(b, [7 + i] * OWN_TOKENS, view=[c, b], logits="none")
+                 for i, (c, b) in enumerate(zip(contexts, own))])
 
     def steps() -> None:
         for _ in range(args.steps):
-            runner.step([StepItem(b, [5], view=[context, b], logits="last") for b in own])
+            runner.step([StepItem(b, [5], view=[c, b], logits="last") for c, b in zip(contexts, own)])
 
     best = {"native": float("inf"), "torch": float("inf")}
     limits = {"torch": 0, "native": UNLIMITED}
-    saved = attention_backends.NATIVE_DECODE_MAX_KEYS
+    saved = attention_backends.NATIVE_DECODE_MAX_KEYS, attention_backends.NATIVE_DECODE_MAX_SHARING
     try:
         for rep in range(1 + args.repeats):  # the first round warms both up
             for name, limit in limits.items():
                 attention_backends.NATIVE_DECODE_MAX_KEYS = limit
+                attention_backends.NATIVE_DECODE_MAX_SHARING = limit
                 seconds, _ = C.timed(steps)
                 if rep:
                     best[name] = min(best[name], seconds / args.steps)
     finally:
-        attention_backends.NATIVE_DECODE_MAX_KEYS = saved
+        attention_backends.NATIVE_DECODE_MAX_KEYS, attention_backends.NATIVE_DECODE_MAX_SHARING = saved
         for block in own:
             runner.free(block)
     return {
-        "context": context.length,
+        "context": contexts[0].length,
         "coroutines": n,
-        "keys_per_step": n * (context.length + OWN_TOKENS),  # at the first step (one more per step after)
+        "private": len({id(c) for c in contexts}) > 1,
+        "keys_per_step": n * (contexts[0].length + OWN_TOKENS),  # at the first step (one more per step after)
         "native_ms": best["native"] * 1e3,
         "torch_ms": best["torch"] * 1e3,
         "speedup": best["torch"] / best["native"],
@@ -108,10 +117,14 @@ def run_dtype(folder: Path, name: str, args: argparse.Namespace) -> dict[str, An
     gen = torch.Generator().manual_seed(args.seed)
     results = []
     for length in args.contexts:
-        context = runner.new_block()
-        runner.extend(context, C.random_tokens(length, vocab, gen), logits="none")
-        results += [C.on_compute(measure, runner, context, n, args) for n in args.coroutines]
-        runner.free(context)
+        for n in args.coroutines:
+            blocks = [runner.new_block() for _ in range(n if args.private else 1)]
+            for block in blocks:
+                runner.extend(block, C.random_tokens(length, vocab, gen), logits="none")
+            contexts = blocks if args.private else blocks * n
+            results.append(C.on_compute(measure, runner, contexts, args))
+            for block in blocks:
+                runner.free(block)
     return {"dtype": name, "results": results}
 
 

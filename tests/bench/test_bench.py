@@ -238,7 +238,12 @@ def test_decode_attention_quick(tiny_folder, tmp_path, capsys, monkeypatch):
         assert [(r["context"], r["coroutines"], r["keys_per_step"]) for r in run["results"]] == [
             (40, 1, 44), (40, 3, 132)]
         assert all(r["native_ms"] > 0 and r["torch_ms"] > 0 for r in run["results"])
+        assert [r["private"] for r in run["results"]] == [False, False]
     assert (tmp_path / "decode_attention.png").stat().st_size > 0
+    # each coroutine on a context of its own
+    assert bench.main([*argv[:-2], "3", "--private", "--dtypes", "float32"]) == 0
+    (run,) = json.loads((tmp_path / "decode_attention.json").read_text())["runs"]
+    assert [(r["coroutines"], r["private"], r["keys_per_step"]) for r in run["results"]] == [(3, True, 132)]
 
 
 _NO_COMPILER = shutil.which("g++") is None and shutil.which("c++") is None

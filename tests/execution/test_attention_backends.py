@@ -84,6 +84,7 @@ def test_native_decode_hands_large_steps_to_the_torch_kernels(monkeypatch):
     seen: list[tuple[bool, bool]] = []  # per attention call: (fused decode, padded torch batch)
     monkeypatch.setattr(NativeBackend, "forward", _recording(NativeBackend.forward, seen))
     monkeypatch.setattr(attention_backends, "NATIVE_DECODE_MAX_KEYS", 0)
+    monkeypatch.setattr(attention_backends, "NATIVE_DECODE_MAX_SHARING", 0)
     large = _scenario(load_runner("llama", kv_tokens=512, page_size=4, attention_backend="native"))
     over, seen[:] = list(seen), []
     monkeypatch.setattr(attention_backends, "NATIVE_DECODE_MAX_KEYS", 1024)
@@ -92,6 +93,26 @@ def test_native_decode_hands_large_steps_to_the_torch_kernels(monkeypatch):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
     assert not any(n for n, _ in over) and any(d for _, d in over)  # over the limit: the torch batch
     assert any(n for n, _ in seen)  # the same steps under it: the fused kernel
+
+
+def test_distinct_keys_count_a_shared_run_once():
+    """Over NATIVE_DECODE_MAX_KEYS the native kernel keeps a step whose keys are read by few items each
+    (reads / distinct keys <= NATIVE_DECODE_MAX_SHARING): a shared run counts once, own runs each."""
+    from types import SimpleNamespace
+
+    from cothink.execution.step import KeyRun, RunKey
+
+    def run(n: int, shared: RunKey | None) -> KeyRun:
+        return KeyRun(torch.arange(n), torch.zeros(1), torch.zeros(1), False, shared)
+
+    def plan(*runs: KeyRun) -> SimpleNamespace:  # the one field of an ItemPlan it reads
+        return SimpleNamespace(runs=list(runs))
+
+    ctx = RunKey(block_id=1, length=100)
+    private = [plan(run(100, RunKey(block_id=10 + i, length=100)), run(3, None)) for i in range(4)]
+    shared = [plan(run(100, ctx), run(3, None)) for _ in range(4)]
+    assert attention_backends._distinct_keys(private) == 4 * 103
+    assert attention_backends._distinct_keys(shared) == 100 + 4 * 3
 
 
 def _recording(forward, seen: list[tuple[bool, bool]]):

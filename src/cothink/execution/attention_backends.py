@@ -59,6 +59,20 @@ BACKEND_NAMES = ("auto", "torch", "native", "reference")
 # torch kernels up to 16,416 keys; without the fused step around it, even at 32,832 keys and 0.74-0.78x
 # at 65,664 (the torch path reads a shared run once for all its readers, the kernel once per reader).
 NATIVE_DECODE_MAX_KEYS = 16384
+# Above that, the native decode attention still runs a step whose keys are read by few items each:
+# reads over distinct keys (a shared run counted once) up to this. The torch kernels' advantage is
+# reading a shared run once for all its readers; on private contexts they gather and widen every key.
+# Measured (`bench/decode_attention.py --private`, SmolLM2 bfloat16, 2-vCPU Intel Xeon with AMX): N
+# coroutines on contexts of their own, the native step 4.1-4.9x faster at 4-8k keys, 12.8-17.8x at
+# 16-33k (32 x 1024 keys: 139 vs 2 471 ms a step); on one shared context, 1.3-1.8x at 8-33k keys.
+NATIVE_DECODE_MAX_SHARING = 2.0
+
+
+def _distinct_keys(plans: list[ItemPlan]) -> int:
+    """Keys of the step's decode items, each shared run (a block others may read) counted once."""
+    shared = {run.shared: run.slots.numel() for p in plans for run in p.runs if run.shared is not None}
+    own = sum(run.slots.numel() for p in plans for run in p.runs if run.shared is None)
+    return own + sum(shared.values())
 
 
 @dataclass(kw_only=True)
@@ -367,7 +381,8 @@ class NativeBackend(TorchBackend):
         of 16, as every released model's)."""
         if pool.dtype not in native.DTYPES or pool.shape[-1] % 16:
             return None
-        if sum(run.slots.numel() for p in plans for run in p.runs) > NATIVE_DECODE_MAX_KEYS:
+        keys = sum(run.slots.numel() for p in plans for run in p.runs)
+        if keys > NATIVE_DECODE_MAX_KEYS and keys > NATIVE_DECODE_MAX_SHARING * _distinct_keys(plans):
             return None
         runs = [[(run.slots, run.cos, run.sin) for run in p.runs] for p in plans]
         return native.DecodePlan([p.rows.start for p in plans], runs)
