@@ -183,6 +183,15 @@ class NativeLinear:
             and self.takes_dtype(rows.dtype) and native.available()
         )
 
+    def _native_rows_of(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The C kernel's product for x of any leading dimensions, or None where it does not take x
+        (x's dtype included: `_takes_native`)."""
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if not self._takes_native(rows):
+            return None
+        y = self._native(rows)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
     def _native(self, rows: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         w, scale, b = self.operands()
         return native.linear(rows, w, b, scale=scale, float_out=float_out)
@@ -199,11 +208,8 @@ class NativeCpuLinear(NativeLinear, CpuLinear):
         return self._w, None, self._b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if x.dtype == self._w.dtype and self._takes_native(rows):
-            y = self._native(rows)
-            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-        return super().forward(x)
+        y = self._native_rows_of(x)
+        return super().forward(x) if y is None else y
 
 
 class NativePackedLinear(NativeLinear, PackedLinear):
@@ -224,11 +230,8 @@ class NativePackedLinear(NativeLinear, PackedLinear):
         return self._w, None, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x if x.dim() == 2 else x.reshape(-1, self.in_features)
-        if self._takes_native(rows):
-            y = self._native(rows)
-            return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-        return super().forward(x)
+        y = self._native_rows_of(x)
+        return super().forward(x) if y is None else y
 
 
 class NativeInt8Linear(NativeLinear, Int8Linear):
