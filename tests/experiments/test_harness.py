@@ -130,3 +130,14 @@ def test_core_install_runs_without_the_experiments_extra():
     done = subprocess.run([sys.executable, "-c", WITHOUT_EXTRA], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("core ok")
+
+
+def test_proportion_ci_is_wilsons_interval():
+    # textbook values of the 95 % Wilson score interval
+    lo, hi = harness.proportion_ci(5, 10)
+    assert (round(lo, 4), round(hi, 4)) == (0.2366, 0.7634)
+    lo, hi = harness.proportion_ci(0, 10)
+    assert lo == 0.0 and round(hi, 4) == 0.2775
+    lo, hi = harness.proportion_ci(10, 10)
+    assert round(lo, 4) == 0.7225 and hi == 1.0
+    assert harness.format_proportion(3, 21) == "3/21 (0.14, 0.05-0.35)"

@@ -248,7 +248,8 @@ def test_quick_run_rows(tiny, tmp_path):
     for row in rows:
         assert set(row) == {"scenario", "anomaly", "condition", "predicted", "correct", "forward_passes",
                             "tokens_encoded", "events_seen", "events_processed", "detect_seconds"}
-        assert row["predicted"] in ANOMALIES and row["correct"] == (row["predicted"] == row["anomaly"])
+        assert row["predicted"] in ANOMALIES
+        assert row["correct"] == mon.is_correct(row["anomaly"], row["predicted"], row["detect_seconds"])
         assert 0 < row["events_processed"] <= row["events_seen"] <= 6
         if row["condition"] == "rules":  # no model: no pass, no token, never late
             assert row["forward_passes"] == row["tokens_encoded"] == 0
@@ -257,7 +258,8 @@ def test_quick_run_rows(tiny, tmp_path):
             assert row["forward_passes"] > 0 and row["tokens_encoded"] > 0
     summary = raw["summary"]
     assert {"focus-on", "focus-off", "sequential", "turn-based", "rules"} <= set(summary)
-    assert {"accuracy", "forward_passes", "processed_share"} <= set(summary["turn-based"])
+    assert {"accuracy", "accuracy_ci95", "false_alarms", "forward_passes", "processed_share"} <= set(
+        summary["turn-based"])
     assert [r.model_dump() for r in mon.render(out).rows] == rows
     assert _children() == before
 
@@ -356,3 +358,37 @@ def test_rule_engine_ignores_single_odd_samples():
     storm = RuleEngine()
     fired = [storm.observe(t) for t in [obs(0), obs(1, ops=50), obs(2, ops=60), obs(3, ops=55)]]
     assert fired[:3] == [None] * 3 and fired[3] is not None and fired[3].anomaly == "io_slow"
+
+
+def test_a_finding_before_the_onset_is_a_false_alarm():
+    row = dict(scenario="s", condition="focus-on", forward_passes=4, tokens_encoded=9, events_seen=3,
+               events_processed=3)
+    early = mon.MonitorRow(anomaly="fd_leak", predicted="fd_leak", correct=False, detect_seconds=-2.0, **row)
+    late = mon.MonitorRow(anomaly="fd_leak", predicted="fd_leak", correct=True, detect_seconds=1.0, **row)
+    quiet = mon.MonitorRow(anomaly="none", predicted="cpu_spike", correct=False, detect_seconds=-4.0, **row)
+    silent = mon.MonitorRow(anomaly="none", predicted="none", correct=True, detect_seconds=None, **row)
+    assert not mon.is_correct("fd_leak", "fd_leak", -2.0)  # the right name, but before anything happened
+    assert mon.is_correct("fd_leak", "fd_leak", 0.0) and mon.is_correct("none", "none", None)
+    assert not mon.is_correct("fd_leak", "io_slow", 3.0)
+    assert [mon.is_false_alarm(r) for r in (early, late, quiet, silent)] == [True, False, True, False]
+    s = mon.summarize([early, late, quiet, silent])["focus-on"]
+    assert (s["correct"], s["false_alarms"], s["n"]) == (2, 2, 4)
+    lo, hi = s["accuracy_ci95"]
+    assert lo < 0.5 < hi
+
+
+def test_threshold_sweep_takes_the_first_crossing():
+    def probe(scenario, anomaly, t, p, condition="focus-on"):
+        return {"scenario": scenario, "anomaly": anomaly, "onset_s": 3.0, "condition": condition, "t": t,
+                "p_yes": p}
+
+    probes = [
+        probe("leak", "fd_leak", 1.0, 0.72), probe("leak", "fd_leak", 3.0, 0.81),
+        probe("leak", "fd_leak", 4.0, 0.9),
+        probe("quiet", "none", 1.0, 0.6), probe("quiet", "none", 2.0, 0.78),
+        probe("leak", "fd_leak", 1.0, 0.5, "turn-based"),
+    ]
+    sweep = mon.threshold_sweep(probes, (0.7, 0.75, 0.85, 0.95))
+    # 0.7: leak crosses before its onset and quiet crosses at all: two false alarms
+    assert sweep["focus-on"] == {0.7: (0, 2), 0.75: (1, 1), 0.85: (1, 0), 0.95: (0, 0)}
+    assert sweep["turn-based"] == {0.7: (0, 0), 0.75: (0, 0), 0.85: (0, 0), 0.95: (0, 0)}

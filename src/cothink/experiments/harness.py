@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import time
 from types import ModuleType
 from collections.abc import Callable, Iterator, Sequence
@@ -263,6 +264,25 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def proportion_ci(successes: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """Wilson score interval of a proportion (95 % by default): unlike the normal approximation it
+    stays inside [0, 1] and is not empty at 0 or n successes, which small experiment counts often are."""
+    if n <= 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+def format_proportion(successes: int, n: int) -> str:
+    """`k/n (p, 95 % CI lo-hi)` for a report table."""
+    lo, hi = proportion_ci(successes, n)
+    share = successes / n if n else 0.0
+    return f"{successes}/{n} ({share:.2f}, {lo:.2f}-{hi:.2f})"
 
 
 @dataclass(frozen=True)

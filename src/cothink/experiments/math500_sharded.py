@@ -649,7 +649,9 @@ def plot(results: Results[MathConfig, MathRow], path: Path) -> Path:
 def report(results: Results[MathConfig, MathRow], plot_name: str = "math500_sharded.png") -> str:
     cfg = results.config
     table = cost_table(results.rows)
-    rows = [(c, k, n, acc, enc, gen, fp, s) for c, k, n, acc, enc, gen, fp, s in table]
+    # accuracy as a count with its Wilson 95 % interval: a few problems' difference is within it
+    rows = [(c, k, harness.format_proportion(round(acc * n), n), enc, gen, fp, s)
+            for c, k, n, acc, enc, gen, fp, s in table]
     mid = [
         r for r in results.rows if r.condition == "insert" and r.k and r.supplement_after_steps is not None
     ]
@@ -681,8 +683,7 @@ def report(results: Results[MathConfig, MathRow], plot_name: str = "math500_shar
             [
                 "condition",
                 "k",
-                "n",
-                "accuracy",
+                "correct (share, 95% CI)",
                 "tokens encoded",
                 "tokens generated",
                 "forward passes",

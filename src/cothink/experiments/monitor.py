@@ -30,7 +30,9 @@ Row per (scenario, condition): `predicted`, `correct`; `forward_passes` (engine 
 observation to the report); `tokens_encoded` (tokens written into memory: prefill + generated);
 `events_seen` (observations that became due before the report) and `events_processed` (those the agent
 read); `detect_seconds` (scenario time of the newest due observation at the report minus the onset;
-null when the report is `none`, negative for a report before the onset).
+null when the report is `none`, negative for a report before the onset). A report is correct when it
+names the anomaly at or after its onset (`none` for a `none` scenario): a finding before the onset is a
+false alarm whatever type it names.
 """
 
 from __future__ import annotations
@@ -314,13 +316,28 @@ async def run_condition(
         anomaly=sc.anomaly,
         condition=condition,
         predicted=report.predicted,
-        correct=report.predicted == sc.anomaly,
+        correct=is_correct(sc.anomaly, report.predicted, detect),
         forward_passes=stream.passes,
         tokens_encoded=tokens,
         events_seen=stream.events_seen,
         events_processed=stream.events_processed,
         detect_seconds=detect,
     )
+
+
+def is_correct(anomaly: str, predicted: str, detect_seconds: float | None) -> bool:
+    """The right type, and not before the anomaly began: a finding raised before the onset read no
+    anomalous sample, so it is a false alarm whatever type it happened to name."""
+    if predicted != anomaly:
+        return False
+    return anomaly == "none" or (detect_seconds is not None and detect_seconds >= 0)
+
+
+def is_false_alarm(row: MonitorRow) -> bool:
+    """A finding where there was nothing yet: in a `none` scenario, or before the onset."""
+    if row.predicted == "none":
+        return False
+    return row.anomaly == "none" or (row.detect_seconds is not None and row.detect_seconds < 0)
 
 
 # ------------------------------------------------------------------------------------------ traces
@@ -346,15 +363,20 @@ async def record_all(
 
 
 def summarize(rows: Sequence[MonitorRow]) -> dict[str, Any]:
-    """summary[condition] = {accuracy, forward_passes, tokens_encoded, processed_share, detect_seconds, n}
+    """summary[condition] = {n, correct, accuracy, accuracy_ci95 (Wilson), false_alarms, forward_passes,
+    tokens_encoded, processed_share, detect_seconds}
     plus summary["by_anomaly"][condition][anomaly] = accuracy."""
     out: dict[str, Any] = {}
     for cond in dict.fromkeys(r.condition for r in rows):
         rs = [r for r in rows if r.condition == cond]
         detects = [r.detect_seconds for r in rs if r.correct and r.detect_seconds is not None]
+        correct = sum(r.correct for r in rs)
         out[cond] = {
             "n": len(rs),
-            "accuracy": sum(r.correct for r in rs) / len(rs),
+            "correct": correct,
+            "accuracy": correct / len(rs),
+            "accuracy_ci95": harness.proportion_ci(correct, len(rs)),
+            "false_alarms": sum(is_false_alarm(r) for r in rs),
             "forward_passes": statistics.fmean(r.forward_passes for r in rs),
             "forward_passes_total": sum(r.forward_passes for r in rs),
             "tokens_encoded": statistics.fmean(r.tokens_encoded for r in rs),
@@ -370,6 +392,52 @@ def summarize(rows: Sequence[MonitorRow]) -> dict[str, Any]:
         for cond in dict.fromkeys(r.condition for r in rows)
     }
     return out
+
+
+SWEEP_THRESHOLDS = (0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+
+
+def threshold_sweep(
+    probes: Sequence[dict[str, Any]], thresholds: Sequence[float] = SWEEP_THRESHOLDS
+) -> dict[str, dict[float, tuple[int, int]]]:
+    """sweep[condition][threshold] = (detections, false alarms) of the anomaly probe alone: in each
+    (scenario, condition), the first probe with P(yes) >= threshold is a detection when it read a sample at
+    or after the onset of an anomalous scenario, a false alarm otherwise (the type probe is not counted).
+    Exact for thresholds up to the run's own: a run stops at its first finding, so later probes are
+    missing; a calibration run with a threshold above 1 probes every observation to the end."""
+    curves: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for e in probes:
+        curves.setdefault((e["condition"], e["scenario"]), []).append(e)
+    out: dict[str, dict[float, tuple[int, int]]] = {}
+    for (cond, _), entries in curves.items():
+        by = out.setdefault(cond, {th: (0, 0) for th in thresholds})
+        for th in thresholds:
+            hit = next((e for e in entries if e["p_yes"] >= th), None)
+            if hit is None:
+                continue
+            det, fa = by[th]
+            early = hit["anomaly"] == "none" or hit["t"] < hit["onset_s"]
+            by[th] = (det, fa + 1) if early else (det + 1, fa)
+    return out
+
+
+def _sweep_lines(out: Path, threshold: float) -> list[str]:
+    thresholds = [th for th in SWEEP_THRESHOLDS if th <= threshold]
+    sweep = threshold_sweep(_saved_probes(out), thresholds)
+    if not sweep or not thresholds:
+        return []
+    why = ("no finding was raised (threshold above 1), so every probe ran to the end of the stream"
+           if threshold > 1 else "exact up to this run's threshold: the run stopped at its first finding")
+    return [
+        "Anomaly probe alone at other thresholds (`probes.jsonl`; detections / false alarms of the first "
+        f"probe at or above each threshold; {why}):",
+        "",
+        harness.markdown_table(
+            ["condition", *(f"{th:g}" for th in thresholds)],
+            [[c, *(f"{by[th][0]} / {by[th][1]}" for th in thresholds)] for c, by in sweep.items()],
+        ),
+        "",
+    ]
 
 
 COLORS = {"focus-on": "tab:blue", "focus-off": "tab:orange", "sequential": "tab:green",
@@ -396,7 +464,7 @@ def plot(path: Path, summary: dict[str, Any]) -> Path:
     return path
 
 
-def report(results: Results[MonitorConfig, MonitorRow]) -> str:
+def report(results: Results[MonitorConfig, MonitorRow], out: Path | None = None) -> str:
     c, s = results.config, results.summary
     conds = [k for k in s if k != "by_anomaly"]
     anomalies = list(dict.fromkeys(r.anomaly for r in results.rows))
@@ -412,8 +480,8 @@ def report(results: Results[MonitorConfig, MonitorRow]) -> str:
         harness.markdown_table(
             [
                 "condition",
-                "tasks",
-                "accuracy",
+                "correct (share, 95% CI)",
+                "false alarms",
                 "forward passes / task",
                 "total passes",
                 "tokens encoded / task",
@@ -423,8 +491,8 @@ def report(results: Results[MonitorConfig, MonitorRow]) -> str:
             [
                 [
                     k,
-                    s[k]["n"],
-                    s[k]["accuracy"],
+                    harness.format_proportion(s[k]["correct"], s[k]["n"]),
+                    s[k]["false_alarms"],
                     s[k]["forward_passes"],
                     s[k]["forward_passes_total"],
                     s[k]["tokens_encoded"],
@@ -435,12 +503,16 @@ def report(results: Results[MonitorConfig, MonitorRow]) -> str:
             ],
         ),
         "",
+        "A report is correct when it names the scenario's anomaly (or `none` for a `none` scenario) at or "
+        "after the onset; a finding before the onset or in a `none` scenario is a false alarm.",
+        "",
         "Accuracy per anomaly:",
         "",
         harness.markdown_table(
             ["condition", *anomalies], [[k, *(s["by_anomaly"][k][a] for a in anomalies)] for k in conds]
         ),
         "",
+        *(_sweep_lines(out, c.threshold) if out is not None else []),
         "![monitor](monitor.png)",
         "",
     ]
@@ -605,7 +677,7 @@ def _saved_probes(out: Path) -> list[dict[str, Any]]:
 
 
 FOLDER = harness.ResultsFolder(
-    MonitorConfig, MonitorRow, summarize, lambda results, out: report(results), plot, "monitor.png"
+    MonitorConfig, MonitorRow, summarize, report, plot, "monitor.png"
 )
 save = FOLDER.save  # results.json + report.md (after every task), the plot at the end
 render = FOLDER.render  # redo summary, report and plot from a saved results.json
