@@ -18,6 +18,7 @@ from cothink.layouts.design import (
     design_prompt,
     engine_proposer,
     extract_json,
+    layout_json,
     max_chars,
     proposal_schema,
     shipped_layout,
@@ -55,6 +56,15 @@ def test_shipped_layouts_are_valid(name, tmp_path, capsys):
     assert isinstance(shipped_layout(name), Layout)
     code, out = _check_cli(tmp_path, shipped_text(name), capsys)
     assert code == 0 and "valid layout" in out
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_a_written_layout_reads_back(name):
+    """layout_json is how runs save the layout they played: it must parse back to the same layout (a
+    trigger's `kind` is a default value, and a dump without defaults could not be read)."""
+    layout = shipped_layout(name)
+    again, issues = parse(layout_json(layout))
+    assert issues == [] and again == layout
 
 
 def test_unknown_block(tmp_path, capsys):

@@ -290,4 +290,6 @@ def engine_proposer(
 
 
 def layout_json(layout: Layout) -> str:
-    return json.dumps(layout.model_dump(by_alias=True, exclude_defaults=True), indent=2)
+    """The layout as JSON that `parse` reads back: unset optional fields are left out, but defaults are
+    kept (a trigger's `kind` is a default, and without it the trigger cannot be read)."""
+    return json.dumps(layout.model_dump(by_alias=True, exclude_none=True), indent=2)
