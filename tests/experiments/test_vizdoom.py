@@ -153,6 +153,39 @@ def test_merge_replaces_only_the_rerun_rows(tmp_path):
         other.func(other)
 
 
+def test_resume_runs_only_the_missing_episodes(tmp_path):
+    """`--resume` keeps the saved run's finished episodes and runs the rest; other settings are refused, and
+    so is `--merge` with it (model-free baselines: no model needed)."""
+    from cothink.errors import InvalidParameterError
+
+    out = tmp_path / "out"
+    common = ["--scenarios", "health_gathering", "--strategies", "random", "heuristic", "--episodes", "2",
+              "--max-tics", "40", "--tics-per-pass", "4", "--out", str(out), "--no-progress"]
+    first = _parse(common)
+    assert first.func(first) == 0
+    full = harness.read_results(out / "results.json", vd.VizdoomConfig, vd.VizdoomRow)
+    # cut the run short after three episodes and mark them: kept rows keep the mark
+    raw = json.loads((out / "results.json").read_text())
+    raw["rows"] = raw["rows"][:3]
+    for row in raw["rows"]:
+        row["reward"] = -12345.0
+    (out / "results.json").write_text(json.dumps(raw))
+    again = _parse([*common, "--resume"])
+    assert again.func(again) == 0
+    after = harness.read_results(out / "results.json", vd.VizdoomConfig, vd.VizdoomRow)
+    assert [(r.strategy, r.episode) for r in after.rows] == [(r.strategy, r.episode) for r in full.rows]
+    assert [r.reward for r in after.rows[:3]] == [-12345.0] * 3
+    assert after.rows[3].reward == full.rows[3].reward  # the one missing episode ran again, same seed
+    (part,) = after.config.earlier_parts
+    assert part.units == 3 and "resumed run" in (out / "report.md").read_text()
+    other = _parse([*common, "--resume", "--tics-per-pass", "2"])
+    with pytest.raises(harness.ResumeMismatchError, match="tics_per_pass"):
+        other.func(other)
+    both = _parse([*common, "--resume", "--merge"])
+    with pytest.raises(InvalidParameterError, match="exclude"):
+        both.func(both)
+
+
 @pytest.mark.parametrize(("early_exit", "plan_tokens"), [(0.0, 400), (1.01, 3)])
 def test_async_actor_never_waits_for_the_strategist(tiny, early_exit, plan_tokens):
     """The strategist writes plans alongside; the actor must never wait for it: every engine pass between
@@ -197,3 +230,21 @@ def test_cli_lists_both_experiments():
     args = parser.parse_args(["experiment", "vizdoom", "--tics-per-pass", "4"])
     assert args.tics_per_pass == 4 and args.func is vd.run
     assert args.strategies == list(vd.STRATEGIES) and args.episodes == 10
+
+
+def test_a_resumed_run_keeps_the_designed_layouts(tmp_path):
+    from cothink.layouts.design import layout_json, shipped_layout
+
+    layout = shipped_layout("strategist-actor")
+    (tmp_path / "layout_health_gathering.json").write_text(layout_json(layout) + "\n")
+    (tmp_path / "layout_deadly_corridor.json").write_text("{not json")
+    config = vd.VizdoomConfig(experiment="vizdoom", model="m", scenarios=["health_gathering", "deadly_corridor"],
+                              strategies=["layout"], episodes=1, tics_per_pass=1, max_tics=40, reason_tokens=4,
+                              plan_tokens=4, early_exit=0.5, design_tokens=48,
+                              layout_designs={"health_gathering": {"source": "model"},
+                                              "deadly_corridor": {"source": "model"}})
+    kept = vd.saved_layouts(config, tmp_path)
+    # the valid saved design is reused; one that no longer parses is designed again
+    assert list(kept) == ["health_gathering"] and layout_json(kept["health_gathering"]) == layout_json(layout)
+    config.layout_designs = {}
+    assert vd.saved_layouts(config, tmp_path) == {}  # no record of a design: designed again

@@ -444,6 +444,8 @@ def report(results: Results[VizdoomConfig, VizdoomRow], async_episodes: Sequence
         f"P(plan fits) < {c.early_exit}. Machine: {harness.machine_line(c.machine)}; wall {c.wall_s:.0f} s.",
         "",
     ]
+    if c.earlier_parts:
+        lines += [harness.parts_line(c, "episodes"), ""]
     for r in c.reruns:
         lines += [
             f"Rerun ({r.started_at}, wall {r.wall_s:.0f} s, same settings): the rows of "
@@ -551,6 +553,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         "(its settings must match); the other rows are kept and the rerun is recorded",
     )
     p.add_argument("--note", default="", help="with --merge: why the rows were rerun (goes into the report)")
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the run saved in --out: keep its finished episodes (and designed layouts), run the "
+        "rest; its settings must match",
+    )
 
 
 def build_config(args: argparse.Namespace) -> VizdoomConfig:
@@ -582,6 +590,8 @@ MERGE_SETTINGS = (
     "model", "dtype", "seed", "episodes", "tics_per_pass", "max_tics", "reason_tokens", "plan_tokens",
     "early_exit",
 )
+# and a `--resume` run with the run it continues (the same jobs, and layouts designed the same way)
+RESUME_SETTINGS = (*MERGE_SETTINGS, "quick", "max_tokens", "scenarios", "strategies", "design_tokens")
 
 
 def merge_base(config: VizdoomConfig, out: Path) -> Results[VizdoomConfig, VizdoomRow]:
@@ -614,6 +624,25 @@ def merged_config(saved: VizdoomConfig, config: VizdoomConfig, wall_s: float, no
     })
 
 
+def _job(scenario: str, strategy: str, episode: int) -> str:
+    return f"{scenario}|{strategy}|{episode}"
+
+
+def saved_layouts(config: VizdoomConfig, out: Path) -> dict[str, Any]:
+    """`--resume`: the layouts the saved run designed (`layout_<scenario>.json`), so its episodes and the
+    ones still to run play the same layout; a scenario without one is designed again."""
+    from cothink.layouts.validate import parse
+
+    layouts: dict[str, Any] = {}
+    for sc_name in config.scenarios:
+        path = out / f"layout_{sc_name}.json"
+        if sc_name in config.layout_designs and path.exists():
+            layout, issues = parse(path.read_text())
+            if layout is not None and not issues:
+                layouts[sc_name] = layout
+    return layouts
+
+
 def job_order(config: VizdoomConfig) -> Any:
     """Sort key of the rows: episode-major, then scenario and strategy in the config's order."""
     return lambda r: (r.episode, config.scenarios.index(r.scenario), config.strategies.index(r.strategy))
@@ -626,28 +655,44 @@ def run_experiment(
     show_progress: bool | None = None,
     merge: bool = False,
     note: str = "",
+    resume: bool = False,
 ) -> Results[VizdoomConfig, VizdoomRow]:
     """Run every (scenario, strategy, episode); with `merge`, replace only those rows of the saved run in
-    `out` (same settings required) and keep the others."""
+    `out` (same settings required) and keep the others; with `resume`, keep the saved run's finished
+    episodes and run the rest."""
+    if merge and resume:
+        from cothink.errors import InvalidParameterError
+
+        raise InvalidParameterError("--merge and --resume exclude each other", param="resume")
     t0 = harness.begin(config)
     saved = merge_base(config, out) if merge else None
     kept = [r for r in saved.rows if (r.scenario, r.strategy) not in
             {(sc, st) for sc in config.scenarios for st in config.strategies}] if saved else []
+    rows: list[VizdoomRow] = []
+    layouts: dict[str, Any] = {}
+    if resume:
+        rows = harness.resume(out, config, VizdoomRow, unit=lambda r: _job(r.scenario, r.strategy, r.episode),
+                              rows_per_unit=1, same=RESUME_SETTINGS)
+        if config.earlier_parts:  # a saved run: its layouts and async details carry over
+            before = harness.read_results(out / "results.json", VizdoomConfig, VizdoomRow).config
+            config.layout_designs = dict(before.layout_designs)
+            layouts = saved_layouts(config, out)
+    done = {_job(r.scenario, r.strategy, r.episode) for r in rows}
+    details = [d for d in read_async_episodes(out) if _job(d.scenario, "async", d.episode) in done]
     handle = None
     if any(s in MODEL_STRATEGIES for s in config.strategies):
         handle = harness.load_model(config.model, config.dtype)
         config.model_description = handle.description
-    rows: list[VizdoomRow] = []
-    details: list[AsyncEpisode] = []
     # episode-major: a run cut short still has every (scenario, strategy) with about as many episodes
     jobs = [
         (sc, st, ep) for ep in range(config.episodes) for sc in config.scenarios for st in config.strategies
+        if _job(sc, st, ep) not in done
     ]
-    layouts: dict[str, Any] = {}
     if "layout" in config.strategies:
         from cothink.layouts.design import layout_json
 
-        for sc_name in config.scenarios:  # designed once per scenario, used by all its episodes
+        # designed once per scenario, used by all its episodes (a resumed run keeps the saved designs)
+        for sc_name in [s for s in config.scenarios if s not in layouts]:
             outcome = asyncio.run(design(handle, SCENARIOS[sc_name], config))
             layouts[sc_name] = outcome.layout
             out.mkdir(parents=True, exist_ok=True)
@@ -728,7 +773,8 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         results = run_experiment(
-            build_config(args), args.out, show_progress=args.progress, merge=args.merge, note=args.note
+            build_config(args), args.out, show_progress=args.progress, merge=args.merge, note=args.note,
+            resume=args.resume,
         )
     finally:
         signal.signal(signal.SIGTERM, previous)
