@@ -247,9 +247,12 @@ def test_quick_run_rows(tiny, tmp_path):
     assert {r["condition"] for r in rows} == {"focus-on", "focus-off", "sequential", "turn-based", "rules"}
     for row in rows:
         assert set(row) == {"scenario", "anomaly", "condition", "predicted", "correct", "forward_passes",
-                            "tokens_encoded", "events_seen", "events_processed", "detect_seconds"}
+                            "tokens_encoded", "events_seen", "events_processed", "detect_seconds",
+                            "read_seconds"}
         assert row["predicted"] in ANOMALIES
-        assert row["correct"] == mon.is_correct(row["anomaly"], row["predicted"], row["detect_seconds"])
+        assert row["correct"] == mon.is_correct(row["anomaly"], row["predicted"], row["read_seconds"])
+        if row["predicted"] != "none":  # the agent reads what became due: never newer than the report
+            assert row["read_seconds"] <= row["detect_seconds"]
         assert 0 < row["events_processed"] <= row["events_seen"] <= 6
         if row["condition"] == "rules":  # no model: no pass, no token, never late
             assert row["forward_passes"] == row["tokens_encoded"] == 0
@@ -363,16 +366,23 @@ def test_rule_engine_ignores_single_odd_samples():
 def test_a_finding_before_the_onset_is_a_false_alarm():
     row = dict(scenario="s", condition="focus-on", forward_passes=4, tokens_encoded=9, events_seen=3,
                events_processed=3)
-    early = mon.MonitorRow(anomaly="fd_leak", predicted="fd_leak", correct=False, detect_seconds=-2.0, **row)
-    late = mon.MonitorRow(anomaly="fd_leak", predicted="fd_leak", correct=True, detect_seconds=1.0, **row)
-    quiet = mon.MonitorRow(anomaly="none", predicted="cpu_spike", correct=False, detect_seconds=-4.0, **row)
+    early = mon.MonitorRow(anomaly="fd_leak", predicted="fd_leak", correct=False, detect_seconds=-2.0,
+                           read_seconds=-2.0, **row)
+    # late agent: its report came after the onset, but the newest sample it had read was from before it
+    stale = mon.MonitorRow(anomaly="fd_leak", predicted="fd_leak", correct=False, detect_seconds=1.0,
+                           read_seconds=-1.0, **row)
+    late = mon.MonitorRow(anomaly="fd_leak", predicted="fd_leak", correct=True, detect_seconds=1.0,
+                          read_seconds=0.0, **row)
+    quiet = mon.MonitorRow(anomaly="none", predicted="cpu_spike", correct=False, detect_seconds=-4.0,
+                           read_seconds=-4.0, **row)
     silent = mon.MonitorRow(anomaly="none", predicted="none", correct=True, detect_seconds=None, **row)
     assert not mon.is_correct("fd_leak", "fd_leak", -2.0)  # the right name, but before anything happened
     assert mon.is_correct("fd_leak", "fd_leak", 0.0) and mon.is_correct("none", "none", None)
     assert not mon.is_correct("fd_leak", "io_slow", 3.0)
-    assert [mon.is_false_alarm(r) for r in (early, late, quiet, silent)] == [True, False, True, False]
-    s = mon.summarize([early, late, quiet, silent])["focus-on"]
-    assert (s["correct"], s["false_alarms"], s["n"]) == (2, 2, 4)
+    assert [mon.is_false_alarm(r) for r in (early, stale, late, quiet, silent)] == [True, True, False, True,
+                                                                                   False]
+    s = mon.summarize([early, stale, late, quiet, silent])["focus-on"]
+    assert (s["correct"], s["false_alarms"], s["n"]) == (2, 3, 5)
     lo, hi = s["accuracy_ci95"]
     assert lo < 0.5 < hi
 

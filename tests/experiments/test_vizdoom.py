@@ -238,9 +238,10 @@ def test_a_resumed_run_keeps_the_designed_layouts(tmp_path):
     layout = shipped_layout("strategist-actor")
     (tmp_path / "layout_health_gathering.json").write_text(layout_json(layout) + "\n")
     (tmp_path / "layout_deadly_corridor.json").write_text("{not json")
-    config = vd.VizdoomConfig(experiment="vizdoom", model="m", scenarios=["health_gathering", "deadly_corridor"],
-                              strategies=["layout"], episodes=1, tics_per_pass=1, max_tics=40, reason_tokens=4,
-                              plan_tokens=4, early_exit=0.5, design_tokens=48,
+    config = vd.VizdoomConfig(experiment="vizdoom", model="m",
+                              scenarios=["health_gathering", "deadly_corridor"], strategies=["layout"],
+                              episodes=1, tics_per_pass=1, max_tics=40, reason_tokens=4, plan_tokens=4,
+                              early_exit=0.5, design_tokens=48,
                               layout_designs={"health_gathering": {"source": "model"},
                                               "deadly_corridor": {"source": "model"}})
     kept = vd.saved_layouts(config, tmp_path)

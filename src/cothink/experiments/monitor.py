@@ -30,9 +30,10 @@ Row per (scenario, condition): `predicted`, `correct`; `forward_passes` (engine 
 observation to the report); `tokens_encoded` (tokens written into memory: prefill + generated);
 `events_seen` (observations that became due before the report) and `events_processed` (those the agent
 read); `detect_seconds` (scenario time of the newest due observation at the report minus the onset;
-null when the report is `none`, negative for a report before the onset). A report is correct when it
-names the anomaly at or after its onset (`none` for a `none` scenario): a finding before the onset is a
-false alarm whatever type it names.
+null when the report is `none`, negative for a report before the onset); `read_seconds` (the same for the
+newest observation the agent had read at the report). A report is correct when it names the anomaly
+from a sample taken at or after its onset (`none` for a `none` scenario): a finding that read only
+samples from before the onset is a false alarm whatever type it names.
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ class MonitorRow(Row):
     events_seen: int
     events_processed: int
     detect_seconds: float | None
+    # scenario time of the newest observation the agent had read at its report, minus the onset (null for
+    # `none`; rows saved before it existed have none): below 0, the finding read no anomalous sample
+    read_seconds: float | None = None
 
 
 # ------------------------------------------------------------------------------------- the clock
@@ -308,36 +312,39 @@ async def run_condition(
             report = await run_monitor_pattern(engine, stream, focus, config, seed, on_probe)
         tokens = sum(s.tokens_written for s in engine.stats.values())
     sc = trace.scenario
-    detect = None
+    detect = read = None
     if report.predicted != "none" and report.at_passes is not None:
         detect = round(stream.time_at(report.at_passes) - sc.onset_s, 2)
+        read = round(trace.observations[max(0, stream.last_index)].t - sc.onset_s, 2)
     return MonitorRow(
         scenario=sc.id,
         anomaly=sc.anomaly,
         condition=condition,
         predicted=report.predicted,
-        correct=is_correct(sc.anomaly, report.predicted, detect),
+        correct=is_correct(sc.anomaly, report.predicted, read),
         forward_passes=stream.passes,
         tokens_encoded=tokens,
         events_seen=stream.events_seen,
         events_processed=stream.events_processed,
         detect_seconds=detect,
+        read_seconds=read,
     )
 
 
-def is_correct(anomaly: str, predicted: str, detect_seconds: float | None) -> bool:
-    """The right type, and not before the anomaly began: a finding raised before the onset read no
-    anomalous sample, so it is a false alarm whatever type it happened to name."""
+def is_correct(anomaly: str, predicted: str, read_seconds: float | None) -> bool:
+    """The right type, from a sample taken at or after the onset: a finding whose newest read sample
+    predates the anomaly saw nothing anomalous, so it is a false alarm whatever type it happened to name
+    (even when, because the agent ran late, the report itself came after the onset)."""
     if predicted != anomaly:
         return False
-    return anomaly == "none" or (detect_seconds is not None and detect_seconds >= 0)
+    return anomaly == "none" or (read_seconds is not None and read_seconds >= 0)
 
 
 def is_false_alarm(row: MonitorRow) -> bool:
-    """A finding where there was nothing yet: in a `none` scenario, or before the onset."""
+    """A finding where there was nothing yet: in a `none` scenario, or read from samples before the onset."""
     if row.predicted == "none":
         return False
-    return row.anomaly == "none" or (row.detect_seconds is not None and row.detect_seconds < 0)
+    return row.anomaly == "none" or (row.read_seconds is not None and row.read_seconds < 0)
 
 
 # ------------------------------------------------------------------------------------------ traces
@@ -503,8 +510,9 @@ def report(results: Results[MonitorConfig, MonitorRow], out: Path | None = None)
             ],
         ),
         "",
-        "A report is correct when it names the scenario's anomaly (or `none` for a `none` scenario) at or "
-        "after the onset; a finding before the onset or in a `none` scenario is a false alarm.",
+        "A report is correct when it names the scenario's anomaly (or `none` for a `none` scenario) having "
+        "read a sample taken at or after the onset; a finding that read only earlier samples, or one in a "
+        "`none` scenario, is a false alarm.",
         "",
         "Accuracy per anomaly:",
         "",
