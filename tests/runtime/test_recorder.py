@@ -283,7 +283,7 @@ def test_a_recorded_vision_run_replays_identically(vision_run):
 
 
 def test_other_pixels_are_reported_where_they_change_the_tokens(vision_run, tmp_path):
-    """A stream frame's pixels replaced in the file: the replay departs at the thinker's tokens."""
+    """A stream frame's pixels replaced in the file: the replay departs at a reader of the frame."""
     import base64
     import io
 
@@ -300,4 +300,8 @@ def test_other_pixels_are_reported_where_they_change_the_tokens(vision_run, tmp_
     changed.write_text("".join(json.dumps(r) + "\n" for r in records))
     report = asyncio.run(replay_async(changed))
     assert report.first_difference is not None, report.describe()
-    assert (report.first_difference.coroutine, report.first_difference.what) == ("thinker", "tokens")
+    # the thinker reads the frame first; its tokens are sampled with the recorded seed, so a small change
+    # of a random model's logits can leave every draw where it was (seen once in a recording made under
+    # heavy load): then the next reader, the narrator's probe, is where the replay departs
+    where = (report.first_difference.coroutine, report.first_difference.what)
+    assert where in {("thinker", "tokens"), ("narrator", "answer")}, report.describe()
