@@ -643,6 +643,37 @@ def saved_layouts(config: VizdoomConfig, out: Path) -> dict[str, Any]:
     return layouts
 
 
+def resumed(config: VizdoomConfig, out: Path) -> tuple[list[VizdoomRow], dict[str, Any]]:
+    """`--resume`: the saved run's finished rows and the layouts it designed (config takes over its
+    `layout_designs`); no saved run: nothing."""
+    rows = harness.resume(out, config, VizdoomRow, unit=lambda r: _job(r.scenario, r.strategy, r.episode),
+                          rows_per_unit=1, same=RESUME_SETTINGS)
+    if not config.earlier_parts:
+        return rows, {}
+    before = harness.read_results(out / "results.json", VizdoomConfig, VizdoomRow).config
+    config.layout_designs = dict(before.layout_designs)
+    return rows, saved_layouts(config, out)
+
+
+def design_layouts(handle: Any, config: VizdoomConfig, out: Path, layouts: dict[str, Any]) -> None:
+    """Have the model design a layout for each scenario `layouts` lacks (once per scenario, used by all its
+    episodes); each is saved as `layout_<scenario>.json` and recorded in `config.layout_designs`."""
+    from cothink.layouts.design import layout_json
+
+    for sc_name in [s for s in config.scenarios if s not in layouts]:
+        outcome = asyncio.run(design(handle, SCENARIOS[sc_name], config))
+        layouts[sc_name] = outcome.layout
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"layout_{sc_name}.json").write_text(layout_json(outcome.layout) + "\n")
+        config.layout_designs[sc_name] = {
+            "source": outcome.source,
+            "attempts": len(outcome.attempts),
+            "issues": [str(i) for a in outcome.attempts for i in a.issues][:10],
+            "layout": outcome.layout.name,
+            "proposals": [a.text[:400] for a in outcome.attempts],
+        }
+
+
 def job_order(config: VizdoomConfig) -> Any:
     """Sort key of the rows: episode-major, then scenario and strategy in the config's order."""
     return lambda r: (r.episode, config.scenarios.index(r.scenario), config.strategies.index(r.strategy))
@@ -668,15 +699,7 @@ def run_experiment(
     saved = merge_base(config, out) if merge else None
     kept = [r for r in saved.rows if (r.scenario, r.strategy) not in
             {(sc, st) for sc in config.scenarios for st in config.strategies}] if saved else []
-    rows: list[VizdoomRow] = []
-    layouts: dict[str, Any] = {}
-    if resume:
-        rows = harness.resume(out, config, VizdoomRow, unit=lambda r: _job(r.scenario, r.strategy, r.episode),
-                              rows_per_unit=1, same=RESUME_SETTINGS)
-        if config.earlier_parts:  # a saved run: its layouts and async details carry over
-            before = harness.read_results(out / "results.json", VizdoomConfig, VizdoomRow).config
-            config.layout_designs = dict(before.layout_designs)
-            layouts = saved_layouts(config, out)
+    rows, layouts = resumed(config, out) if resume else ([], {})
     done = {_job(r.scenario, r.strategy, r.episode) for r in rows}
     details = [d for d in read_async_episodes(out) if _job(d.scenario, "async", d.episode) in done]
     handle = None
@@ -689,21 +712,7 @@ def run_experiment(
         if _job(sc, st, ep) not in done
     ]
     if "layout" in config.strategies:
-        from cothink.layouts.design import layout_json
-
-        # designed once per scenario, used by all its episodes (a resumed run keeps the saved designs)
-        for sc_name in [s for s in config.scenarios if s not in layouts]:
-            outcome = asyncio.run(design(handle, SCENARIOS[sc_name], config))
-            layouts[sc_name] = outcome.layout
-            out.mkdir(parents=True, exist_ok=True)
-            (out / f"layout_{sc_name}.json").write_text(layout_json(outcome.layout) + "\n")
-            config.layout_designs[sc_name] = {
-                "source": outcome.source,
-                "attempts": len(outcome.attempts),
-                "issues": [str(i) for a in outcome.attempts for i in a.issues][:10],
-                "layout": outcome.layout.name,
-                "proposals": [a.text[:400] for a in outcome.attempts],
-            }
+        design_layouts(handle, config, out, layouts)
 
     def write(final: bool) -> Results[VizdoomConfig, VizdoomRow]:
         wall = time.perf_counter() - t0

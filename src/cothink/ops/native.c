@@ -970,8 +970,8 @@ static inline __attribute__((always_inline)) void linear_group_q4_wide(const flo
  * output rows x 32 of k per tile, loaded with the row stride), x the B operand: its rows packed once
  * per call in the tiles' pair layout (`pack_pairs`, 16 rows a block, zero-padded). Four accumulator
  * tiles cover 64 outputs x 16 rows (`amx_tall`) or 32 x 32 (`amx_square`); each output's sum runs over
- * k in one fixed order. Output rows
- * that do not fill a tile of 16 (the last of a layer with n % 16 != 0) take the AVX-512 kernel. The
+ * k in one fixed order. Output rows that do not fill a tile of 16 (the last of a layer with
+ * n % 16 != 0) take the AVX-512 kernel. The
  * process asks the kernel for the tile state once (arch_prctl); refused, the AVX-512 kernel runs. */
 #if LINEAR_BF16_PAIRS && defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__) && \
     defined(SYS_arch_prctl)
