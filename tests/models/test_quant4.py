@@ -126,12 +126,17 @@ def test_kernel_within_bound_of_the_reference_for_any_threads_and_batch(dtype):
 
 
 @needs_native
-def test_native_dequant_is_the_reference_to_the_bit():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_dequant_is_the_reference_to_the_bit(dtype):
+    """native.q4_dequant writes the reference's float32 values, or those rounded to bfloat16 as torch
+    rounds them."""
     torch.manual_seed(1)
     weights = Int4Weights.quantize(torch.randn(70, 96) * 3)
-    out = torch.empty(40, 96)
+    out = torch.empty(40, 96, dtype=dtype)
     native.q4_dequant(weights.packed, weights.scale, slice(20, 60), out)
-    assert torch.equal(out, weights.dequantize()[20:60])
+    assert torch.equal(out, weights.dequantize()[20:60].to(dtype))
+    with pytest.raises(ValueError, match="q4_dequant"):
+        native.q4_dequant(weights.packed, weights.scale, slice(0, 4), torch.empty(4, 95))
 
 
 @pytest.mark.parametrize("kernels", [True, False])
@@ -148,6 +153,27 @@ def test_wide_inputs_take_the_dequantized_gemm(monkeypatch, kernels):
         assert got.shape == (3, 70, 80) and got.dtype == dtype
         tol = 1e-5 if dtype == torch.float32 else 2.0**-7
         assert ((got.float() - ref.float()).abs() <= tol * ref.float().abs().clamp(min=1)).all()
+
+
+def test_bfloat16_wide_inputs_stay_within_the_rounded_weight_bound(monkeypatch):
+    """Bfloat16 activations on a CPU with bfloat16 arithmetic take the bfloat16 GEMM over weights
+    rounded to bfloat16: within models/quant4.py's bound of the float32 reference,
+    2^-8 sum |x_j w_j| before the result's own rounding to bfloat16."""
+    from cothink.models import packing, quant4
+
+    calls = []
+    monkeypatch.setattr(quant4, "bfloat16_matmul", lambda *a: calls.append(1) or packing.bfloat16_matmul(*a))
+    monkeypatch.setattr(quant4, "can_pack", lambda dtype, device: True)  # as on such a CPU
+    torch.manual_seed(3)
+    dense = torch.nn.Linear(128, 80)
+    layer = Int4Linear(dense.weight, dense.bias)
+    x = torch.randn(70, 128).to(torch.bfloat16)
+    got, ref = layer(x).double(), reference_linear(x.float(), layer.weights, layer.bias).double()
+    assert calls and got.shape == (70, 80)
+    bound = 2.0**-8 * (x.double().abs() @ layer.weights.dequantize().double().abs().t())
+    assert ((got - ref).abs() <= bound + 2.0**-8 * ref.abs()).all()
+    # the bound is not vacuous: the weights' rounding moves some output
+    assert not torch.equal(got, reference_linear(x, layer.weights, layer.bias).double())
 
 
 def _logits(runner, ids: list[int]) -> torch.Tensor:

@@ -128,6 +128,18 @@ def widened_matmul(x: torch.Tensor, fill: SlabFill, n: int, bias: torch.Tensor |
     return torch.empty(y.shape, dtype=x.dtype).copy_(y)
 
 
+def bfloat16_matmul(x: torch.Tensor, fill: SlabFill, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """x W^T (+ b) for bfloat16 x [M, K] on oneDNN's bfloat16 GEMM (a CPU with bfloat16 arithmetic):
+    `fill` writes the whole [n, K] weight as bfloat16 into a temporary, then one GEMM. For quantized
+    weights on prefill-sized inputs: the bfloat16 GEMM runs on the CPU's matrix units (AMX) where it
+    has them, far faster than float32 math, for the price of the weight rounded to bfloat16. One
+    GEMM over a temporary rather than cache-sized slabs: on the AMX VM SmolLM2's 4-bit prefill of 512
+    tokens ran at 2 200-2 400 tokens/s so, against 2 200 in slabs, whose many smaller GEMMs cost more."""
+    weight = torch.empty(n, x.shape[1], dtype=torch.bfloat16)
+    fill(weight, 0, n)
+    return F.linear(x, weight, None if bias is None else bias.to(torch.bfloat16))
+
+
 class CpuLinear(FastLinear):
     """y = x W^T (+ b) for float32 and bfloat16 weights on a CPU, by the row count (module doc)."""
 

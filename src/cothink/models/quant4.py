@@ -39,10 +39,17 @@ output before the rounding to the activations' dtype:
 
 (about a fortieth of it on random data), so a bfloat16 result is the reference's or one bfloat16 step
 from it. Wider inputs (prefill chunks), and every input without the C kernels, dequantize the weight
-to float32 a slab of rows at a time (`native.q4_dequant`, the reference's values to the bit) and run
-float32 GEMMs (models/packing.py `widened_matmul`): end to end the faster of the two above 32 rows
-here, but on a CPU with bfloat16 arithmetic slower than the bfloat16 model's prefill (oneDNN's
-bfloat16 GEMMs).
+(`native.q4_dequant`, the reference's values to the bit) and run a GEMM. Float32 activations, or a
+CPU without bfloat16 arithmetic: float32 slabs and float32 GEMMs (models/packing.py
+`widened_matmul`), the reference's product up to the order of float32 sums. Bfloat16 activations on
+a CPU with bfloat16 arithmetic: the whole weight dequantized to bfloat16 (a temporary) and oneDNN's
+bfloat16 GEMM (models/packing.py `bfloat16_matmul`, on AMX tiles where the CPU has them, as the
+bfloat16 model's prefill), which adds one bfloat16 rounding of each weight to the bound above:
+
+    |y - y_ref| <= 2^-8 sum_j |x_j w_j|        (w_j the dequantized weight; float32 sums)
+
+Prefill-sized products are then as fast as the bfloat16 model's instead of float32 GEMM-bound
+(docs/benchmarks.md); the C kernel's decode keeps the unrounded weights.
 
 Quality is reported, not assumed: `bench/int4_quality.py` gives perplexity and greedy agreement
 against bfloat16 (docs/benchmarks.md).
@@ -59,7 +66,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from cothink.errors import InvalidParameterError, UnsupportedModelError
-from cothink.models.packing import CpuLinear, FastLinear, replace_linears, widened_matmul
+from cothink.models.packing import (
+    CpuLinear,
+    FastLinear,
+    bfloat16_matmul,
+    can_pack,
+    replace_linears,
+    widened_matmul,
+)
 from cothink.models.quantize import Int8Linear
 from cothink.ops import native
 
@@ -222,7 +236,10 @@ class Int4Linear(FastLinear):
             else:
                 slab.copy_(self.weights.dequantize(slice(a, b)))
 
-        y = widened_matmul(rows.contiguous(), dequantize, self.out_features, self.bias)
+        if rows.dtype == torch.bfloat16 and can_pack(torch.bfloat16, "cpu"):  # bfloat16 GEMM (module doc)
+            y = bfloat16_matmul(rows.contiguous(), dequantize, self.out_features, self.bias)
+        else:
+            y = widened_matmul(rows.contiguous(), dequantize, self.out_features, self.bias)
         return y.view(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

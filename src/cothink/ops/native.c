@@ -29,7 +29,7 @@
 
 /* The version of this library's interface (the ct_* signatures and the tables they read), raised with
  * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
-#define CT_ABI_VERSION 4
+#define CT_ABI_VERSION 5
 
 int ct_abi_version(void) { return CT_ABI_VERSION; }
 
@@ -1259,17 +1259,39 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
     free(xsum);
 }
 
-/* The 4-bit weight rows r0 .. r1-1 (WT_Q4's layout) dequantized into out [r1 - r0, k] float32:
- * q * scale + offset, the two roundings of the torch reference (models/quant4.py), to the bit. */
-void ct_q4_dequant(const uint8_t *w, const float *sm, float *out, int64_t r0, int64_t r1, int64_t k) {
+/* Eight float32 rounded to bfloat16 as to_bf16 rounds each (nearest even, NaN quiet) and stored. */
+typedef uint16_t h8 __attribute__((vector_size(16)));
+static inline void st8_bf16(bf16 *p, v8 x) {
+    w8 u, nan;
+    memcpy(&u, &x, sizeof u);
+    nan = (w8)((u & 0x7fffffffu) > 0x7f800000u);
+    w8 r = ((u + 0x7fffu + ((u >> 16) & 1u)) >> 16 & ~nan) | (0x7fc0u & nan);
+    h8 h = __builtin_convertvector(r, h8);
+    memcpy(p, &h, sizeof h);
+}
+
+static inline void put8(void *row, int64_t e, v8 x, int bf) {
+    if (bf)
+        st8_bf16((bf16 *)row + e, x);
+    else
+        st8((float *)row + e, x);
+}
+
+/* The 4-bit weight rows r0 .. r1-1 (WT_Q4's layout) dequantized into out [r1 - r0, k], float32 (bf 0)
+ * or bfloat16 (bf 1): q * scale + offset in float32, the two roundings of the torch reference
+ * (models/quant4.py), to the bit; then rounded to bfloat16 where bf. One thread: the caller's (a
+ * helper would share a core with torch's spinning OpenMP threads between its GEMMs). */
+void ct_q4_dequant(const uint8_t *w, const float *sm, void *out, int bf, int64_t r0, int64_t r1, int64_t k) {
     int64_t groups = k / Q4_GROUP;
     v8 q[4];
-    for (int64_t r = r0; r < r1; r++)
+    for (int64_t r = r0; r < r1; r++) {
+        void *row = (char *)out + (r - r0) * k * (bf ? 2 : 4);
         for (int64_t g = 0; g < groups; g++) {
             const float *s = sm + (r * groups + g) * 2;
             ld_q4(w + r * (k / 2) + g * 16, q);
-            for (int u = 0; u < 4; u++) st8(out + (r - r0) * k + g * Q4_GROUP + 8 * u, q[u] * s[0] + s[1]);
+            for (int u = 0; u < 4; u++) put8(row, g * Q4_GROUP + 8 * u, q[u] * s[0] + s[1], bf);
         }
+    }
 }
 
 /* RMSNorm of each head of x [T, heads, dim] (token stride ts, head stride hs; the q/k norms of

@@ -49,7 +49,7 @@ REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
 # (a second copy of every bfloat16 linear's weight): opt in, execution/native_modules.py
 BF16_TILES = os.environ.get("COTHINK_BF16_TILES", "0") == "1"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 4
+ABI_VERSION = 5
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales, and
@@ -76,7 +76,7 @@ _SIGNATURES = {
     "ct_head_rms_norm": [_P, _I, _I, _P, _P, _I, _I, _I, _F, ctypes.c_int, ctypes.c_int],
     "ct_sigmoid_gate": [_P, _P, _I, _I, _P, _I, _I, _I, ctypes.c_int],
     "ct_decode_layers": [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int, _I],
-    "ct_q4_dequant": [_P, _P, _P, _I, _I, _I],
+    "ct_q4_dequant": [_P, _P, _P, ctypes.c_int, _I, _I, _I],
     "ct_helper_grains": [],
     "ct_linear_tiles": [],
     "ct_layout": [ctypes.POINTER(_I)],
@@ -543,14 +543,16 @@ def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Te
 
 def q4_dequant(weight: torch.Tensor, scale: torch.Tensor, rows: slice, out: torch.Tensor) -> None:
     """Rows `rows` of a 4-bit weight (uint8 [N, K / 2], float32 group scales and offsets
-    [N, K / 32, 2], as `linear` takes them) dequantized into float32 out [rows, K]: q * scale + offset,
-    to the bit the torch reference's values (models/quant4.py `Int4Weights.dequantize`)."""
+    [N, K / 32, 2], as `linear` takes them) dequantized into out [rows, K], float32 or bfloat16:
+    q * scale + offset, to the bit the torch reference's values (models/quant4.py
+    `Int4Weights.dequantize`), rounded to bfloat16 for a bfloat16 out."""
     start, stop, _ = rows.indices(weight.shape[0])
     k = 2 * weight.shape[1]
-    if out.dtype != torch.float32 or not out.is_contiguous() or out.shape != (stop - start, k):
-        raise ValueError(f"q4_dequant: out {tuple(out.shape)} {out.dtype} is not float32 "
+    if out.dtype not in DTYPES or not out.is_contiguous() or out.shape != (stop - start, k):
+        raise ValueError(f"q4_dequant: out {tuple(out.shape)} {out.dtype} is not float32 or bfloat16 "
                          f"[{stop - start}, {k}]")
-    _library().ct_q4_dequant(weight.data_ptr(), scale.data_ptr(), out.data_ptr(), start, stop, k)
+    _library().ct_q4_dequant(weight.data_ptr(), scale.data_ptr(), out.data_ptr(), DTYPES[out.dtype], start,
+                             stop, k)
 
 
 @dataclass(frozen=True)
