@@ -94,7 +94,7 @@ def test_background_shrinks_while_an_interactive_generation_decodes():
     plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16,
                       interactive_step_tokens=1))
     assert plan == {"int-decode": 1, "bg-pre": 1}, "background never starves: at least one token a step"
-    # an interactive prefill (a probe) is not capped: only background work shrinks
+    # an interactive prefill (a probe) beside the decoder is not capped: only background work shrinks
     works.append(Fake("int-pre", INTERACTIVE, wanted=100, seq=9))
     plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16,
                       interactive_step_tokens=32, interactive_background_chunk=128))
@@ -188,6 +188,21 @@ def test_item_cap():
                       Fake("bg", BACKGROUND, wanted=30))
     plan = _plan(works, max_batch_tokens=256, max_batch_items=4, background_min_tokens=16)
     assert [n for n, _ in plan] == ["d0", "d1", "d2", "d3"]
+
+
+def test_background_adds_only_its_reserve_beside_an_interactive_prefill():
+    """A step with an interactive prompt chunk and no interactive decoder: background prefill and decode
+    tokens fill it only up to background_min_tokens (time to first token), where without the prompt
+    they fill the budget; an interactive work that memory keeps waiting does not hold background back."""
+    bg = [Fake(f"bg{i}", BACKGROUND, wanted=500) for i in range(3)] + [Fake("bgd", BACKGROUND, decode=True)]
+    works = _numbered(Fake("prompt", INTERACTIVE, wanted=30), *bg)
+    plan = dict(_plan(works, max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16))
+    assert plan["prompt"] == 30 and sum(plan.values()) - 30 == 16
+    plan = dict(_plan(works[1:], max_batch_tokens=256, max_prefill_chunk=128, background_min_tokens=16))
+    assert sum(plan.values()) == 256
+    choice = plan_step(works, SchedulerConfig(max_batch_tokens=256, max_prefill_chunk=128), FairShares(),
+                       lambda w, n: Admission.WAIT if w.name == "prompt" else Admission.ADMIT)
+    assert sum(n for _, n in choice.chosen) == 256
 
 
 def test_background_reserve_and_interactive_room():

@@ -14,7 +14,10 @@ than one token, so background never starves): background prefill chunks and deco
 and each interactive token costs about one small step. In such a step a background prefill chunk
 carries at most `interactive_background_chunk` tokens (default 1): a step whose items are all single
 tokens stays on the native backend's fused decode path, which a multi-token chunk would leave for the
-slower per-module path (bench/interactive_steps.py measures both).
+slower per-module path (bench/interactive_steps.py measures both). A step that carries an interactive
+prefill chunk (a prompt, a probe's question) and no interactive decoder takes background work only
+up to its reserve, `background_min_tokens`: the interactive prompt's first token waits for its own
+chunk, not for a full step of background prefill beside it (time to first token).
 An interactive item of q tokens, behind d interactive decoders and no other interactive prefill,
 is fully served within ceil(q / min(max_prefill_chunk, max_batch_tokens - background_min_tokens - d))
 steps, however much background work is queued.
@@ -202,12 +205,15 @@ def plan_step(
     if interactive_decode:  # the cap holds the reserve too, leaving the interactive token its room
         reserve = min(reserve, max(1, background_cap - 1))
     order = sorted(works, key=lambda w: (w.priority.klass, not w.is_decode, shares.of(w), w.seq))
+    interactive_prefill = False  # an interactive prefill chunk is in this step
     for work in order:
         if len(choice.chosen) == cfg.max_batch_items:
             break
         used = cfg.max_batch_tokens - budget
         if work.priority.klass == PriorityClass.BACKGROUND:
-            room = min(budget, max(reserve, background_cap - used))
+            # beside an interactive prefill, background adds only its reserve: the step stays short
+            cap = 0 if interactive_prefill and not interactive_decode else background_cap
+            room = min(budget, max(reserve, cap - used))
             if interactive_decode:  # single-token pieces keep the step on the fused decode path
                 room = min(room, cfg.interactive_background_chunk)
         else:
@@ -225,4 +231,6 @@ def plan_step(
         budget -= n
         if work.priority.klass == PriorityClass.BACKGROUND:
             reserve = max(0, reserve - n)
+        elif not work.is_decode:
+            interactive_prefill = True
     return choice
