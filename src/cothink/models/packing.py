@@ -133,8 +133,8 @@ def bfloat16_matmul(x: torch.Tensor, fill: SlabFill, n: int, bias: torch.Tensor 
     `fill` writes the whole [n, K] weight as bfloat16 into a temporary, then one GEMM. For quantized
     weights on prefill-sized inputs: the bfloat16 GEMM runs on the CPU's matrix units (AMX) where it
     has them, far faster than float32 math, for the price of the weight rounded to bfloat16. One
-    GEMM over a temporary rather than cache-sized slabs: on the AMX VM SmolLM2's 4-bit prefill of 512
-    tokens ran at 2 200-2 400 tokens/s so, against 2 200 in slabs, whose many smaller GEMMs cost more."""
+    GEMM over a temporary rather than cache-sized slabs: on the AMX VM the slabs' many smaller GEMMs
+    made SmolLM2's 4-bit prefill slower."""
     weight = torch.empty(n, x.shape[1], dtype=torch.bfloat16)
     fill(weight, 0, n)
     return F.linear(x, weight, None if bias is None else bias.to(torch.bfloat16))
