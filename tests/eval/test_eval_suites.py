@@ -96,6 +96,24 @@ def test_consistency_thinker_unchanged_by_narrator(ctx):
     assert res.headline["narrations_equal_replay"] == res.headline["narrations"]
 
 
+def test_consistency_first_difference_margin(ctx):
+    """Where two greedy runs differ, the margin is the logit lead of the first run's token over the second's
+    at their first difference, recomputed from the common prefix; equal runs have none."""
+    runner = ctx.model.new_runner(kv_tokens=256)
+    prefix = ctx.model.encode("Count with me: one two three")
+    logits = runner.extend(runner.new_block("x"), prefix + [5, 6], logits="last")[-1].float()
+    best, other = int(logits.argmax()), int(logits.argmin())
+    a, b = [5, 6, best, 9], [5, 6, other]
+    assert consistency.first_difference_margin(ctx, prefix, a, a) is None
+    margin = consistency.first_difference_margin(ctx, prefix, a, b)
+    assert margin == pytest.approx(float(logits[best] - logits[other]), abs=1e-4) and margin > 0
+    assert consistency.first_difference_margin(ctx, prefix, b, a) == pytest.approx(-margin, abs=1e-4)
+    # one run stopped where the other went on: the stop tokens' best logit stands for the stopped run
+    stop = max(float(logits[t]) for t in runner.config.eos_token_ids)
+    assert consistency.first_difference_margin(ctx, prefix, a[:2], a) == pytest.approx(
+        stop - float(logits[best]), abs=1e-4)
+
+
 def test_consistency_number_classes():
     from cothink.eval.workload import Problem
 

@@ -81,6 +81,7 @@ class NarrationRow:
     read_prefix_tokens: int  # thinker tokens (after the prompt) the narration read
     text: str
     replay_identical: bool  # equal to a greedy recomputation from its prefix on a fresh engine
+    replay_margin: float | None  # where not: the replay's logit lead over the narration's token there
     numbers: list[int]  # the numbers the narration mentions
     classes: list[str]  # per number: problem, reached, ahead or elsewhere
     seconds: float  # the narration's prefill and generation
@@ -96,6 +97,9 @@ class ProblemRow:
     solo_text: str  # the thinker's text alone
     narrated_text: str  # and with the narrator
     identical_tokens: bool  # the thinker wrote the same tokens in both runs
+    # where not: at their first difference, the logit lead of the run-alone's token over the other's
+    # in a fresh recomputation from the common prefix (a near-tie when small)
+    difference_margin: float | None
     solo_tokens: int
     narrated_run_tokens: int
     final_number: int | None  # the last number of the narrated run's text
@@ -204,6 +208,27 @@ def _replay_narration(ctx: SuiteContext, prefix: list[int], question: list[int],
     return out
 
 
+def first_difference_margin(ctx: SuiteContext, prefix: list[int], a: list[int], b: list[int]) -> float | None:
+    """None when token lists a and b (greedy continuations of `prefix`) are equal; else, at their first
+    difference j, logit[a_j] - logit[b_j] after prefix + a[:j] on a fresh engine (one block, nothing
+    shared): how close the two runs' choices were. A lead of a fraction of a logit is a near-tie that
+    the rounding of another batch composition can flip; a large one is not."""
+    j = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    if j is None:
+        if len(a) == len(b):
+            return None
+        j = min(len(a), len(b))  # one run stopped (end of turn) where the other went on
+    context = prefix + a[:j]
+    runner = ctx.model.new_runner(kv_tokens=len(context) + 64)
+    logits = runner.extend(runner.new_block("difference"), context, logits="last")[-1].float()
+    stop = max((float(logits[t]) for t in runner.config.eos_token_ids), default=float("nan"))  # a run ended
+
+    def lead(t: list[int]) -> float:
+        return float(logits[t[j]]) if j < len(t) else stop
+
+    return lead(a) - lead(b)
+
+
 def _classify(number: int, problem: Problem | UserProblem, prefix_text: str, later_text: str) -> str:
     if number in problem.operands:
         return "problem"
@@ -271,6 +296,8 @@ def _check_problem(
                 read_prefix_tokens=n.prefix_len - len(prompt),
                 text=n.text,
                 replay_identical=replay == n.tokens,
+                replay_margin=first_difference_margin(ctx, n.prefix_tokens + narrated_run.question, replay,
+                                                      n.tokens),
                 numbers=numbers_in(n.text),
                 classes=classes,
                 seconds=n.seconds,
@@ -283,6 +310,7 @@ def _check_problem(
         solo_text=solo_text,
         narrated_text=text,
         identical_tokens=solo == inter,
+        difference_margin=first_difference_margin(ctx, prompt, solo, inter),
         solo_tokens=len(solo),
         narrated_run_tokens=len(inter),
         final_number=nums[-1] if nums else None,
@@ -383,6 +411,15 @@ def _analyse(ctx: SuiteContext, res: SuiteResult, records: list[ProblemRow], cou
         bool(replays) and all(replays),
         f"{sum(replays)}/{len(replays)} narrations",
     )
+    margins = [r.difference_margin for r in records if r.difference_margin is not None]
+    margins += [x.replay_margin for r in records for x in r.narrations if x.replay_margin is not None]
+    if margins:
+        res.info(
+            "where tokens differ: the first difference's logit margin in a fresh recomputation",
+            ", ".join(f"{m:.3f}" for m in margins) + " logits (the alone / replayed token's lead over the "
+            "other run's): a fraction of a logit is a near-tie that another batch's rounding can flip "
+            "(docs/runtime.md: batch invariance to float tolerance); a large lead would be a leak",
+        )
     res.check(
         "accuracy unchanged by the narrator",
         solo_acc == acc,
