@@ -6,6 +6,9 @@ process keeps a core busy every parallel region waits for the thread on that cor
 15.8 to 5.5 tok/s, a 32-row step took 5-10x longer). No fixed rule is right for both, so
 `ThreadChooser` measures: per width bucket it keeps the time per row of one thread and of all,
 uses the faster, and re-tries the other now and then so it notices when contention comes or goes.
+Contention is suspected only after two slow steps in a row: one slow step is usually noise (a
+collector pause, a page fault), and a one-thread trial costs a small step about twice its time, so
+trials on single spikes put every twentieth token of an interactive stream at twice the median gap.
 
 Idle OpenMP threads spin by default (libgomp: about 300k iterations, ~10 ms here), burning the core
 the engine's own event loop, agents and server need; sleeping at once (`OMP_WAIT_POLICY=PASSIVE`)
@@ -42,7 +45,8 @@ class _Bucket:
     """What was measured for steps of similar width: seconds per row of each thread count."""
 
     per_row: dict[int, float] = field(default_factory=dict)  # moving average per thread count
-    suspect: bool = False  # the last all-threads step ran much slower per row than their average
+    slow_run: int = 0  # consecutive all-threads steps much slower per row than their average
+    suspect: bool = False  # slow_run reached SUSPECT_STEPS: measure one thread next
     since_retry: int = 0  # steps on one thread since all threads were last re-tried
     retry_after: int = FIRST_RETRY  # doubles while re-tries confirm one thread, resets when one flips it
 
@@ -50,11 +54,12 @@ class _Bucket:
 class ThreadChooser:
     """Threads per step: all (`max_threads`) unless measured slower than one, per width bucket
     (steps of 1 row, 2-3, 4-7, 8-15, ...). A quiet machine never pays for a trial: one thread is
-    tried only when an all-threads step runs much slower per row than their moving average (another
-    process took a core), and while one thread wins, all threads are re-tried after 32, 64, ... 256
+    tried only when two all-threads steps in a row run much slower per row than their moving average
+    (another process took a core), and while one thread wins, all threads are re-tried after 32, 64, ... 256
     steps so the engine goes back to them when the other process is gone."""
 
     SUSPECT_RATIO = 1.5
+    SUSPECT_STEPS = 2  # slow all-threads steps in a row before one thread is tried
     MAX_RETRY_AFTER = 256
 
     def __init__(self, max_threads: int, alpha: float = 0.3):
@@ -80,7 +85,9 @@ class ThreadChooser:
         sample, old = seconds / rows, b.per_row.get(threads)
         if threads == self.max_threads:
             retry = self._one_wins(b)
-            b.suspect = old is not None and sample > self.SUSPECT_RATIO * old
+            slow = old is not None and sample > self.SUSPECT_RATIO * old
+            b.slow_run = b.slow_run + 1 if slow else 0
+            b.suspect = b.slow_run >= self.SUSPECT_STEPS
             # a re-try measures afresh (the old figure is from before contention changed)
             b.per_row[threads] = sample if old is None or retry else old + self.alpha * (sample - old)
             if retry:
@@ -89,7 +96,7 @@ class ThreadChooser:
                 b.since_retry = 0
         else:
             trial = b.suspect or not self._one_wins(b)
-            b.suspect = False
+            b.suspect, b.slow_run = False, 0
             b.per_row[threads] = sample if old is None or trial else old + self.alpha * (sample - old)
             b.since_retry += 1
 

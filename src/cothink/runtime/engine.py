@@ -54,6 +54,7 @@ from cothink.models.image_processing import (
 )
 from cothink.models.text import stop_token_ids as turn_end_ids
 from cothink.ops import native
+from cothink.runtime import heap
 from cothink.runtime.residency import Residency
 from cothink.scheduler.accounting import Accounting, CoroutineStats, StepRecord, WorkEvent
 from cothink.scheduler.budget import MemoryBudget
@@ -189,6 +190,7 @@ class Engine:
     async def start(self) -> None:
         if self._loop_task is None:
             log.log(*native.start_note(self.runner.device))
+            heap.engine_started()  # full collections would otherwise pause steps (runtime/heap.py)
             self._loop_task = asyncio.create_task(self._scheduler.run_forever(), name="cothink-step-loop")
 
     async def stop(self) -> None:
@@ -205,7 +207,9 @@ class Engine:
                 await self._loop_task
             except asyncio.CancelledError:
                 pass
-            self._loop_task = None
+            finally:
+                self._loop_task = None
+                heap.engine_stopped()
         for work in list(scheduler.works):  # works that were in the last step
             scheduler.cancel(work)
 
