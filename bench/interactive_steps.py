@@ -9,14 +9,17 @@ coroutines loop over jobs (extend 32 tokens, generate 32), as the latency suite'
 the engine's step timeline, for the steps that carry the interactive token: their duration by execution
 path (``fused``: every decoder layer in one C call; ``native``: per module) and by what they carried,
 the event loop's time between consecutive steps (planning, sampling, bookkeeping), and the generation's
-inter-token gaps (median, p99). So the p99 ratio the latency suite checks (within 2x of alone) splits
-into what the forward passes cost and what happens between them. Writes interactive_steps.json to --out.
+inter-token gaps (median, p99), the steps whose forward pass ran on one thread (the engine's
+ThreadChooser measuring contention), and the garbage collector's pauses that overlapped them. So the
+p99 ratio the latency suite checks (within 2x of alone) splits into what the forward passes cost and
+what happens between them. Writes interactive_steps.json to --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import sys
 import time
@@ -46,8 +49,27 @@ def _ms(xs: list[float]) -> dict[str, float]:
     return {"n": len(xs), "p50_ms": 1e3 * percentile(xs, 50), "p99_ms": 1e3 * percentile(xs, 99)}
 
 
+class _CollectorPauses:
+    """The garbage collector's pauses (start, end, generation) while installed."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float, int]] = []
+        self._started = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append((self._started, time.perf_counter(), info["generation"]))
+
+    def within(self, spans: list[tuple[float, float]]) -> list[float]:
+        """Durations (s) of the pauses that overlap any of the spans."""
+        return [b - a for a, b, _ in self.pauses if any(a < e and b > s for s, e in spans)]
+
+
 async def _run(engine: Any, background: int, tokens: int) -> dict[str, Any]:
     stop = asyncio.Event()
+    pauses = _CollectorPauses()
 
     async def loop(i: int) -> None:
         block = engine.block(f"bg{i}")
@@ -64,8 +86,12 @@ async def _run(engine: Any, background: int, tokens: int) -> dict[str, Any]:
     await engine.extend(ctx, token_ids=list(range(200, 232)))
     first, stamps = engine.steps, []
     gen = engine.generate([ctx, out], max_tokens=tokens, priority="interactive", stop_at_eos=False, name="fg")
-    async for _ in gen:
-        stamps.append(time.perf_counter())
+    gc.callbacks.append(pauses)
+    try:
+        async for _ in gen:
+            stamps.append(time.perf_counter())
+    finally:
+        gc.callbacks.remove(pauses)
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
     steps = [s for s in engine.timeline if s.index > first and any(i.coroutine == "fg" for i in s.items)]
@@ -75,8 +101,12 @@ async def _run(engine: Any, background: int, tokens: int) -> dict[str, Any]:
                                   for s in steps if s.path == path).most_common(3)}
         for path in sorted({s.path for s in steps})
     }
+    in_steps = pauses.within([(s.start, s.end) for s in steps])
     return {
         "background": background,
+        "one_thread_steps": sum(1 for s in steps if s.threads == 1 and torch.get_num_threads() > 1),
+        "collector_pauses_in_steps": {"n": len(in_steps), "max_ms": 1e3 * max(in_steps, default=0.0),
+                                      "total_ms": 1e3 * sum(in_steps)},
         "gaps": _ms([b - a for a, b in zip(stamps, stamps[1:])]),
         "steps": _ms([s.end - s.start for s in steps]),
         "between_steps": _ms([b.start - a.end for a, b in zip(steps, steps[1:])]),
@@ -104,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
               f"p99 {C.fmt(g['p99_ms'], 1)} ms (n={g['n']}); its steps p50 {C.fmt(s['p50_ms'], 1)} ms, "
               f"p99 {C.fmt(s['p99_ms'], 1)} ms, {C.fmt(r['tokens_per_step'], 2)} tokens; "
               f"between steps p50 {C.fmt(b['p50_ms'], 2)} ms, p99 {C.fmt(b['p99_ms'], 2)} ms")
+        gcp = r["collector_pauses_in_steps"]
+        print(f"    {r['one_thread_steps']} of its steps on one thread; {gcp['n']} collector pauses inside "
+              f"its steps (longest {C.fmt(gcp['max_ms'], 1)} ms, {C.fmt(gcp['total_ms'], 1)} ms in all)")
         for path, d in r["by_path"].items():
             carried = ", ".join(f"{k} x{n}" for k, n in d["carried"])
             print(f"    {path or '-'}: {d['n']} steps, p50 {C.fmt(d['p50_ms'], 1)} ms, "

@@ -277,7 +277,10 @@ def test_interactive_steps_smoke(tiny_folder, tmp_path, capsys):
     assert alone["gaps"]["n"] == 11 and alone["tokens_per_step"] == 1.0
     assert sum(d["n"] for d in loaded["by_path"].values()) == loaded["steps"]["n"] >= 12
     assert loaded["tokens_per_step"] > 1.0  # background tokens rode with the interactive ones
-    assert "inter-token p99 with 2 background / alone" in capsys.readouterr().out
+    assert 0 <= loaded["one_thread_steps"] <= loaded["steps"]["n"]
+    assert loaded["collector_pauses_in_steps"]["n"] >= 0
+    out = capsys.readouterr().out
+    assert "inter-token p99 with 2 background / alone" in out and "collector pauses inside" in out
 
 
 def test_vision_smoke(tmp_path, capsys):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import torch
+
 from support import ids, make_engine
 
 
@@ -36,6 +38,7 @@ async def test_stats_match_the_timeline():
     assert [r.index for r in records] == list(range(1, engine.steps + 1))
     assert all(r.start <= r.end for r in records)
     assert all(a.end <= b.start for a, b in zip(records, records[1:]))
+    assert all(1 <= r.threads <= torch.get_num_threads() for r in records if r.path)  # a forward ran
     for name in ("feed", "A", "B", "P"):
         items = [it for r in engine.timeline for it in r.items if it.coroutine == name]
         stats = engine.stats[name]

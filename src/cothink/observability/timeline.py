@@ -67,6 +67,7 @@ def chrome_trace(records: Iterable[StepRecord], process_name: str = "cothink eng
                         "priority": item.priority,
                         "step": record.index,
                         "path": record.path,
+                        "threads": record.threads,
                         "batch_items": len(record.items),
                     },
                 }

@@ -45,6 +45,7 @@ class StepRecord:
     # the execution backend's path for the step: "fused" (all decoder layers in one C call), "native"
     # (per-module, C kernels), "torch", "reference"; "" when no forward pass ran
     path: str = ""
+    threads: int = 0  # torch threads the forward pass ran on (execution/threads.py); 0: none ran
 
     @property
     def tokens(self) -> int:

@@ -248,7 +248,7 @@ class Scheduler:
     async def _run(self, loop: asyncio.AbstractEventLoop, plan: StepPlan) -> None:
         items = plan.items
         self._in_flight = plan.works
-        start, path = time.perf_counter(), ""
+        start, path, threads = time.perf_counter(), "", 0
         try:
             if items:
                 with threads_for(1):
@@ -258,7 +258,7 @@ class Scheduler:
                 self.ownership.memory_lock.acquire()
                 future = loop.run_in_executor(self._executor, self._forward, batch)
                 try:
-                    result = await asyncio.shield(future)
+                    result, threads = await asyncio.shield(future)
                 except asyncio.CancelledError:  # the engine stops: let the running step finish first
                     await asyncio.wait([future])
                     self.runner.abort(items)
@@ -293,17 +293,18 @@ class Scheduler:
         finally:
             self._in_flight = set()
         with threads_for(1):
-            self.postprocess(plan, logits, start, time.perf_counter(), path)
+            self.postprocess(plan, logits, start, time.perf_counter(), path, threads)
 
-    def _forward(self, batch: ViewBatch) -> ForwardResult:
-        """Worker thread: one forward pass; holds the memory lock `_run` took for it."""
+    def _forward(self, batch: ViewBatch) -> tuple[ForwardResult, int]:
+        """Worker thread: one forward pass and the threads it ran on; holds the memory lock `_run`
+        took for it."""
         try:
             threads = self.threads.choose(batch.rows)
             use_threads(threads)
             start = time.perf_counter()
             result = self.runner.forward(batch)
             self.threads.observe(batch.rows, threads, time.perf_counter() - start)
-            return result
+            return result, threads
         finally:
             self.ownership.memory_lock.release()
 
@@ -401,7 +402,13 @@ class Scheduler:
 
     # ---- postprocess ------------------------------------------------------------------------------
     def postprocess(
-        self, plan: StepPlan, logits: list[torch.Tensor], start: float, end: float, path: str = ""
+        self,
+        plan: StepPlan,
+        logits: list[torch.Tensor],
+        start: float,
+        end: float,
+        path: str = "",
+        threads: int = 0,
     ) -> None:
         records, row, counted = [], 0, set()
         for p in plan.planned:
@@ -444,7 +451,7 @@ class Scheduler:
                 if self.auto_seal and isinstance(work, GenerateWork) and work.outcome in ("stop", "length"):
                     self.runner.seal(work.block)  # between steps: no forward pass is running
         self.steps += 1
-        self.accounting.step(StepRecord(self.steps, start, end, tuple(records), path))
+        self.accounting.step(StepRecord(self.steps, start, end, tuple(records), path, threads))
         # Retire finished works now, before their callers resume: scratch blocks and holds go at once.
         for work in [w for w in self.works if w.finished]:
             self._retire(work)
