@@ -8,12 +8,13 @@ step or between two tokens (an interactive stream's slowest gap was 232 ms again
 all of it one full collection). `gc.freeze()` moves every object alive at that moment into a
 permanent generation that collections skip; it is O(1) and changes no object.
 
-Frozen objects are never collected, so anything that becomes cyclic garbage after the freeze (an
-engine stopped and dropped while another still runs) would stay until `gc.unfreeze()`. The heap is
-therefore frozen while at least one engine runs and unfrozen when the last one stops, at which point
-the next full collection reclaims whatever became garbage meanwhile. Nothing leaks beyond an engine's
-lifetime, and no collection is forced (a forced one at every engine start cost the test suite ~0.2 s
-per engine).
+Frozen objects are never collected, so anything frozen that becomes cyclic garbage stays until
+`gc.unfreeze()`. The heap is therefore frozen once, when the first engine starts, and unfrozen when
+the last running one stops, at which point the next full collection reclaims whatever became garbage
+meanwhile. Engines started while another runs freeze nothing more: a process that keeps one engine
+running and starts short-lived ones beside it would otherwise freeze each one's garbage in turn and
+grow without bound. No collection is forced (a forced one at every engine start would cost ~0.2 s
+each).
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ _running = 0  # engines started and not yet stopped, in this process
 
 
 def engine_started() -> None:
-    """Freeze the heap as it is now (again, if engines already run: the new engine's objects too)."""
+    """Freeze the heap as it is now, if no other engine runs."""
     global _running
     with _lock:
         _running += 1
-        gc.freeze()
+        if _running == 1:
+            gc.freeze()
 
 
 def engine_stopped() -> None:
