@@ -141,3 +141,12 @@ def test_proportion_ci_is_wilsons_interval():
     lo, hi = harness.proportion_ci(10, 10)
     assert round(lo, 4) == 0.7225 and hi == 1.0
     assert harness.format_proportion(3, 21) == "3/21 (0.14, 0.05-0.35)"
+
+
+def test_paired_p_value_is_the_exact_mcnemar_test():
+    assert harness.paired_p_value(0, 0) == 1.0  # no discordant item: no evidence either way
+    assert harness.paired_p_value(0, 6) == pytest.approx(2 / 64)  # six coins all one way
+    assert harness.paired_p_value(6, 0) == harness.paired_p_value(0, 6)
+    # 5 vs 10: 2 * sum C(15, 0..5) / 2^15
+    assert harness.paired_p_value(5, 10) == pytest.approx(2 * 4944 / 32768)
+    assert harness.paired_p_value(7, 7) == 1.0  # capped

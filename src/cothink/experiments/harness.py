@@ -278,6 +278,17 @@ def proportion_ci(successes: int, n: int, z: float = 1.96) -> tuple[float, float
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def paired_p_value(only_a: int, only_b: int) -> float:
+    """Two-sided exact McNemar test of two conditions run on the same items: `only_a` items only A got
+    right, `only_b` only B. Items both got right or both wrong say nothing about which is better, so
+    under "no difference" each discordant item is a fair coin: p = 2 P(Binomial(n, 1/2) <= min)."""
+    n = only_a + only_b
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(only_a, only_b) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
 def format_proportion(successes: int, n: int) -> str:
     """`k/n (p, 95 % CI lo-hi)` for a report table."""
     lo, hi = proportion_ci(successes, n)

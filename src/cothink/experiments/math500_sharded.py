@@ -701,7 +701,10 @@ def report(results: Results[MathConfig, MathRow], plot_name: str = "math500_shar
         "- The splitter is a heuristic: the removed sentence is a stated condition, but not always one the "
         "problem cannot be solved without (then `partial` stays close to `full`).",
         "- `insert` and `restart` at k=0 are the same computation by construction (nothing to re-encode); "
-        "a difference between them is floating-point noise of batched decoding flipping a greedy choice.",
+        "a difference between them is floating-point noise of batched decoding flipping a greedy choice; "
+        "its paired counts show how far that noise alone moves a comparison.",
+        "- The paired p-values are per k: with five k's tested, one below 0.05 by chance is not unlikely "
+        "(to hold across all five at 0.05, a p-value must be below 0.01).",
         "- `tokens encoded` = tokens the engine wrote for the row minus the sampled ones: the prompt, the "
         "supplement, the answer cue, for `restart` the re-encoded thoughts, and a one-token re-read when a "
         "generation starts on a view whose last write was not its last block (k=0). Thinking before the "
@@ -730,12 +733,23 @@ def _reading(results: Results[MathConfig, MathRow], table: list[Any]) -> list[st
     for k in results.config.steps:
         key_i, key_r = ("insert", str(k)), ("restart", str(k))
         if key_i in acc and key_r in acc:
+            only_i, only_r = _discordant(results.rows, "insert", "restart", k)
             out.append(
                 f"- k={k}: insert {frac(key_i)} vs restart {frac(key_r)}; encoded tokens per problem "
                 f"{enc[key_i]:.0f} (insert) vs {enc[key_r]:.0f} (restart, +{enc[key_r] - enc[key_i]:.0f} "
-                "re-encoded)"
+                f"re-encoded); paired: only insert right on {only_i} problems, only restart on {only_r} "
+                f"(exact McNemar p = {harness.paired_p_value(only_i, only_r):.2g})"
             )
     return out
+
+
+def _discordant(rows: Sequence[MathRow], a: Condition, b: Condition, k: int) -> tuple[int, int]:
+    """Over the problems that ran both conditions at step k: how many only `a` got right, only `b`."""
+    correct_a = {r.unique_id: r.correct for r in rows if r.condition == a and r.k == k}
+    correct_b = {r.unique_id: r.correct for r in rows if r.condition == b and r.k == k}
+    both = correct_a.keys() & correct_b.keys()
+    return (sum(correct_a[u] and not correct_b[u] for u in both),
+            sum(correct_b[u] and not correct_a[u] for u in both))
 
 
 # -------------------------------------------------------------------------------------------- CLI
