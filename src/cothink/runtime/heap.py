@@ -5,8 +5,8 @@ A process that imported torch and transformers holds about 400 000 collector-tra
 (generation-2) collection walks every one of them: measured 180-210 ms on a 2-core AMD EPYC VM,
 and it runs in whichever thread allocates at that moment, so it lands inside a step or between two
 tokens (an interactive stream's slowest gap was 232 ms against a 16 ms median, all of it one full
-collection; bench/interactive_steps.py counts such pauses). `gc.freeze()` moves every object alive at that moment into a
-permanent generation that collections skip; it is O(1) and changes no object.
+collection; bench/interactive_steps.py counts such pauses). `gc.freeze()` moves every object alive
+at that moment into a permanent generation that collections skip; it is O(1) and changes no object.
 
 Frozen objects are never collected, so anything frozen that becomes cyclic garbage stays until
 `gc.unfreeze()`. The heap is therefore frozen once, when the first engine starts, and unfrozen when
