@@ -104,7 +104,7 @@ async def _run(engine: Any, background: int, tokens: int) -> dict[str, Any]:
     in_steps = pauses.within([(s.start, s.end) for s in steps])
     return {
         "background": background,
-        "one_thread_steps": sum(1 for s in steps if s.threads == 1 and torch.get_num_threads() > 1),
+        "one_thread_steps": sum(1 for s in steps if s.threads == 1) if torch.get_num_threads() > 1 else 0,
         "collector_pauses_in_steps": {"n": len(in_steps), "max_ms": 1e3 * max(in_steps, default=0.0),
                                       "total_ms": 1e3 * sum(in_steps)},
         "gaps": _ms([b - a for a, b in zip(stamps, stamps[1:])]),

@@ -46,7 +46,6 @@ class _Bucket:
 
     per_row: dict[int, float] = field(default_factory=dict)  # moving average per thread count
     slow_run: int = 0  # consecutive all-threads steps much slower per row than their average
-    suspect: bool = False  # slow_run reached SUSPECT_STEPS: measure one thread next
     since_retry: int = 0  # steps on one thread since all threads were last re-tried
     retry_after: int = FIRST_RETRY  # doubles while re-tries confirm one thread, resets when one flips it
 
@@ -71,7 +70,7 @@ class ThreadChooser:
         if self.max_threads == 1:
             return 1
         b = self._bucket(rows)
-        if b.suspect:
+        if self._suspect(b):
             return 1  # measure one thread now
         if self._one_wins(b):
             return self.max_threads if b.since_retry >= b.retry_after else 1
@@ -87,7 +86,6 @@ class ThreadChooser:
             retry = self._one_wins(b)
             slow = old is not None and sample > self.SUSPECT_RATIO * old
             b.slow_run = b.slow_run + 1 if slow else 0
-            b.suspect = b.slow_run >= self.SUSPECT_STEPS
             # a re-try measures afresh (the old figure is from before contention changed)
             b.per_row[threads] = sample if old is None or retry else old + self.alpha * (sample - old)
             if retry:
@@ -95,10 +93,14 @@ class ThreadChooser:
                 b.retry_after = FIRST_RETRY if flipped else min(self.MAX_RETRY_AFTER, 2 * b.retry_after)
                 b.since_retry = 0
         else:
-            trial = b.suspect or not self._one_wins(b)
-            b.suspect, b.slow_run = False, 0
+            trial = self._suspect(b) or not self._one_wins(b)
+            b.slow_run = 0
             b.per_row[threads] = sample if old is None or trial else old + self.alpha * (sample - old)
             b.since_retry += 1
+
+    def _suspect(self, b: _Bucket) -> bool:
+        """Enough slow all-threads steps in a row: measure one thread next."""
+        return b.slow_run >= self.SUSPECT_STEPS
 
     def _one_wins(self, b: _Bucket) -> bool:
         one, all_threads = b.per_row.get(1), b.per_row.get(self.max_threads)
