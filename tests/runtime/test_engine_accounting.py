@@ -81,3 +81,15 @@ async def test_stats_survive_a_short_timeline():
     assert engine.stats["G"].forward_passes == 20 and engine.stats["G"].tokens_written == 20
     # view positions read by G: step k reads ctx (10) + k tokens already written, plus the new token
     assert engine.stats["G"].tokens_read == sum(10 + k + 1 for k in range(20))
+
+
+async def test_each_step_width_is_tried_on_one_thread():
+    """An engine may start beside a busy core, with no quiet figure to notice it by: every width of
+    step that ran past its warm-up has had a one-thread step, whatever the machine's load."""
+    engine = make_engine("llama", max_prefill_chunk=16, max_batch_tokens=32, threads=2)
+    async with engine:
+        await engine.extend(engine.block("ctx"), token_ids=ids(16 * 6, 1))  # six 16-row chunks
+    widths = Counter(r.tokens.bit_length() for r in engine.timeline if r.path)
+    assert widths[(16).bit_length()] >= 4
+    one_thread = {r.tokens.bit_length() for r in engine.timeline if r.path and r.threads == 1}
+    assert (16).bit_length() in one_thread

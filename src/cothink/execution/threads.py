@@ -6,7 +6,10 @@ process keeps a core busy every parallel region waits for the thread on that cor
 15.8 to 5.5 tok/s, a 32-row step took 5-10x longer). No fixed rule is right for both, so
 `ThreadChooser` measures: per width bucket it keeps the time per row of one thread and of all,
 uses the faster, and re-tries the other now and then so it notices when contention comes or goes.
-Contention is suspected only after two slow steps in a row: one slow step is usually noise (a
+Each width is tried on one thread once, after a few warm-up steps: a process started beside busy
+cores has no quiet figure to be slower than, and on two shared cores a step on both threads can take
+several times its one-thread time.
+Later contention is suspected only after two slow steps in a row: one slow step is usually noise (a
 collector pause, a page fault), and a one-thread trial costs a small step about twice its time, so
 trials on single spikes put every twentieth token of an interactive stream at twice the median gap.
 
@@ -42,9 +45,12 @@ FIRST_RETRY = 32
 
 @dataclass
 class _Bucket:
-    """What was measured for steps of similar width: seconds per row of each thread count."""
+    """What was measured for steps of similar width: seconds per row of each thread count, and
+    which count won the last comparison of the two."""
 
     per_row: dict[int, float] = field(default_factory=dict)  # moving average per thread count
+    one: bool = False  # one thread won the last comparison (a trial of one, or a re-try of all)
+    steps: int = 0  # all-threads steps measured (the first WARM_STEPS are warm-up)
     slow_run: int = 0  # consecutive all-threads steps much slower per row than their average
     since_retry: int = 0  # steps on one thread since all threads were last re-tried
     retry_after: int = FIRST_RETRY  # doubles while re-tries confirm one thread, resets when one flips it
@@ -52,13 +58,18 @@ class _Bucket:
 
 class ThreadChooser:
     """Threads per step: all (`max_threads`) unless measured slower than one, per width bucket
-    (steps of 1 row, 2-3, 4-7, 8-15, ...). A quiet machine never pays for a trial: one thread is
-    tried only when two all-threads steps in a row run much slower per row than their moving average
-    (another process took a core), and while one thread wins, all threads are re-tried after 32, 64, ... 256
-    steps so the engine goes back to them when the other process is gone."""
+    (steps of 1 row, 2-3, 4-7, 8-15, ...). The choice changes only when the other count is measured
+    beside a fresh figure of the current one, never because two averages of different ages crossed
+    (a growing context slows every step; an old one-thread figure would look faster). One thread is
+    tried once per bucket after `WARM_STEPS` all-threads steps (compared with the last of those,
+    not an average still holding the first step's one-off costs), and again when two all-threads
+    steps in a row run much slower per row than their average (another process took a core); while
+    one thread wins, all threads are re-tried after 32, 64, ... 256 steps so the engine goes back to
+    them when the other process is gone. A quiet machine pays one trial step per width."""
 
     SUSPECT_RATIO = 1.5
     SUSPECT_STEPS = 2  # slow all-threads steps in a row before one thread is tried
+    WARM_STEPS = 3  # all-threads steps of a width before its one-thread trial
     MAX_RETRY_AFTER = 256
 
     def __init__(self, max_threads: int, alpha: float = 0.3):
@@ -70,10 +81,10 @@ class ThreadChooser:
         if self.max_threads == 1:
             return 1
         b = self._bucket(rows)
-        if self._suspect(b):
-            return 1  # measure one thread now
-        if self._one_wins(b):
+        if b.one:
             return self.max_threads if b.since_retry >= b.retry_after else 1
+        if self._suspect(b) or self._untried(b):
+            return 1  # measure one thread now
         return self.max_threads
 
     def observe(self, rows: int, threads: int, seconds: float) -> None:
@@ -82,29 +93,36 @@ class ThreadChooser:
             return
         b = self._bucket(rows)
         sample, old = seconds / rows, b.per_row.get(threads)
-        if threads == self.max_threads:
-            retry = self._one_wins(b)
-            slow = old is not None and sample > self.SUSPECT_RATIO * old
-            b.slow_run = b.slow_run + 1 if slow else 0
-            # a re-try measures afresh (the old figure is from before contention changed)
-            b.per_row[threads] = sample if old is None or retry else old + self.alpha * (sample - old)
-            if retry:
-                flipped = not self._one_wins(b)
-                b.retry_after = FIRST_RETRY if flipped else min(self.MAX_RETRY_AFTER, 2 * b.retry_after)
-                b.since_retry = 0
-        else:
-            trial = self._suspect(b) or not self._one_wins(b)
+        if threads == 1:
+            trial = not b.one  # tried beside all threads' figure: measured afresh, and it decides
             b.slow_run = 0
-            b.per_row[threads] = sample if old is None or trial else old + self.alpha * (sample - old)
             b.since_retry += 1
+            b.per_row[1] = sample if old is None or trial else old + self.alpha * (sample - old)
+            if trial:
+                b.one = sample < b.per_row.get(self.max_threads, float("inf"))
+            return
+        retry = b.one
+        slow = old is not None and sample > self.SUSPECT_RATIO * old
+        b.slow_run = b.slow_run + 1 if slow else 0
+        b.steps += 1
+        if slow and not retry and not self._suspect(b):
+            return  # a lone slow step is held out of the average: noise until the next confirms it
+        # measured afresh: a re-try or a confirmed slowdown (the old figure is from before contention
+        # changed), and each warm-up step
+        fresh = old is None or retry or slow or b.steps <= self.WARM_STEPS
+        b.per_row[threads] = sample if fresh else old + self.alpha * (sample - old)
+        if retry:
+            b.one = b.per_row[1] < sample
+            b.retry_after = min(self.MAX_RETRY_AFTER, 2 * b.retry_after) if b.one else FIRST_RETRY
+            b.since_retry = 0
 
     def _suspect(self, b: _Bucket) -> bool:
         """Enough slow all-threads steps in a row: measure one thread next."""
         return b.slow_run >= self.SUSPECT_STEPS
 
-    def _one_wins(self, b: _Bucket) -> bool:
-        one, all_threads = b.per_row.get(1), b.per_row.get(self.max_threads)
-        return one is not None and all_threads is not None and one < all_threads
+    def _untried(self, b: _Bucket) -> bool:
+        """Warmed up on all threads and never measured on one: the bucket's one trial is due."""
+        return b.steps >= self.WARM_STEPS and 1 not in b.per_row
 
     def _bucket(self, rows: int) -> _Bucket:
         return self._buckets.setdefault(rows.bit_length(), _Bucket())
