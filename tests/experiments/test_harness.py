@@ -68,6 +68,27 @@ def test_results_folder_saves_and_renders(tmp_path):
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
+def test_a_save_cut_short_keeps_the_previous_rows(tmp_path, monkeypatch):
+    """A run stopped while it writes (here: the disk fills half-way) keeps the rows saved before."""
+    config = ToyConfig(experiment="toy", model="none", knob=1)
+    harness.begin(config)
+    rows = [ToyRow(name="a", value=1.0)]
+    FOLDER.save(tmp_path, config, rows, final=False)
+    before = (tmp_path / "results.json").read_text()
+    write_text = Path.write_text
+
+    def half_then_full_disk(self: Path, data: str, *args: Any, **kwargs: Any) -> int:
+        write_text(self, data[: len(data) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", half_then_full_disk)
+    with pytest.raises(OSError):
+        FOLDER.save(tmp_path, config, [*rows, ToyRow(name="b", value=3.0)], final=False)
+    monkeypatch.undo()
+    assert (tmp_path / "results.json").read_text() == before
+    assert FOLDER.render(tmp_path).rows == rows
+
+
 def test_figure_closes_and_saves_nothing_on_error(tmp_path):
     import matplotlib.pyplot as plt
 

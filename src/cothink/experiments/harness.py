@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
 import time
 from types import ModuleType
 from collections.abc import Callable, Iterator, Sequence
@@ -137,9 +138,16 @@ class Results(BaseModel, Generic[ConfigT, RowT]):
 
 
 def write_results(out: Path, results: Results[Any, Any]) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "results.json"
-    path.write_text(results.model_dump_json(indent=1) + "\n")
+    return _write_text(out / "results.json", results.model_dump_json(indent=1) + "\n")
+
+
+def _write_text(path: Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary file renamed into place: a run stopped mid-write
+    (a kill, a full disk) leaves the previous file whole, never a truncated one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
     return path
 
 
@@ -249,10 +257,7 @@ class ResultsFolder(Generic[ConfigT, RowT]):
 
 
 def write_report(out: Path, markdown: str) -> Path:
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "report.md"
-    path.write_text(markdown.rstrip() + "\n")
-    return path
+    return _write_text(out / "report.md", markdown.rstrip() + "\n")
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
