@@ -239,19 +239,20 @@ def test_resume_refuses_a_run_with_other_settings(tiny_hybrid, tmp_path):
 
 def test_reading_pairs_insert_and_restart_by_problem():
     """The reading counts, per k, the problems only one of insert / restart solved, and tests them."""
-    def row(uid: str, condition: str, k: int | None, correct: bool) -> m5.MathRow:
+    def row(uid: str, condition: str, k: int | None, correct: bool, encoded: int = 5) -> m5.MathRow:
         return m5.MathRow(unique_id=uid, condition=condition, k=k, correct=correct, answer=None, gold="1",
-                          tokens_generated=10, tokens_encoded=5, forward_passes=10, seconds=1.0)
+                          tokens_generated=10, tokens_encoded=encoded, forward_passes=10, seconds=1.0)
 
     rows = []
     for i in range(8):  # problem i: restart right on all 8, insert only on the first 2
         uid = f"p{i}"
         rows += [row(uid, "full", None, True), row(uid, "partial", None, False),
-                 row(uid, "insert", 1, i < 2), row(uid, "restart", 1, True)]
+                 row(uid, "insert", 1, i < 2), row(uid, "restart", 1, True, encoded=5 - (i == 0))]
     assert m5._discordant(rows, "insert", "restart", 1) == (0, 6)
     config = argparse.Namespace(steps=[1])
     results = argparse.Namespace(config=config, rows=rows)
     lines = m5._reading(results, m5.cost_table(rows))
     line = next(x for x in lines if x.startswith("- k=1"))
     assert "only insert right on 0 problems, only restart on 6" in line
+    assert "(restart, +0 re-encoded)" in line  # a fraction of a token fewer reads as none, not "+-0"
     assert f"p = {harness.paired_p_value(0, 6):.2g}" in line and "p = 0.031" in line

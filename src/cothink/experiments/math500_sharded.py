@@ -734,9 +734,10 @@ def _reading(results: Results[MathConfig, MathRow], table: list[Any]) -> list[st
         key_i, key_r = ("insert", str(k)), ("restart", str(k))
         if key_i in acc and key_r in acc:
             only_i, only_r = _discordant(results.rows, "insert", "restart", k)
+            extra = round(enc[key_r] - enc[key_i])  # round first: a fraction of a token below 0 reads "+0"
             out.append(
                 f"- k={k}: insert {frac(key_i)} vs restart {frac(key_r)}; encoded tokens per problem "
-                f"{enc[key_i]:.0f} (insert) vs {enc[key_r]:.0f} (restart, +{enc[key_r] - enc[key_i]:.0f} "
+                f"{enc[key_i]:.0f} (insert) vs {enc[key_r]:.0f} (restart, {extra:+d} "
                 f"re-encoded); paired: only insert right on {only_i} problems, only restart on {only_r} "
                 f"(exact McNemar p = {harness.paired_p_value(only_i, only_r):.2g})"
             )
