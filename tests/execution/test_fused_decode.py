@@ -162,21 +162,22 @@ def test_helper_threads_attend_only_in_steps_whose_products_run_in_c(tiny_model,
     assert seen == [1] * layers + [None] * layers  # None: torch's thread count
 
 
-@pytest.mark.skipif(not native.bf16_tiles(), reason="bfloat16 on AMX tiles: only on CPUs with them")
-def test_packed_bfloat16_linears_take_the_c_kernel_where_it_runs_on_tiles(tiny_model, fused_calls,
-                                                                           monkeypatch):
-    """Where oneDNN has bfloat16 kernels the linears are prepacked for it; where the C kernel runs
-    bfloat16 on AMX tiles as well and the user opts in (COTHINK_BF16_TILES=1), products of up to
-    NATIVE_MAX_ROWS rows run in C on the plain weight (the packed one, unpacked: the same values),
-    wider ones in oneDNN, and a decode step takes the fused step, to the bit of the per-module path.
-    Without the opt-in the linears stay oneDNN's."""
+@pytest.mark.skipif(not native.bf16_dot(), reason="bfloat16 dot products in C: only on CPUs with them")
+def test_packed_bfloat16_linears_take_the_c_kernel_where_it_has_bfloat16_dot_products(
+        tiny_model, fused_calls, monkeypatch):
+    """Where oneDNN has bfloat16 kernels the linears are prepacked for it; where the C kernel has the
+    CPU's bfloat16 dot products as well (AVX-512 BF16, AMX), products of up to NATIVE_MAX_ROWS rows
+    run in C on the plain weight (the packed one, unpacked: the same values), wider ones in oneDNN,
+    and a decode step takes the fused step, to the bit of the per-module path. With
+    COTHINK_BF16_DECODE=0 the linears stay oneDNN's."""
     from cothink.execution.native_modules import NATIVE_MAX_ROWS, NativePackedLinear, use_torch_modules
 
+    monkeypatch.setattr(native, "BF16_DECODE", False)
     plain = tiny_model("llama3").runner(dtype=torch.bfloat16)
     assert plain.fused_decode is None
     linears = [m for m in plain.model.modules() if isinstance(m, packing.FastLinear)]
     assert linears and all(type(m) is packing.PackedLinear for m in linears)
-    monkeypatch.setattr(native, "BF16_TILES", True)
+    monkeypatch.setattr(native, "BF16_DECODE", True)
     fused = tiny_model("llama3").runner(dtype=torch.bfloat16)
     modules = tiny_model("llama3").runner(dtype=torch.bfloat16)
     linears = [m for m in fused.model.modules() if isinstance(m, packing.FastLinear)]

@@ -35,12 +35,16 @@ def _masked_math(q, k, v, visible: torch.Tensor):
     return torch.einsum("htl,lhd->thd", scores.softmax(dim=-1), v)
 
 
+@pytest.mark.parametrize("writer_one_run", [False, True])
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (6, 2), (8, 1)])
-def test_lse_merge_equals_one_attention_over_concatenated_keys(hq, hkv):
-    """Visible runs of other blocks, the writer's old tokens and its causal new tokens, each attended
-    alone and merged by LSE, give one masked attention over all keys."""
+def test_lse_merge_equals_one_attention_over_concatenated_keys(hq, hkv, writer_one_run):
+    """Visible runs of other blocks and the writer block (its old tokens and its causal new tokens,
+    as two runs or as one causal run), each attended alone and merged by LSE, give one masked
+    attention over all keys."""
     t, lengths = 5, [7, 1, 12]  # includes a run of one key
     q, ks, vs = _qkv(t, [*lengths, t], hq, hkv, seed=hq * 10 + hkv)
+    if writer_one_run:  # the writer's 12 old keys and its t new ones: one run
+        ks, vs = [*ks[:-2], torch.cat(ks[-2:])], [*vs[:-2], torch.cat(vs[-2:])]
     outs, lses = [], []
     for i, (k, v) in enumerate(zip(ks, vs)):
         o, lse = partial_attention(q, k, v, D**-0.5, causal=i == len(ks) - 1)
@@ -59,18 +63,20 @@ def test_lse_merge_equals_one_attention_over_concatenated_keys(hq, hkv):
     assert merge_partials(outs[:1], lses[:1]) is outs[0]
 
 
-@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("causal,earlier", [(False, 13), (True, 0), (True, 1), (True, 13)])
 @pytest.mark.parametrize("hq,hkv", [(4, 2), (6, 2), (8, 1), (2, 2)])
-def test_kernel_matches_reference_math(causal, hq, hkv):
+def test_kernel_matches_reference_math(causal, earlier, hq, hkv):
+    """A visible run of 13 keys, a square causal run, and causal runs with 1 or 13 earlier keys (row i
+    sees keys 0..earlier+i): folded query heads, the kernel's own causal flag, the additive mask."""
     t = 9
-    q, (k,), (v,) = _qkv(t, [t if causal else 13], hq, hkv, seed=3)
+    q, (k,), (v,) = _qkv(t, [earlier + t if causal else earlier], hq, hkv, seed=3)
     out, lse = partial_attention(q, k, v, D**-0.5, causal)
     ref_out, ref_lse = reference_partial_attention(q, k, v, D**-0.5, causal)
     torch.testing.assert_close(out, ref_out, atol=ATOL, rtol=0)
     torch.testing.assert_close(lse, ref_lse, atol=ATOL, rtol=0)
     visible = torch.ones(t, k.shape[0], dtype=torch.bool)
     if causal:
-        visible = visible.tril()
+        visible = visible.tril(earlier)
     torch.testing.assert_close(out.double(), _masked_math(q, k, v, visible), atol=ATOL, rtol=0)
 
 

@@ -11,7 +11,8 @@ and calls its `attach(model)` once. Then, per step:
       -> sample, batch.commit()
 
 A step (execution/step.py) gives each item the key runs its view exposes (each block before the
-writer, the writer's old tokens, this step's own tokens as a causal run). The backend stores the
+writer, then the writer block: causal where the item writes several tokens, its old tokens seen by
+every row and this step's own by the rows after them). The backend stores the
 step's keys, attends each item's queries over its runs and merges the partials by their log-sum-exp.
 
 - "torch" (`TorchBackend`): the CPU flash kernel per run (math fallback off CPU), one padded batch
@@ -279,7 +280,7 @@ class TorchBackend:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D] over one run k, v [L, Hkv, D] -> (out [T, Hq, D], lse [T, Hq]).
-        `causal`: T == L and row t sees keys 0..t."""
+        `causal`: L >= T and row t sees keys 0..L-T+t (the last T keys are the rows' own)."""
         return partial_attention(q, k, v, scale, causal)
 
     def merge(self, outs: list[torch.Tensor], lses: list[torch.Tensor]) -> torch.Tensor:

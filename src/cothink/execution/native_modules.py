@@ -7,10 +7,10 @@ plain module by its native subclass here, sharing its parameters: the norms (wit
 before them, and per head for the q/k norms), SiLU x up, the attention output gate, Gated DeltaNet's
 gates, output norm and a decoding token's conv + delta rule, and the linears (`NativeCpuLinear`,
 `NativeInt8Linear`, `NativeInt4Linear`; oneDNN-packed bfloat16 ones, `NativePackedLinear`, where
-the C kernel runs bfloat16 on AMX tiles and COTHINK_BF16_TILES=1). Each takes its kernel where the
-input is one the kernel reads and otherwise runs the plain module's torch code; the kernels make the
-torch path's roundings to the model dtype (tests/ops/test_native.py; 4-bit products: within float32
-rounding, models/quant4.py).
+the C kernel has the CPU's bfloat16 dot products, unless COTHINK_BF16_DECODE=0). Each takes its
+kernel where the input is one the kernel reads and otherwise runs the plain module's torch code;
+the kernels make the torch path's roundings to the model dtype (tests/ops/test_native.py; 4-bit
+products: within float32 rounding, models/quant4.py).
 `use_torch_modules` puts the plain modules back. The eager modules (`fast=False`) are never replaced.
 
 NATIVE_MAX_ROWS: rows up to which the C linear runs a product (and a decode step can take the fused
@@ -213,11 +213,12 @@ class NativeCpuLinear(NativeLinear, CpuLinear):
 
 
 class NativePackedLinear(NativeLinear, PackedLinear):
-    """PackedLinear with its products of up to NATIVE_MAX_ROWS rows in the C kernel, where that runs
-    bfloat16 on AMX tiles and the user opts in (`native.use_bf16_tiles`, COTHINK_BF16_TILES=1): as fast
-    as oneDNN's product there, and no per-call dispatch, so a decode step can take the fused step. It
-    keeps the plain weight beside oneDNN's packed one (which wider steps, prefill chunks, still use):
-    the linears' memory twice, which is why it is opt-in (docs/runtime.md)."""
+    """PackedLinear with its products of up to NATIVE_MAX_ROWS rows in the C kernel, where that has the
+    CPU's bfloat16 dot products (AVX-512 BF16 pairs or AMX tiles; `native.use_bf16_decode`, unless
+    COTHINK_BF16_DECODE=0): no per-call dispatch, so a decode step can take the fused step (SmolLM2
+    bfloat16 decode 1.5x on an AMD EPYC Zen 4, docs/benchmarks.md). It keeps the plain weight beside
+    oneDNN's packed one, which wider steps (prefill chunks) still use: the linears' memory twice
+    (docs/runtime.md)."""
 
     @classmethod
     def of(cls, other: PackedLinear) -> NativePackedLinear:
@@ -325,7 +326,7 @@ def use_native_modules(model: CausalLM) -> None:
     The eager modules stay as they are."""
     if model.fused:
         makers = {plain: _MAKE[plain](fast) for plain, fast in _NATIVE.items()}
-        if native.use_bf16_tiles():  # oneDNN's bfloat16 products: the C kernel's for decode-sized steps too
+        if native.use_bf16_decode():  # oneDNN's bfloat16 products: the C kernel's for decode-sized steps too
             makers[PackedLinear] = NativePackedLinear.of
         _replace(model, makers)
 

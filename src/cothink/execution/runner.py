@@ -114,9 +114,11 @@ class ModelRunner:
             dense_summary_min_tokens = 4 * cfg.linear_config.k_dim if cfg.linear_config else 0
         self.dense_summary_min_tokens = dense_summary_min_tokens
         # chosen once (execution/attention_backends.py): it makes the model its own (the native
-        # backend swaps in its modules) and decides, per step, which path runs the step
+        # backend swaps in its modules) and decides, per step, which path runs the step. Attached
+        # on the compute thread: the modules it builds may copy weights, and a parallel torch op on
+        # this thread would give it an OpenMP pool of its own (execution/threads.py compute_executor)
         self.backend = select_backend(attention_backend, self.device)
-        self.backend.attach(model)
+        run_compute(self.backend.attach, model)
         # writer states and last logits of this runner's blocks (entries dropped on truncate and free)
         self.cache = ExecutionCache()
         self._identity: ModelIdentity | None = None

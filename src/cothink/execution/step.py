@@ -106,8 +106,9 @@ class RunKey:
 class KeyRun:
     """Keys an item's queries attend to as one unit, merged with the item's other runs by LSE.
 
-    Every block before the writer is one wholly visible run; the writer block is its old tokens
-    (visible) plus this step's tokens (causal). Layer-independent, so built once per step.
+    Every block before the writer is one wholly visible run; the writer block is one run, causal
+    where the item writes several tokens (its old tokens visible to all, then this step's own).
+    Layer-independent, so built once per step.
     """
 
     slots: torch.Tensor  # [L] flat pool slots of the run's keys
@@ -115,7 +116,7 @@ class KeyRun:
     # relative to the run's block
     cos: torch.Tensor
     sin: torch.Tensor
-    causal: bool  # T == L and query row t sees keys 0..t (the tokens the item writes in this step)
+    causal: bool  # the last T of the L keys are the item's new tokens: query row t sees keys 0..L-T+t
     shared: RunKey | None  # set for a block before the writer (another item may read it); None: the writer's
     span: tuple[int, int] | None = None  # slots are exactly the range [a, b): read keys as a view, no gather
 
@@ -260,12 +261,9 @@ class ViewBatch:
         cos, sin = plan.rotation = self._table(first, 0, n, pos3)  # positions in the writer block
         slots, span = store.slots_and_span(block, 0, start + n)
         plan.new_slots, plan.new_span = slots[start:], store.span(block, start, start + n)
-        if n == 1:  # a single new token sees its whole block: one run
-            plan.runs.append(KeyRun(slots, cos, sin, False, None, span))
-        else:
-            if start:
-                plan.runs.append(KeyRun(slots[:start], cos, sin, False, None, store.span(block, 0, start)))
-            plan.runs.append(KeyRun(plan.new_slots, cos, sin, True, None, plan.new_span))
+        # the writer block, old tokens and new, is one run (queries rotated once, no merge): causal,
+        # row t sees keys 0..start+t; a single new token sees the whole block
+        plan.runs.append(KeyRun(slots, cos, sin, n > 1, None, span))
         return plan
 
     def _write_index(self) -> Rows:

@@ -1,11 +1,14 @@
 """Attention of a query over one run of keys, and the log-sum-exp merge of partial results.
 
 Each block's keys carry block-local RoPE; the caller rotates the query for the block it reads.
-A run is either wholly visible to every query row, or `causal`: a square run where row t sees
-keys 0..t (the tokens an item writes in this step). LSE is natural-log end to end.
+A run is either wholly visible to every query row, or `causal`: its last T keys are the T query
+rows' own tokens, so row t sees keys 0..L-T+t (a writer block's old tokens and the ones it writes in
+this step, in one run). LSE is natural-log end to end.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import torch
 
@@ -18,32 +21,44 @@ def partial_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q [T, Hq, D] over k, v [L, Hkv, D] -> (out [T, Hq, D] fp32, lse [T, Hq] fp32).
 
-    Grouped-query attention: query head h reads key head h // (Hq // Hkv). With `causal`, T == L and
-    row t sees keys 0..t.
+    Grouped-query attention: query head h reads key head h // (Hq // Hkv). With `causal`, L >= T and
+    row t sees keys 0..L-T+t.
     """
     t, hq, d = q.shape
-    group = hq // k.shape[1]
-    if causal and group > 1:  # a causal run needs one query row per key row: expand the key heads instead
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        group = 1
     hkv = k.shape[1]
-    # Fold the query heads of a group into rows: [1, Hkv, T*G, D] against [1, Hkv, L, D].
+    group = hq // hkv
+    # Fold the query heads of a group into rows: [1, Hkv, T*G, D] against [1, Hkv, L, D]. The kernel's
+    # own causal flag masks a square run with one query row per key row; any other causal run (folded
+    # heads, earlier keys before the step's own) gets its mask, built once per shape, not per layer.
     qf = q.reshape(t, hkv, group, d).permute(1, 0, 2, 3).reshape(1, hkv, t * group, d)
     kf, vf = k.permute(1, 0, 2)[None], v.permute(1, 0, 2)[None]
-    if _CPU_FLASH is not None and q.device.type == "cpu":
-        out, lse = _CPU_FLASH(qf, kf, vf, 0.0, causal, scale=scale)
+    flash = _CPU_FLASH is not None and q.device.type == "cpu"
+    square = flash and causal and group == 1 and k.shape[0] == t
+    mask = _tail_causal_mask(t, k.shape[0], group, q.dtype, q.device) if causal and not square else None
+    if flash:
+        out, lse = _CPU_FLASH(qf, kf, vf, 0.0, square, attn_mask=mask, scale=scale)
     else:
-        out, lse = _reference(qf, kf, vf, scale, causal, group)
+        out, lse = _reference(qf, kf, vf, scale, mask)
     out = out[0].float().view(hkv, t, group, d).permute(1, 0, 2, 3).reshape(t, hq, d)
     return out, lse[0].float().view(hkv, t, group).permute(1, 0, 2).reshape(t, hq)
 
 
-def _reference(qf, kf, vf, scale: float, causal: bool, group: int):
+@lru_cache(maxsize=4)  # a step's chunk shapes; each up to T*G*L elements
+def _tail_causal_mask(
+    t: int, length: int, group: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[1, 1, T*G, L] additive mask (0 or -inf, in the query dtype, as the CPU flash kernel wants):
+    folded row t*G+g sees keys 0..L-T+t."""
+    last = torch.arange(t * group, device=device) // group + (length - t)
+    hidden = torch.arange(length, device=device)[None, :] > last[:, None]
+    mask = torch.zeros(hidden.shape, dtype=dtype, device=device).masked_fill_(hidden, float("-inf"))
+    return mask[None, None]
+
+
+def _reference(qf, kf, vf, scale: float, mask: torch.Tensor | None):
     scores = torch.matmul(qf.float(), kf.float().transpose(-1, -2)) * scale  # [1, Hkv, T*G, L]
-    if causal:
-        rows = torch.arange(scores.shape[-2], device=qf.device) // group
-        hidden = torch.arange(scores.shape[-1], device=qf.device)[None, :] > rows[:, None]
-        scores = scores.masked_fill(hidden, float("-inf"))
+    if mask is not None:
+        scores = scores + mask.float()
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse[..., None]), vf.float()), lse
 
@@ -54,12 +69,13 @@ def reference_partial_attention(
     """partial_attention's contract in the plain, slow math: key heads expanded to the query heads,
     float64 scores, an explicit causal mask. The reference the fast paths are tested against."""
     group = q.shape[1] // k.shape[1]
+    t, length = q.shape[0], k.shape[0]
     k64 = k.double().repeat_interleave(group, dim=1)  # query head h reads key head h // group
     v64 = v.double().repeat_interleave(group, dim=1)
     scores = torch.einsum("thd,lhd->htl", q.double(), k64) * scale
-    if causal:
-        t = torch.arange(q.shape[0], device=q.device)
-        scores = scores.masked_fill(t[None, None, :] > t[None, :, None], float("-inf"))
+    if causal:  # row i sees keys 0..L-T+i
+        rows, keys = torch.arange(t, device=q.device), torch.arange(length, device=q.device)
+        scores = scores.masked_fill(keys[None, None, :] > rows[None, :, None] + (length - t), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [H, T]
     out = torch.einsum("htl,lhd->thd", torch.exp(scores - lse[..., None]), v64)
     return out.float(), lse.t().float()

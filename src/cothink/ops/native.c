@@ -29,7 +29,7 @@
 
 /* The version of this library's interface (the ct_* signatures and the tables they read), raised with
  * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
-#define CT_ABI_VERSION 5
+#define CT_ABI_VERSION 6
 
 int ct_abi_version(void) { return CT_ABI_VERSION; }
 
@@ -1150,6 +1150,10 @@ int ct_linear_tiles(void) {
 #endif
 }
 
+/* Whether ct_linear's bfloat16 products use the CPU's bfloat16 dot products: AVX-512 BF16 pairs, or
+   AMX tiles (which need the pairs' build) */
+int ct_linear_bf16_dot(void) { return LINEAR_BF16_PAIRS; }
+
 #if LINEAR_BF16_PAIRS
 #define LINEAR_CASE_BF16(M) linear_group_bf16((const bf16 *)xf, w, bias, y, j->ys, M, n, k, j->y_f32)
 #else
@@ -1537,3 +1541,4 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const CtLayer *la
                        sc.qn, sc.kn, (char *)sc.att_f};
     for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) free(buffers[i]);
 }
+

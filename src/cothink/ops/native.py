@@ -45,11 +45,12 @@ log = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("COTHINK_NATIVE", "1") != "0"
 REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
-# bfloat16 products of decode-sized steps on AMX tiles in the C kernel, beside oneDNN's packed weights
-# (a second copy of every bfloat16 linear's weight): opt in, execution/native_modules.py
-BF16_TILES = os.environ.get("COTHINK_BF16_TILES", "0") == "1"
+# bfloat16 products of decode-sized steps in the C kernel where it has the CPU's bfloat16 dot products,
+# beside oneDNN's packed weights for wider steps (a second copy of every bfloat16 linear's weight);
+# COTHINK_BF16_DECODE=0 keeps them on oneDNN (execution/native_modules.py)
+BF16_DECODE = os.environ.get("COTHINK_BF16_DECODE", "1") != "0"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 5
+ABI_VERSION = 6
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales, and
@@ -79,6 +80,7 @@ _SIGNATURES = {
     "ct_q4_dequant": [_P, _P, _P, ctypes.c_int, _I, _I, _I],
     "ct_helper_grains": [],
     "ct_linear_tiles": [],
+    "ct_linear_bf16_dot": [],
     "ct_layout": [ctypes.POINTER(_I)],
 }
 
@@ -271,6 +273,7 @@ def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
         fn.argtypes, fn.restype = argtypes, None
     lib.ct_helper_grains.restype = ctypes.c_int64
     lib.ct_linear_tiles.restype = ctypes.c_int
+    lib.ct_linear_bf16_dot.restype = ctypes.c_int
     drift = layout_mismatches(lib)
     if drift:  # a field added, moved or retyped on one side only: never call the library
         reason = "native.py's structs do not match native.c's: " + "; ".join(drift)
@@ -320,10 +323,16 @@ def bf16_tiles() -> bool:
     return available() and bool(_library().ct_linear_tiles())
 
 
-def use_bf16_tiles() -> bool:
-    """Whether oneDNN-packed bfloat16 linears also take the C kernel on AMX tiles for decode-sized steps
-    (COTHINK_BF16_TILES=1, where `bf16_tiles`): faster decode, a second copy of those weights."""
-    return BF16_TILES and bf16_tiles()
+def bf16_dot() -> bool:
+    """Whether `linear`'s bfloat16 products use the CPU's bfloat16 dot products (AVX-512 BF16 pairs, or
+    AMX tiles: `bf16_tiles`): then, up to 32 rows, they are faster than oneDNN's (no per-call dispatch)."""
+    return available() and bool(_library().ct_linear_bf16_dot())
+
+
+def use_bf16_decode() -> bool:
+    """Whether oneDNN-packed bfloat16 linears also take the C kernel for decode-sized steps (where
+    `bf16_dot`, unless COTHINK_BF16_DECODE=0): faster decode, a second copy of those weights."""
+    return BF16_DECODE and bf16_dot()
 
 
 def helper_grains() -> int:
