@@ -125,6 +125,48 @@ def test_decode_attention_is_the_merge_of_per_run_attentions(dtype, partial):
     assert out[1].isnan().all()  # rows of other items are left alone
 
 
+_PREFILL = pytest.mark.skipif(
+    not native.prefill_attention_fits(*(torch.zeros(2, 2, 16, dtype=torch.bfloat16) for _ in range(3))),
+    reason="the prefill attention kernel is built only where the CPU has AVX-512 BF16")
+
+
+@_PREFILL
+@pytest.mark.parametrize("causal,earlier", [(False, 45), (True, 0), (True, 1), (True, 70)])
+@pytest.mark.parametrize("hq,hkv,d", [(6, 2, 80), (9, 3, 64), (4, 4, 16), (16, 2, 128)])
+def test_prefill_attention_matches_the_float64_math(causal, earlier, hq, hkv, d):
+    """A prefill chunk's rows over one run, visible or causal with earlier keys (row t sees keys
+    0..earlier+t), grouped-query heads, head sizes of one 64-lane block with a 16-lane tail, 16 and
+    128; key and value runs with a row stride (views of a pool), keys not a multiple of the kernel's
+    32-key blocks: float32 scores, softmax and P V, within float32 rounding of the float64 reference
+    (torch's flash kernel rounds P to bfloat16: ~1e-3 here)."""
+    t = 37
+    g = torch.Generator().manual_seed(hq * d + earlier)
+    length = earlier + t if causal else earlier
+    q = torch.randn(t, hq, d, generator=g).to(torch.bfloat16)
+    pool_k, pool_v = (torch.randn(length + 9, hkv, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = pool_k[5 : 5 + length], pool_v[4 : 4 + length]
+    assert native.prefill_attention_fits(q, k, v)
+    out, lse = native.prefill_attention(q, k, v, d**-0.5, causal)
+    want, want_lse = reference_partial_attention(q, k, v, d**-0.5, causal)
+    torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-6)
+    torch.testing.assert_close(lse, want_lse, atol=2e-6, rtol=2e-6)
+
+
+@_PREFILL
+def test_prefill_attention_does_not_depend_on_the_thread_count(torch_threads):
+    """Tasks (a key head, a block of tokens) are computed whole by one thread: 1, 2 and 3 threads give
+    the same bits."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(50, 8, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(300, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    results = []
+    for threads in (1, 2, 3):
+        torch_threads(threads)
+        results.append(native.prefill_attention(q, k, v, 0.125, True))
+    for out, lse in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(lse, results[0][1])
+
+
 @pytest.mark.parametrize("k", [48, 144, 128])  # blocks of 32 and 64 along k, what is left, AMX tiles
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_linear_is_the_float32_product_rounded_once(dtype, k):

@@ -388,6 +388,17 @@ class NativeBackend(TorchBackend):
         runs = [[(run.slots, run.cos, run.sin) for run in p.runs] for p in plans]
         return native.DecodePlan([p.rows.start for p in plans], runs)
 
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill chunk's queries over one run in the C kernel where it takes them
+        (`native.prefill_attention_fits`: AVX-512 BF16 without AMX tiles, bfloat16 pools): torch's
+        flash kernel multiplies bfloat16 through MKL, which on AMD's CPUs runs float32 AVX2 code; the
+        kernel's scores and P V are float32 (closer to the reference than the flash kernel's bfloat16
+        P). Single rows, and anything else, take the torch path."""
+        if q.shape[0] > 1 and native.prefill_attention_fits(q, k, v):
+            return native.prefill_attention(q, k, v, scale, causal)
+        return super().run(q, k, v, scale, causal)
+
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: StepMetadata) -> torch.Tensor:
         if not isinstance(metadata, NativeStep):  # the kernels were off when the step was prepared

@@ -81,6 +81,8 @@ _SIGNATURES = {
     "ct_helper_grains": [],
     "ct_linear_tiles": [],
     "ct_linear_bf16_dot": [],
+    "ct_prefill_attention": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int, _F, _P, _P, _I],
+    "ct_prefill_attention_built": [],
     "ct_layout": [ctypes.POINTER(_I)],
 }
 
@@ -274,6 +276,7 @@ def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
     lib.ct_helper_grains.restype = ctypes.c_int64
     lib.ct_linear_tiles.restype = ctypes.c_int
     lib.ct_linear_bf16_dot.restype = ctypes.c_int
+    lib.ct_prefill_attention_built.restype = ctypes.c_int
     drift = layout_mismatches(lib)
     if drift:  # a field added, moved or retyped on one side only: never call the library
         reason = "native.py's structs do not match native.c's: " + "; ".join(drift)
@@ -486,6 +489,37 @@ def decode_attention(
         plan.cos.data_ptr(), plan.sin.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), scale,
         out.data_ptr(), DTYPES[q.dtype], torch.get_num_threads() if threads is None else threads,
     )
+
+
+def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether `prefill_attention` takes these: built here (AVX-512 BF16) on a CPU without AMX tiles
+    (with them, the MKL bfloat16 GEMMs inside torch's flash kernel run on the tiles; measured only
+    without: AMD EPYC Zen 4, docs/benchmarks.md); all bfloat16 on the CPU, heads contiguous within a
+    row, a head size that is a multiple of 16, whole key heads per query group."""
+    return (
+        q.dtype == k.dtype == v.dtype == torch.bfloat16 and available()
+        and bool(_library().ct_prefill_attention_built()) and not bf16_tiles()
+        and all(x.is_cpu and x.stride(-1) == 1 and x.stride(1) == x.shape[-1] for x in (q, k, v))
+        and q.shape[-1] % 16 == 0 and q.shape[1] % k.shape[1] == 0
+    )
+
+
+def prefill_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops/attention.py `partial_attention`'s contract in the C kernel (where `prefill_attention_fits`):
+    q [T, Hq, D] over k, v [L, Hkv, D] -> (out [T, Hq, D], lse [T, Hq]) float32; `causal`: row t sees
+    keys 0..L-T+t. Scores and the softmax in float32 (the products of bfloat16 pairs summed by
+    VDPBF16PS), P V in float32; tasks over `threads` threads (default: torch's thread count)."""
+    t, hq, d = q.shape
+    out = torch.empty(t, hq, d, dtype=torch.float32)
+    lse = torch.empty(t, hq, dtype=torch.float32)
+    _library().ct_prefill_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, hq, k.shape[1], d,
+        k.shape[0], int(causal), scale, out.data_ptr(), lse.data_ptr(),
+        torch.get_num_threads() if threads is None else threads,
+    )
+    return out, lse
 
 
 def linear(
