@@ -166,11 +166,17 @@ def test_helper_threads_attend_only_in_steps_whose_products_run_in_c(tiny_model,
 def test_packed_bfloat16_linears_take_the_c_kernel_where_it_has_bfloat16_dot_products(
         tiny_model, fused_calls, monkeypatch):
     """Where oneDNN has bfloat16 kernels the linears are prepacked for it; where the C kernel has the
-    CPU's bfloat16 dot products as well (AVX-512 BF16, AMX), products of up to NATIVE_MAX_ROWS rows
-    run in C on the plain weight (the packed one, unpacked: the same values), wider ones in oneDNN,
-    and a decode step takes the fused step, to the bit of the per-module path. With
+    CPU's bfloat16 dot products as well (AVX-512 BF16, AMX), products of up to PACKED_NATIVE_MAX_ROWS
+    rows run in C on the plain weight (the packed one, unpacked: the same values), wider ones in
+    oneDNN, and a decode step of up to that many rows takes the fused step, to the bit of the
+    per-module path; a wider one does not. With
     COTHINK_BF16_DECODE=0 the linears stay oneDNN's."""
-    from cothink.execution.native_modules import NATIVE_MAX_ROWS, NativePackedLinear, use_torch_modules
+    from cothink.execution.native_modules import (
+        NATIVE_MAX_ROWS,
+        PACKED_NATIVE_MAX_ROWS,
+        NativePackedLinear,
+        use_torch_modules,
+    )
 
     monkeypatch.setattr(native, "BF16_DECODE", False)
     plain = tiny_model("llama3").runner(dtype=torch.bfloat16)
@@ -185,15 +191,25 @@ def test_packed_bfloat16_linears_take_the_c_kernel_where_it_has_bfloat16_dot_pro
     lin = linears[0]
     assert torch.equal(lin.operands()[0], lin.packed.to_dense())
     x = torch.randn(NATIVE_MAX_ROWS + 1, lin.in_features).to(torch.bfloat16)
-    assert torch.equal(lin(x[:NATIVE_MAX_ROWS]), native.linear(x[:NATIVE_MAX_ROWS], *lin.operands()[::2]))
-    assert torch.equal(lin(x), packing.PackedLinear.forward(lin, x))  # wider: oneDNN's product
+    small = x[:PACKED_NATIVE_MAX_ROWS]
+    assert torch.equal(lin(small), native.linear(small, *lin.operands()[::2]))
+    wider = x[: PACKED_NATIVE_MAX_ROWS + 1]
+    assert torch.equal(lin(wider), packing.PackedLinear.forward(lin, wider))  # oneDNN's product
+    assert torch.equal(lin(x), packing.PackedLinear.forward(lin, x))
     assert fused.fused_decode is not None and fused.fused_decode.weights == torch.bfloat16
+    assert fused.fused_decode.max_rows == PACKED_NATIVE_MAX_ROWS
     modules.fused_decode = None
     got, got_kv = _conversation(fused)
     want, want_kv = _conversation(modules)
     assert fused_calls == [3] * 5 + [1, 1]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
+    fused_calls.clear()  # a decode step wider than the C products: the per-module path, oneDNN's
+    blocks = [fused.new_block() for _ in range(PACKED_NATIVE_MAX_ROWS + 1)]
+    fused.step([StepItem(b, ids(2, seed=i)) for i, b in enumerate(blocks)])
+    fused.step([StepItem(b, [5], logits="last") for b in blocks])
+    fused.step([StepItem(b, [6], logits="last") for b in blocks[:PACKED_NATIVE_MAX_ROWS]])
+    assert fused_calls == [PACKED_NATIVE_MAX_ROWS]
     use_torch_modules(modules.model)
     restored = [m for m in modules.model.modules() if isinstance(m, packing.FastLinear)]
     assert all(type(m) is packing.PackedLinear for m in restored)

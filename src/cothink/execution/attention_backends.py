@@ -366,7 +366,7 @@ class NativeBackend(TorchBackend):
             plan=plan, items=items, threads=None if batch.rows <= NATIVE_MAX_ROWS else 1,
         )
         # (a step with image placeholders takes the per-module path, which injects their features)
-        if (self.fused is not None and len(items) == len(batch.plans) and batch.rows <= NATIVE_MAX_ROWS
+        if (self.fused is not None and len(items) == len(batch.plans) and batch.rows <= self.fused.max_rows
                 and batch.vision is None):
             step.path = "fused"
             step.layers = self.fused.layers(FusedStep(

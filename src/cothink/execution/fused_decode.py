@@ -3,9 +3,10 @@
 A single-stream decode step of SmolLM2 spends ~20 ms in its matmuls and another ~10 in Python: per
 layer a dozen module calls and eight kernel calls, each with its tensor allocations and ctypes
 argument conversions. For steps the per-module path would run entirely in cothink's C kernels
-(every item decoding one token under the native backend, at most NATIVE_MAX_ROWS rows, a float32 or
-bfloat16 Llama, Qwen3 or Qwen3.5 model whose linears all take the C kernel, with weights of the
-model dtype or int8), the native backend runs the layers in one call that makes the same kernel
+(every item decoding one token under the native backend, at most `max_rows` rows: NATIVE_MAX_ROWS,
+or fewer where a linear takes the C kernel only for fewer rows; a float32 or bfloat16 Llama, Qwen3
+or Qwen3.5 model whose linears all take the C kernel, with weights of the model dtype, int8 or
+4-bit), the native backend runs the layers in one call that makes the same kernel
 calls in the same order: the result is the same to the bit, and the step loses the Python around
 them. The backend's `prepare` decides it and builds the step's input (`FusedStep`); for the Qwen3.5
 hybrid, the step's Gated DeltaNet bookkeeping (each item's state before its token, buffers for the
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cothink.execution.native_modules import NATIVE_MAX_ROWS, NativeLinear, token_shape
+from cothink.execution.native_modules import NativeLinear, token_shape
 from cothink.execution.step import LinearDecode
 from cothink.models.transformer import CausalLM, DecoderLayers, ForwardContext, GatedDeltaNet
 from cothink.ops import native
@@ -77,6 +78,9 @@ class FusedDecode:
             for i in range(len(layers))
         ])
         self.linear_mixers = {i: layers[i].linear_attn for i in cfg.linear_layers}
+        # rows up to which every linear takes the C kernel: the widest step this runs (the native
+        # backend's `prepare` checks it)
+        self.max_rows = min(m.native_rows for layer in layers for m in _linears(layer))
 
     @classmethod
     def for_model(cls, model: CausalLM) -> FusedDecode | None:
@@ -96,7 +100,7 @@ class FusedDecode:
         if any(_mixer(layer) is None for layer in layers):  # unfused projections: the eager modules
             return None
         linears = [m for layer in layers for m in _linears(layer)]
-        if any(not isinstance(m, NativeLinear) or m.native_rows < NATIVE_MAX_ROWS for m in linears):
+        if any(not isinstance(m, NativeLinear) or m.native_rows < 1 for m in linears):
             return None
         dtype = layers[0].input_layernorm.weight.dtype  # the activations'
         storage = {m.operands()[0].dtype for m in linears}

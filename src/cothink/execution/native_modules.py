@@ -47,6 +47,11 @@ from cothink.ops import native
 from cothink.ops.gdn import L2NORM_EPS
 
 NATIVE_MAX_ROWS = 32
+# Rows up to which a oneDNN-packed bfloat16 linear takes the C kernel (NativePackedLinear): oneDNN's
+# product is faster beyond. Measured on a 2-core AMD EPYC Zen 4 (SmolLM2's shapes, C / oneDNN time):
+# 0.7-1.2x at 1-2 rows, 0.9-1.3x at 4, 2-5x at 8-32 (32 coroutines' decode fell from 493 to 350
+# tokens/s with 32); up to 4 the fused step around the kernel wins the dispatch back.
+PACKED_NATIVE_MAX_ROWS = 4
 
 
 class NativeRMSNorm(RMSNorm):
@@ -225,6 +230,7 @@ class NativePackedLinear(NativeLinear, PackedLinear):
         layer = super().of(other)
         layer._w = other.packed.to_dense().contiguous()  # the weight, exactly: a reorder is a copy
         layer._fit_native(torch.bfloat16)
+        layer._native_rows = min(layer._native_rows, PACKED_NATIVE_MAX_ROWS)
         return layer
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
