@@ -103,14 +103,16 @@ def _dequantize_in_place(model: torch.nn.Module) -> int:
 def test_int8_moe_model_is_its_dequantized_model(tiny_model, record_error, name):
     """The whole int8 model (prefill and decode; experts, shared experts, attention, the lm_head)
     against the same model whose int8 layers are plain torch products with their dequantized weights:
-    the same routing, float32 summation order apart (a rare one-ulp bfloat16 step)."""
+    the same routing, float32 summation order apart: at most a one-ulp bfloat16 step somewhere, under
+    one step of the largest logit (2^-8 of it; a misrouted token moves logits far more). (qwen3_next
+    measured 7.9e-5 with torch's flash kernel for prefill attention, 1.26e-3 with the exact C one.)"""
     tm = tiny_model(name)
     q = tm.runner(dtype=torch.bfloat16, quantize="int8")
     ids = random_ids(24, seed=7)
     got = _logits(q, ids)
     assert _dequantize_in_place(q.model) > 0
     want = _logits(q, ids)
-    assert record_error("int8 vs its dequantized model (relative)", name, _rel(got, want)) < 1e-3
+    assert record_error("int8 vs its dequantized model (relative)", name, _rel(got, want)) < 2**-8
 
 
 @pytest.mark.parametrize("name", FAMILIES)
