@@ -176,10 +176,11 @@ class NativeLinear:
         """Whether the C kernel takes this weight with activations of `dtype`."""
         return dtype == self._native_dtype if self._native_dtype is not None else dtype in native.DTYPES
 
-    def _fit_native(self, activations: torch.dtype | None) -> None:
+    def _fit_native(self, activations: torch.dtype | None, rows: int = NATIVE_MAX_ROWS) -> None:
+        """Take products of up to `rows` rows in C, where the kernel reads these operands."""
         w, scale, b = self.operands()
         self._native_dtype = activations
-        self._native_rows = NATIVE_MAX_ROWS if native.linear_fits(w, b, scale) else 0
+        self._native_rows = rows if native.linear_fits(w, b, scale) else 0
 
     def _takes_native(self, rows: torch.Tensor) -> bool:
         """Whether the C kernel runs this product (2-D CPU rows of a dtype it takes for this weight)."""
@@ -218,9 +219,9 @@ class NativeCpuLinear(NativeLinear, CpuLinear):
 
 
 class NativePackedLinear(NativeLinear, PackedLinear):
-    """PackedLinear with its products of up to NATIVE_MAX_ROWS rows in the C kernel, where that has the
-    CPU's bfloat16 dot products (AVX-512 BF16 pairs or AMX tiles; `native.use_bf16_decode`, unless
-    COTHINK_BF16_DECODE=0): no per-call dispatch, so a decode step can take the fused step (SmolLM2
+    """PackedLinear with its products of up to PACKED_NATIVE_MAX_ROWS rows in the C kernel, where that
+    has the CPU's bfloat16 dot products (AVX-512 BF16 pairs or AMX tiles; `native.use_bf16_decode`,
+    unless COTHINK_BF16_DECODE=0): no per-call dispatch, so a decode step can take the fused step (SmolLM2
     bfloat16 decode 1.5x on an AMD EPYC Zen 4, docs/benchmarks.md). It keeps the plain weight beside
     oneDNN's packed one, which wider steps (prefill chunks) still use: the linears' memory twice
     (docs/runtime.md)."""
@@ -229,8 +230,7 @@ class NativePackedLinear(NativeLinear, PackedLinear):
     def of(cls, other: PackedLinear) -> NativePackedLinear:
         layer = super().of(other)
         layer._w = other.packed.to_dense().contiguous()  # the weight, exactly: a reorder is a copy
-        layer._fit_native(torch.bfloat16)
-        layer._native_rows = min(layer._native_rows, PACKED_NATIVE_MAX_ROWS)
+        layer._fit_native(torch.bfloat16, PACKED_NATIVE_MAX_ROWS)
         return layer
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

@@ -328,7 +328,8 @@ def bf16_tiles() -> bool:
 
 def bf16_dot() -> bool:
     """Whether `linear`'s bfloat16 products use the CPU's bfloat16 dot products (AVX-512 BF16 pairs, or
-    AMX tiles: `bf16_tiles`): then, up to 32 rows, they are faster than oneDNN's (no per-call dispatch)."""
+    AMX tiles: `bf16_tiles`): then, for a few rows, they are faster than oneDNN's (no per-call
+    dispatch; execution/native_modules.py PACKED_NATIVE_MAX_ROWS)."""
     return available() and bool(_library().ct_linear_bf16_dot())
 
 
@@ -497,11 +498,17 @@ def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     without: AMD EPYC Zen 4, docs/benchmarks.md); all bfloat16 on the CPU, heads contiguous within a
     row, a head size that is a multiple of 16, whole key heads per query group."""
     return (
-        q.dtype == k.dtype == v.dtype == torch.bfloat16 and available()
-        and bool(_library().ct_prefill_attention_built()) and not bf16_tiles()
+        q.dtype == k.dtype == v.dtype == torch.bfloat16 and available() and _prefill_kernel_here()
         and all(x.is_cpu and x.stride(-1) == 1 and x.stride(1) == x.shape[-1] for x in (q, k, v))
         and q.shape[-1] % 16 == 0 and q.shape[1] % k.shape[1] == 0
     )
+
+
+@cache
+def _prefill_kernel_here() -> bool:
+    """The library's answer, once per process (it is loaded once): asked per run and layer otherwise."""
+    lib = _library()
+    return bool(lib.ct_prefill_attention_built()) and not lib.ct_linear_tiles()
 
 
 def prefill_attention(
