@@ -139,29 +139,6 @@ def test_switching_the_kernels_off_takes_the_module_path(tiny_model, fused_calls
     assert fused_calls == [1]
 
 
-def test_helper_threads_attend_only_in_steps_whose_products_run_in_c(tiny_model, monkeypatch):
-    """Above NATIVE_MAX_ROWS rows torch's OpenMP threads run the products and hold the other cores:
-    the decode attention then stays on the calling thread."""
-    from cothink.execution.native_modules import NATIVE_MAX_ROWS
-
-    seen: list[int | None] = []
-    real = native.decode_attention
-
-    def recording(q, plan, pool_k, pool_v, scale, out, threads=None):
-        seen.append(threads)
-        real(q, plan, pool_k, pool_v, scale, out, threads)
-
-    monkeypatch.setattr(native, "decode_attention", recording)
-    runner = tiny_model("llama").runner()
-    runner.fused_decode = None  # the module path calls the attention kernel itself
-    blocks = [runner.new_block() for _ in range(NATIVE_MAX_ROWS + 1)]
-    runner.step([StepItem(b, ids(3, seed=i)) for i, b in enumerate(blocks)])
-    runner.step([StepItem(b, [5], logits="last") for b in blocks])
-    runner.step([StepItem(b, [6], logits="last") for b in blocks[:NATIVE_MAX_ROWS]])
-    layers = runner.config.num_layers
-    assert seen == [1] * layers + [None] * layers  # None: torch's thread count
-
-
 @pytest.mark.skipif(not native.bf16_dot(), reason="bfloat16 dot products in C: only on CPUs with them")
 def test_packed_bfloat16_linears_take_the_c_kernel_where_it_has_bfloat16_dot_products(
         tiny_model, fused_calls, monkeypatch):

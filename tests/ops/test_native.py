@@ -312,20 +312,70 @@ def test_results_do_not_depend_on_the_thread_count(dtype, torch_threads):
         assert torch.equal(results[threads][1], results[1][1])
 
 
-def test_a_forked_child_runs_the_kernels_without_the_parents_helpers(torch_threads):
-    """A fork copies the helper team's state but not its threads: the child must not wait for them."""
+def test_a_forked_child_runs_the_kernels_without_the_parents_threads(torch_threads):
+    """A fork copies the helper team's state but not its threads: the child must not wait for them.
+    The attentions run on OpenMP's team, which (libgomp, as for torch's own ops) does not survive a
+    fork: a child runs them, like torch's ops, on one thread."""
     torch_threads(2)
-    w, x = torch.randn(4096, 64), torch.randn(1, 64)
-    want = native.linear(x, w, None)  # the parent's helpers exist now
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(4096, 64, generator=g), torch.randn(1, 64, generator=g)
+    pool_k, pool_v = (torch.randn(64, 2, 32, generator=g) for _ in range(2))
+    q = torch.randn(24, 4, 32, generator=g)
+    rotary = _rotary(32, 1.0)
+    plan = native.DecodePlan(list(range(24)), [[(torch.arange(40), *rotary.prepared(torch.tensor([i]),
+                                                                                    torch.float32))]
+                                               for i in range(24)])
+
+    def attention() -> torch.Tensor:
+        out = torch.empty(24, 4, 32)
+        native.decode_attention(q, plan, pool_k, pool_v, 32**-0.5, out)
+        return out
+
+    want = native.linear(x, w, None), attention()  # the parent's threads exist now
     pid = os.fork()
-    if pid == 0:  # the child: exit 0 if the product is right, killed by the alarm if it hangs
+    if pid == 0:  # the child: exit 0 if the results are right, killed by the alarm if it hangs
         import signal
 
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)  # not the parent's (pytest-timeout's) handler
         signal.alarm(60)
-        ok = all(torch.equal(native.linear(x, w, None), want) for _ in range(5))
+        ok = all(torch.equal(native.linear(x, w, None), want[0]) for _ in range(5))
+        torch.set_num_threads(1)
+        ok = ok and torch.equal(attention(), want[1])
         os._exit(0 if ok else 1)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+def test_the_attentions_run_on_torchs_openmp_team():
+    """One team of threads for the attentions and torch's ops on the same thread: in a fresh process
+    whose torch ops have started their threads, decode attentions on two threads (helpers taking part)
+    start no thread of their own (a team of ours beside torch's made each wait on the other's spinning
+    threads)."""
+    code = (
+        "import os, torch\n"
+        "from cothink.ops import native\n"
+        "from types import SimpleNamespace\n"
+        "from cothink.ops.rope import Rotary\n"
+        "torch.set_num_threads(2)\n"
+        "config = SimpleNamespace(rope_parameters={'rope_theta': 1e4, 'partial_rotary_factor': 1.0})\n"
+        "rotary = Rotary(config, 32)\n"
+        "plan = native.DecodePlan(list(range(24)), [[(torch.arange(40), *rotary.prepared(torch.tensor([i]),"
+        " torch.float32))] for i in range(24)])\n"
+        "q, k, v, out = torch.randn(24, 4, 32), torch.randn(64, 2, 32), torch.randn(64, 2, 32), "
+        "torch.empty(24, 4, 32)\n"
+        "torch.ones(1 << 22).exp_().sum()\n"
+        "before = len(os.listdir('/proc/self/task'))\n"
+        "for _ in range(1000):\n"
+        "    native.decode_attention(q, plan, k, v, 32**-0.5, out)\n"
+        "    if native.helper_grains():\n"
+        "        break\n"
+        "print(native.helper_grains() > 0, len(os.listdir('/proc/self/task')) - before)\n"
+    )
+    if not Path("/proc/self/task").exists():
+        pytest.skip("counts threads in /proc")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True 0"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -39,7 +39,7 @@ import torch
 
 from cothink.errors import InvalidParameterError
 from cothink.execution.fused_decode import FusedDecode, FusedStep
-from cothink.execution.native_modules import NATIVE_MAX_ROWS, use_native_modules, use_torch_modules
+from cothink.execution.native_modules import use_native_modules, use_torch_modules
 from cothink.execution.step import ItemPlan, KeyRun, Rows, RunKey, ViewBatch, row_index
 from cothink.models.transformer import CausalLM, DecoderLayers
 from cothink.ops import native
@@ -330,10 +330,6 @@ class NativeStep(TorchStep):
     store_slots: torch.Tensor | None = None  # [T] every new key's slot, row by row (the kernel's store)
     plan: native.DecodePlan | None = None  # the decode attention of `items`
     items: list[ItemPlan] = field(default_factory=list)  # the single-token items the kernel attends
-    # the decode attention's threads: None (torch's thread count) where the step's products run in C
-    # too; 1 in wider steps, whose products run in torch's OpenMP threads, which hold the other cores
-    # (a helper sharing a core with one stalls the call: 16 bfloat16 coroutines measured 0.67x)
-    threads: int | None = None
 
 
 class NativeBackend(TorchBackend):
@@ -363,7 +359,7 @@ class NativeBackend(TorchBackend):
             path=self.name, batch=batch, decode=decode_runs, looped=looped,
             # the kernel writes keys slot by slot: every new slot in one index tensor
             store_slots=torch.cat([p.new_slots for p in batch.plans]) if batch.has_attention else None,
-            plan=plan, items=items, threads=None if batch.rows <= NATIVE_MAX_ROWS else 1,
+            plan=plan, items=items,
         )
         # (a step with image placeholders takes the per-module path, which injects their features)
         if (self.fused is not None and len(items) == len(batch.plans) and batch.rows <= self.fused.max_rows
@@ -413,7 +409,7 @@ class NativeBackend(TorchBackend):
         out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         if metadata.items:
             if q.dtype == pool_k.dtype and native.supports(q):
-                native.decode_attention(q, metadata.plan, pool_k, pool_v, batch.scale, out, metadata.threads)
+                native.decode_attention(q, metadata.plan, pool_k, pool_v, batch.scale, out)
             else:  # not the kernel's input layout: the per-item torch path
                 for plan in metadata.items:
                     self._attend_item(batch, plan, q, slot, out)

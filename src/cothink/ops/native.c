@@ -15,6 +15,7 @@
  * Built with -ffp-contract=off so that a*b + c*d is never fused into one rounding.
  */
 #include <math.h>
+#include <omp.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -317,19 +318,34 @@ void ct_store_kv(const void *k, int64_t ks, const void *v, int64_t vs, const int
     free(y);
 }
 
-/* ---- helper threads ------------------------------------------------------------------------
- * The products and the decode attention split their work over the calling thread and up to
- * `threads - 1` helper threads (the step's torch thread count, which the engine's ThreadChooser
- * lowers to one when another process takes a core): one core does not draw the memory bandwidth two
- * do (a float32 sum over 256 MiB here: ~15 GB/s on one thread, 18-29 on two). Tasks (weight rows,
- * items) are claimed a grain at a time, so a helper that is late or descheduled does less rather
- * than holding the call up, and the caller never waits for a helper that has not joined: only for
- * one inside the loop, finishing its grain. Each task is computed whole by one thread, in the same
- * order whatever the thread count, so results do not depend on it. Idle helpers spin for SPIN_NS
- * (the gaps between a fused step's calls; short, so that a spinning helper does not take the core
- * from torch's own threads for long), then sleep on a condition variable. No OpenMP: a second OpenMP
- * runtime next to torch's would fight it for the cores. */
+/* ---- threads -------------------------------------------------------------------------------
+ * The products and the attentions split their work over up to `threads` threads (the step's torch
+ * thread count, which the engine's ThreadChooser lowers to one when another process takes a core):
+ * one core does not draw the memory bandwidth two do (a float32 sum over 256 MiB here: ~15 GB/s on
+ * one thread, 18-29 on two). Tasks (weight rows, items) are claimed a grain at a time, so a thread that
+ * is late or descheduled does less; each task is computed whole by one thread, in the same order
+ * whatever the thread count, so results do not depend on it.
+ *
+ * Two teams, for two kinds of call (measured on two Zen 4 cores, docs/runtime.md):
+ * - The attentions outside a fused step (a wide step's decode attention, a prefill chunk's) run on
+ *   OpenMP's threads, between torch's ops: the library links the OpenMP runtime torch loaded (the
+ *   same libgomp.so.1, found loaded by its soname), so a call from the compute thread runs on the very
+ *   team torch's own ops on that thread use. A team of our own beside it left each side's idle threads
+ *   spinning on the cores the other needed: a 32-row step's attention output product, right after the
+ *   C decode attention, took ~0.9 ms for ~70 us of work (one team: a 2048-token prefill +10-17%, 48
+ *   coroutines +10-40% now that wide steps attend on every thread).
+ * - The products (decode-sized: a few rows, or int8/4-bit weights) and everything in a fused step
+ *   (ct_decode_layers, no torch op between its calls) run on helper threads of our own, because an
+ *   OpenMP region ends at a barrier that waits for every thread of the team, also one still waking
+ *   up, where the helpers below are never waited for unless inside the loop: on OpenMP's team
+ *   bfloat16 decode was ~8% slower (72 -> 66 tok/s). */
 typedef void (*task_fn)(void *ctx, int64_t begin, int64_t end);
+
+static __thread int whole_step; /* this thread is inside ct_decode_layers: every loop on the helper team */
+
+/* The helper team: the calling thread and up to `threads - 1` helpers. The caller never waits for a
+ * helper that has not joined, only for one inside the loop, finishing its grain. Idle helpers spin
+ * for SPIN_NS (the gaps between a fused step's calls), then sleep on a condition variable. */
 
 #define MAX_HELPERS 15
 #define SPIN_NS 100000
@@ -413,8 +429,7 @@ static void team_after_fork(void) {
     team.helpers = 0;
 }
 
-/* fn(ctx, begin, end) over tasks 0..tasks-1, `grain` at a time, on up to `threads` threads */
-static void parallel_for(task_fn fn, void *ctx, int64_t tasks, int64_t grain, int64_t threads) {
+static void team_for(task_fn fn, void *ctx, int64_t tasks, int64_t grain, int64_t threads) {
     int want = threads - 1 < MAX_HELPERS ? (int)threads - 1 : MAX_HELPERS;
     if (want <= 0 || tasks <= grain || atomic_flag_test_and_set(&team.busy)) {
         fn(ctx, 0, tasks);
@@ -444,6 +459,34 @@ static void parallel_for(task_fn fn, void *ctx, int64_t tasks, int64_t grain, in
     atomic_store(&team.open, 0);
     while (atomic_load(&team.active)) cpu_relax();
     atomic_flag_clear(&team.busy);
+}
+
+/* the same on OpenMP's team of the calling thread */
+static void omp_for(task_fn fn, void *ctx, int64_t tasks, int64_t grain, int threads) {
+    _Atomic int64_t next = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        int helper = omp_get_thread_num() != 0;
+        for (;;) {
+            int64_t b = atomic_fetch_add(&next, grain);
+            if (b >= tasks) break;
+            if (helper) atomic_fetch_add(&team.helped, 1);
+            fn(ctx, b, b + grain < tasks ? b + grain : tasks);
+        }
+    }
+}
+
+/* fn(ctx, begin, end) over tasks 0..tasks-1, `grain` at a time, on up to `threads` threads: on the
+ * helper team if `own` (the products) or inside a fused step, else on OpenMP's */
+static void parallel_for(task_fn fn, void *ctx, int64_t tasks, int64_t grain, int64_t threads, int own) {
+    int64_t grains = (tasks + grain - 1) / grain;
+    int64_t useful = threads < grains ? threads : grains;
+    if (useful <= 1)
+        fn(ctx, 0, tasks);
+    else if (own || whole_step)
+        team_for(fn, ctx, tasks, grain, useful);
+    else
+        omp_for(fn, ctx, tasks, grain, (int)useful);
 }
 
 int64_t ct_helper_grains(void) { return atomic_load(&team.helped); }
@@ -676,7 +719,7 @@ void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int6
                          int64_t threads) {
     AttentionJob job = {q, qs, qh, hq, hkv, d, rot, rows, run_start, key_start, slots, cos, sin, pool_k,
                         pool_v, scale, out, bf};
-    parallel_for(attention_items, &job, items, 1, threads);
+    parallel_for(attention_items, &job, items, 1, threads, 0);
 }
 
 /* Rows of a linear layer processed per pass over the weight: their accumulators stay in registers. */
@@ -1257,7 +1300,7 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
     }
 #endif
     LinearJob job = {xf, xp, xsum, w, bias, scale, y, ys, m, k, bf, wt, y_f32};
-    parallel_for(linear_rows, &job, n, LINEAR_GRAIN, threads);
+    parallel_for(linear_rows, &job, n, LINEAR_GRAIN, threads, 1);
     free(xf);
     free(xp);
     free(xsum);
@@ -1506,6 +1549,7 @@ static void gdn_mixer(const Step *s, const CtLayer *w, const CtLinearIO *io, Scr
  * `keys`, a Gated DeltaNet layer the buffers of linear[l]. */
 void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const CtLayer *layer, const CtShape *shape,
                       const CtStepKeys *keys, const CtLinearIO *linear, int bf, int wt, int64_t threads) {
+    whole_step = 1;
     Step s = {shape->hidden, shape->heads, shape->kv_heads, shape->head_dim, shape->intermediate, shape->gated,
               shape->zero_centred, shape->key_heads, shape->value_heads, shape->key_dim, shape->value_dim,
               shape->conv_kernel, keys->rot, t_rows, keys->items, threads, shape->eps, shape->l2_eps, keys->scale,
@@ -1540,6 +1584,7 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const CtLayer *la
     char *buffers[] = {sc.normed, sc.proj, sc.att, sc.gated, sc.mixed, sc.total, sc.gate_up, sc.act, sc.down,
                        sc.qn, sc.kn, (char *)sc.att_f};
     for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) free(buffers[i]);
+    whole_step = 0;
 }
 
 /* ---- prefill attention (bfloat16, AVX-512 BF16) -----------------------------------------------
@@ -1767,8 +1812,8 @@ void ct_prefill_attention(const void *q, int64_t qs, const void *k, int64_t ks, 
     PrefillJob job = {q, k, v, qs, ks, vs, t, hq, hkv, d, keys, tokens, causal, scale, out, lse,
                       malloc((size_t)(hkv * blocks * PREFILL_KEYS * d / 2) * sizeof(uint32_t)),
                       malloc((size_t)(hkv * blocks * PREFILL_KEYS * d) * sizeof(float)), blocks};
-    parallel_for(prefill_pack, &job, hkv * blocks, 4, threads);
-    parallel_for(prefill_tasks, &job, hkv * ((t + tokens - 1) / tokens), 1, threads);
+    parallel_for(prefill_pack, &job, hkv * blocks, 4, threads, 0);
+    parallel_for(prefill_tasks, &job, hkv * ((t + tokens - 1) / tokens), 1, threads, 0);
     free(job.kp);
     free(job.vf);
 #else

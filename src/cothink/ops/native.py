@@ -5,10 +5,11 @@ A decode step on CPU is bound by dispatch, not arithmetic: an RMSNorm of one row
 in one call; `linear` runs the products of steps of a few rows, where torch's bfloat16 kernel on a
 CPU without bfloat16 arithmetic costs a GEMV per row; `decode_layers` chains them over every decoder
 layer of a small Llama-family decode step (execution/fused_decode.py). They are plain C (no torch
-headers, so they build in about a second with the system compiler, for this machine's CPU); the
-linear and the decode attention split their work over the caller's torch thread count with helper
-threads of their own (native.c; no second OpenMP runtime next to torch's), the rest run on the
-calling thread.
+headers, so they build in about a second with the system compiler and its OpenMP, for this machine's
+CPU); the products and the attentions split their work over the caller's torch thread count, the
+attentions on OpenMP's threads (the runtime torch loaded: one team with torch's ops), the products
+and the fused step on helper threads of their own (native.c says why), the rest run on the calling
+thread.
 
 `available()` is False, and every caller keeps its torch path, when the kernels are switched off
 (`COTHINK_NATIVE=0` in the environment, or `native.ENABLED = False`), when no C compiler is found
@@ -58,7 +59,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 WEIGHT_TYPES = {**DTYPES, torch.int8: 2, torch.uint8: 3}
 # weights per 4-bit group (Q4_GROUP in native.c)
 Q4_GROUP = 32
-_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-pthread",
+_FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-fopenmp",
           # extra compiler flags (part of the cache key), e.g. -mno-avx512f for the portable kernels on a
           # CPU with AVX-512 (the tests build both)
           *os.environ.get("COTHINK_NATIVE_CFLAGS", "").split()]
@@ -340,8 +341,8 @@ def use_bf16_decode() -> bool:
 
 
 def helper_grains() -> int:
-    """Grains of work (weight rows, items) the kernels' helper threads ran in this process so far:
-    the products and the decode attention split over the step's torch thread count (native.c)."""
+    """Grains of work (weight rows, items, key blocks) that threads other than the caller ran in this
+    process so far: the products and the attentions split over the step's torch thread count (native.c)."""
     return _library().ct_helper_grains()
 
 
