@@ -30,8 +30,9 @@ perplexity by 0.4% over bfloat16, with a 4-bit lm_head by 7%.
 Products: under the native backend, steps of up to 32 rows run in cothink's C kernel (`native.linear`
 with 4-bit weights, execution/native_modules.py `NativeInt4Linear`), which reads the packed codes
 (once per call: above 8 rows each thread runs every row over its weight rows) and computes per
-group scale (x . q) + offset sum(x): the reference product regrouped, equal to it within float32
-rounding, with one fixed order of sums per output (a row's result does not depend on
+group scale (x . q) + offset sum(x) (bfloat16 activations, where the CPU has AVX-512 BF16: x . q by
+VDPBF16PS on the codes widened to bfloat16, exact products): the reference product regrouped, equal to
+it within float32 rounding, with one fixed order of sums per output (a row's result does not depend on
 the batch nor on the thread count). The bound the tests hold it to (tests/models/test_quant4.py), per
 output before the rounding to the activations' dtype:
 
