@@ -86,7 +86,7 @@ async def test_stats_survive_a_short_timeline():
 async def test_each_step_width_is_tried_on_one_thread():
     """An engine may start beside a busy core, with no quiet figure to notice it by: every width of
     step that ran past its warm-up has had a one-thread step, whatever the machine's load."""
-    engine = make_engine("llama", max_prefill_chunk=16, max_batch_tokens=32, threads=2)
+    engine = make_engine("llama", max_prefill_chunk=16, max_batch_tokens=32, lone_prefill_chunk=16, threads=2)
     async with engine:
         await engine.extend(engine.block("ctx"), token_ids=ids(16 * 6, 1))  # six 16-row chunks
     widths = Counter(r.tokens.bit_length() for r in engine.timeline if r.path)

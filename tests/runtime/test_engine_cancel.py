@@ -178,7 +178,7 @@ async def test_cancellation_stress():
 async def test_cancelling_an_extend_stops_it():
     """Cancelling the task that awaits `engine.extend` stops the extend at the next step, like a generation:
     the chunks already written stay, and the block is free for a new writer at once."""
-    engine = make_engine("llama", max_prefill_chunk=16)
+    engine = make_engine("llama", max_prefill_chunk=16, lone_prefill_chunk=16)  # many steps to cancel in
     async with engine:
         block = engine.block("b")
         task = asyncio.create_task(engine.extend(block, token_ids=ids(400, 1), name="ext"))
@@ -196,7 +196,7 @@ async def test_cancelling_an_extend_stops_it():
 
 
 async def test_cancelling_a_probe_stops_it_and_frees_its_scratch_block():
-    engine = make_engine("llama", max_prefill_chunk=16)
+    engine = make_engine("llama", max_prefill_chunk=16, lone_prefill_chunk=16)  # many steps to cancel in
     async with engine:
         ctx = engine.block("ctx")
         await engine.extend(ctx, token_ids=ids(10, 1))

@@ -25,6 +25,7 @@ from cothink.scheduler.policy import (
     interactive_decoding,
     plan_step,
 )
+from cothink.errors import InvalidParameterError
 from support import ids, make_engine, until
 
 INTERACTIVE, BACKGROUND = PriorityClass.INTERACTIVE, PriorityClass.BACKGROUND
@@ -205,12 +206,30 @@ def test_background_adds_only_its_reserve_beside_an_interactive_prefill():
     assert sum(n for _, n in choice.chosen) == 256
 
 
+def test_a_lone_prompt_takes_wider_chunks():
+    """The only runnable work, a prompt of either class, takes chunks of up to lone_prefill_chunk (past
+    max_prefill_chunk and max_batch_tokens); beside any other work, a decoder included, it does not."""
+    for klass in (INTERACTIVE, BACKGROUND):
+        lone = _numbered(Fake("p", klass, wanted=2000))
+        limits = {"max_batch_tokens": 256, "max_prefill_chunk": 128}
+        assert _plan(lone, **limits) == [("p", 512)]
+        assert _plan(lone, **limits, lone_prefill_chunk=1000) == [("p", 1000)]
+        assert _plan(lone, **limits, lone_prefill_chunk=1) == [("p", 128)]
+        short = _numbered(Fake("p", klass, wanted=300))
+        assert _plan(short, **limits) == [("p", 300)]
+        pair = _numbered(Fake("p", klass, wanted=2000), Fake("d", BACKGROUND, decode=True))
+        assert dict(_plan(pair, **limits))["p"] == 128
+    with pytest.raises(InvalidParameterError):
+        SchedulerConfig(lone_prefill_chunk=0)
+
+
 def test_background_reserve_and_interactive_room():
     works = _numbered(Fake("int", INTERACTIVE, wanted=1000), Fake("bg", BACKGROUND, wanted=1000))
     plan = dict(_plan(works, max_batch_tokens=64, max_prefill_chunk=64, background_min_tokens=16))
     assert plan == {"int": 48, "bg": 16}  # the interactive prefill leaves background_min_tokens
     # no background waiting: the interactive work may take the whole budget
-    plan = dict(_plan(works[:1], max_batch_tokens=64, max_prefill_chunk=64, background_min_tokens=16))
+    plan = dict(_plan(works[:1], max_batch_tokens=64, max_prefill_chunk=64, background_min_tokens=16,
+                      lone_prefill_chunk=1))
     assert plan == {"int": 64}
     # background decoders count against the reserve
     works = _numbered(Fake("int", INTERACTIVE, wanted=1000), *(Fake(f"bgd{i}", BACKGROUND, decode=True)

@@ -20,8 +20,9 @@ from support import running_server
 
 @pytest.mark.torch_threads(1)
 def test_health_is_answered_while_a_prefill_step_runs():
-    engine = cothink.Engine.from_pretrained("smollm2", kv_tokens=4096)
-    prompt = "The quick brown fox jumps over the lazy dog. " * 40  # about 400 tokens: several steps
+    # lone prompts at max_prefill_chunk (128), not lone_prefill_chunk: ~400 tokens are several steps
+    engine = cothink.Engine.from_pretrained("smollm2", kv_tokens=4096, lone_prefill_chunk=1)
+    prompt = "The quick brown fox jumps over the lazy dog. " * 40  # about 400 tokens
     with running_server(engine) as server:
         done = threading.Event()
         outcome: dict = {}

@@ -165,10 +165,11 @@ class Engine:
         """Load a model; limits: kv_tokens, page_size, max_context, dense_summary_min_tokens,
         attention_backend, quantize ("int8" / "int4": weight-only int8 / 4-bit linears) (runner),
         max_batch_tokens, max_batch_items, max_prefill_chunk, background_min_tokens,
-        interactive_step_tokens, interactive_background_chunk, vision_step_patch_blocks (vision tower
-        patches x blocks one step may run) (scheduler), on_pool_full, pool_wait_s, max_input_tokens, threads,
-        memory_budget, spill, spill_dir, auto_seal, policy (engine). With a memory_budget and no kv_tokens,
-        the KV pool is sized so the whole budget could be KV pages."""
+        interactive_step_tokens, interactive_background_chunk, lone_prefill_chunk,
+        vision_step_patch_blocks (vision tower patches x blocks one step may run) (scheduler),
+        on_pool_full, pool_wait_s, max_input_tokens, threads, memory_budget, spill, spill_dir, auto_seal,
+        policy (engine). With a memory_budget and no kv_tokens, the KV pool is sized so the whole budget
+        could be KV pages."""
         sched_keys = set(SchedulerConfig.__dataclass_fields__)
         if limits.get("memory_budget") is not None and "kv_tokens" not in limits:
             limits["kv_tokens"] = _kv_tokens_for_budget(path_or_name, dtype, limits["memory_budget"])
