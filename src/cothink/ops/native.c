@@ -332,7 +332,7 @@ void ct_store_kv(const void *k, int64_t ks, const void *v, int64_t vs, const int
  *   same libgomp.so.1, found loaded by its soname), so a call from the compute thread runs on the very
  *   team torch's own ops on that thread use. A team of our own beside it left each side's idle threads
  *   spinning on the cores the other needed: a 32-row step's attention output product, right after the
- *   C decode attention, took ~0.9 ms for ~70 us of work (one team: a 2048-token prefill +10-17%, 48
+ *   C decode attention, took ~0.9 ms for ~70 us of work (one team: a 2048-token prefill +8-12%, 48
  *   coroutines +10-40% now that wide steps attend on every thread).
  * - The products (decode-sized: a few rows, or int8/4-bit weights) and everything in a fused step
  *   (ct_decode_layers, no torch op between its calls) run on helper threads of our own, because an
