@@ -961,19 +961,32 @@ static inline __attribute__((always_inline)) void linear_group_bf16(const bf16 *
 }
 #endif
 
+#if LINEAR_BF16_PAIRS
+/* The codes 0..15 as bfloat16 (exact), a table for VPERMW (entries 16..31 unused) */
+static const uint16_t Q4_BF16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                     0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+#endif
+
 /* linear_group_q4 with 16-lane fused multiply-adds: per group d = x . q over 16 lanes, then
- * acc += d * scale; xf float32 in natural order */
-static inline __attribute__((always_inline)) void linear_group_q4_wide(const float *xf, const float *xsum,
+ * acc += d * scale; x in natural order. Float32 inputs (bf 0) widen the codes to float32; bfloat16
+ * inputs (bf 1: x [m, k] bfloat16) where the CPU has AVX-512 BF16 widen them to bfloat16 by a table
+ * (exact) and take d in one VDPBF16PS over the group's 16 pairs (products exact, float32 sums): 4
+ * vector instructions per group where float32 takes 6 (a one-row 3072 x 576 product in cache 92 -> 71
+ * us on two Zen 4 cores; streamed from memory, as in decode, ~3%: reading bounds it there) */
+static inline __attribute__((always_inline)) void linear_group_q4_wide(const void *x, const float *xsum,
                                                                         const uint8_t *w, const float *sm,
                                                                         const void *bias, void *y, int64_t ys,
                                                                         int64_t m, int64_t n, int64_t k, int bf,
                                                                         int y_f32) {
     int64_t groups = k / Q4_GROUP;
     const __m128i mask = _mm_set1_epi8(0x0f);
+#if LINEAR_BF16_PAIRS
+    const __m512i table = _mm512_loadu_si512(Q4_BF16);
+#endif
     for (int64_t r = 0; r < n; r++) {
         const uint8_t *wr = w + r * (k / 2);
         const float *smr = sm + r * groups * 2;
-        __m512 acc[LINEAR_GROUP];
+        __m512 acc[LINEAR_GROUP], d[LINEAR_GROUP];
         float off[LINEAR_GROUP] = {0};
         for (int64_t i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
         for (int64_t g = 0; g < groups; g++) {
@@ -982,14 +995,27 @@ static inline __attribute__((always_inline)) void linear_group_q4_wide(const flo
                 __builtin_prefetch(smr + 2 * g + LINEAR_PREFETCH / 4);
             }
             __m128i b = _mm_loadu_si128((const __m128i *)(wr + g * 16));
-            __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
-            __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+            /* elements 0-15 (the low nibbles), then 16-31 (the high ones) */
+            __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+#if LINEAR_BF16_PAIRS
+            if (bf) {
+                __m512bh q = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(_mm256_set_m128i(hi, lo)), table);
+                for (int64_t i = 0; i < m; i++)
+                    d[i] = _mm512_dpbf16_ps(_mm512_setzero_ps(), ld32h((const bf16 *)x + i * k + g * Q4_GROUP, 32), q);
+            } else
+#endif
+            {
+                __m512 q0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(lo));
+                __m512 q1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(hi));
+                for (int64_t i = 0; i < m; i++) {
+                    const float *xg = (const float *)x + i * k + g * Q4_GROUP;
+                    d[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16), q1, _mm512_mul_ps(_mm512_loadu_ps(xg), q0));
+                }
+            }
             __m512 scale = _mm512_set1_ps(smr[2 * g]);
             float offset = smr[2 * g + 1];
             for (int64_t i = 0; i < m; i++) {
-                const float *xg = xf + i * k + g * Q4_GROUP;
-                __m512 d = _mm512_fmadd_ps(_mm512_loadu_ps(xg + 16), q1, _mm512_mul_ps(_mm512_loadu_ps(xg), q0));
-                acc[i] = _mm512_fmadd_ps(d, scale, acc[i]);
+                acc[i] = _mm512_fmadd_ps(d[i], scale, acc[i]);
                 off[i] += offset * xsum[i * groups + g];
             }
         }
@@ -997,51 +1023,6 @@ static inline __attribute__((always_inline)) void linear_group_q4_wide(const flo
             linear_out(hsum16(acc[i]) + off[i], r, NULL, bias, y, i * ys + r, bf, WT_Q4, y_f32);
     }
 }
-#if LINEAR_BF16_PAIRS
-/* The codes 0..15 as bfloat16 (exact), a table for VPERMW (entries 16..31 unused) */
-static const uint16_t Q4_BF16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-                                     0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-
-/* linear_group_q4 for bfloat16 inputs (xb [m, k], natural order) by VDPBF16PS: a group's 32 codes
- * widened to bfloat16 by the table (exact), d = x_g . q_g in one instruction over their 16 pairs (the
- * products exact, float32 sums), then acc += d * scale as above: 4 vector instructions per group where
- * widening to float32 takes 6 (int4 decode ~110 -> ~140 tokens/s on two Zen 4 cores) */
-static inline __attribute__((always_inline)) void linear_group_q4_bf16(const bf16 *xb, const float *xsum,
-                                                                        const uint8_t *w, const float *sm,
-                                                                        const void *bias, void *y, int64_t ys,
-                                                                        int64_t m, int64_t n, int64_t k,
-                                                                        int y_f32) {
-    int64_t groups = k / Q4_GROUP;
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m512i table = _mm512_loadu_si512(Q4_BF16);
-    for (int64_t r = 0; r < n; r++) {
-        const uint8_t *wr = w + r * (k / 2);
-        const float *smr = sm + r * groups * 2;
-        __m512 acc[LINEAR_GROUP];
-        float off[LINEAR_GROUP] = {0};
-        for (int64_t i = 0; i < m; i++) acc[i] = _mm512_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            if (g % 4 == 0) {
-                __builtin_prefetch(wr + g * 16 + LINEAR_PREFETCH);
-                __builtin_prefetch(smr + 2 * g + LINEAR_PREFETCH / 4);
-            }
-            __m128i b = _mm_loadu_si128((const __m128i *)(wr + g * 16));
-            /* elements 0-15 (low nibbles), then 16-31 (high ones): the group in natural order */
-            __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), mask), _mm_and_si128(b, mask));
-            __m512bh q = (__m512bh)_mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(codes), table);
-            __m512 scale = _mm512_set1_ps(smr[2 * g]);
-            float offset = smr[2 * g + 1];
-            for (int64_t i = 0; i < m; i++) {
-                __m512 d = _mm512_dpbf16_ps(_mm512_setzero_ps(), ld32h(xb + i * k + g * Q4_GROUP, 32), q);
-                acc[i] = _mm512_fmadd_ps(d, scale, acc[i]);
-                off[i] += offset * xsum[i * groups + g];
-            }
-        }
-        for (int64_t i = 0; i < m; i++)
-            linear_out(hsum16(acc[i]) + off[i], r, NULL, bias, y, i * ys + r, 1, WT_Q4, y_f32);
-    }
-}
-#endif
 #define LINEAR_GROUP_Q4 linear_group_q4_wide
 #define LINEAR_GROUP_W linear_group_wide
 #else
@@ -1244,21 +1225,17 @@ int ct_linear_bf16_dot(void) { return LINEAR_BF16_PAIRS; }
 
 #if LINEAR_BF16_PAIRS
 #define LINEAR_CASE_BF16(M) linear_group_bf16((const bf16 *)xf, w, bias, y, j->ys, M, n, k, j->y_f32)
-#define LINEAR_CASE_Q4(M)                                                                                \
-    if (j->bf)                                                                                           \
-        linear_group_q4_bf16((const bf16 *)xf, xsum, w, (const float *)scale, bias, y, j->ys, M, n, k, j->y_f32); \
-    else                                                                                                 \
-        LINEAR_GROUP_Q4(xf, xsum, w, (const float *)scale, bias, y, j->ys, M, n, k, 0, j->y_f32)
 #else
 #define LINEAR_CASE_BF16(M) LINEAR_GROUP_W(xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_BF16, j->y_f32)
-#define LINEAR_CASE_Q4(M) LINEAR_GROUP_Q4(xf, xsum, w, (const float *)scale, bias, y, j->ys, M, n, k, j->bf, j->y_f32)
 #endif
 /* whether ct_linear hands its kernel the bfloat16 input rows themselves (else float32 ones) */
 #define LINEAR_X_BF16(wt, bf) (LINEAR_BF16_PAIRS && ((wt) == WT_BF16 || ((wt) == WT_Q4 && (bf))))
 #define LINEAR_CASE(M)                                                                                   \
     case M:                                                                                              \
-        if (j->wt == WT_Q4)                                                                              \
-            LINEAR_CASE_Q4(M);                                                                           \
+        if (j->wt == WT_Q4 && j->bf) /* bf a constant in each: the group loop holds no branch */          \
+            LINEAR_GROUP_Q4(xf, xsum, w, (const float *)scale, bias, y, j->ys, M, n, k, 1, j->y_f32);    \
+        else if (j->wt == WT_Q4)                                                                         \
+            LINEAR_GROUP_Q4(xf, xsum, w, (const float *)scale, bias, y, j->ys, M, n, k, 0, j->y_f32);    \
         else if (j->wt == WT_BF16)                                                                       \
             LINEAR_CASE_BF16(M);                                                                         \
         else if (j->wt == WT_INT8)                                                                       \
