@@ -3,8 +3,9 @@
  * A decode step spends more time dispatching small torch ops than computing them: an RMSNorm is
  * eight ops (~18 us for one row), a view attention of one query ~200 us of which the kernel is ~40.
  * Each function here does one of those units in a single call. ct_linear runs the products of steps
- * of a few rows, bound by reading the weight; it and the decode attention split their work over
- * helper threads of their own (below, `parallel_for`), the rest run on the calling thread.
+ * of a few rows, bound by reading the weight; it and the attentions split their work over threads
+ * (below, `parallel_for`: a helper team of our own, or torch's OpenMP team), the rest run on the
+ * calling thread.
  * ct_decode_layers chains them over all decoder layers of a small decode step (Llama, Qwen3, the
  * Qwen3.5 hybrid).
  *
