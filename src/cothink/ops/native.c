@@ -342,8 +342,6 @@ void ct_store_kv(const void *k, int64_t ks, const void *v, int64_t vs, const int
  *   bfloat16 decode was ~8% slower (72 -> 66 tok/s). */
 typedef void (*task_fn)(void *ctx, int64_t begin, int64_t end);
 
-static __thread int whole_step; /* this thread is inside ct_decode_layers: every loop on the helper team */
-
 /* The helper team: the calling thread and up to `threads - 1` helpers. The caller never waits for a
  * helper that has not joined, only for one inside the loop, finishing its grain. Idle helpers spin
  * for SPIN_NS (the gaps between a fused step's calls), then sleep on a condition variable. */
@@ -478,13 +476,13 @@ static void omp_for(task_fn fn, void *ctx, int64_t tasks, int64_t grain, int thr
 }
 
 /* fn(ctx, begin, end) over tasks 0..tasks-1, `grain` at a time, on up to `threads` threads: on the
- * helper team if `own` (the products) or inside a fused step, else on OpenMP's */
+ * helper team if `own` (the products, the fused step's attention), else on OpenMP's */
 static void parallel_for(task_fn fn, void *ctx, int64_t tasks, int64_t grain, int64_t threads, int own) {
     int64_t grains = (tasks + grain - 1) / grain;
     int64_t useful = threads < grains ? threads : grains;
     if (useful <= 1)
         fn(ctx, 0, tasks);
-    else if (own || whole_step)
+    else if (own)
         team_for(fn, ctx, tasks, grain, useful);
     else
         omp_for(fn, ctx, tasks, grain, (int)useful);
@@ -713,14 +711,25 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
  * run's block; keys carry block-local RoPE). All runs of an item form one softmax, which is what the
  * log-sum-exp merge of per-run partials computes (here online, CHUNK keys at a time). out [T, Hq, D]
  * float32, row rows[i] written. D is a multiple of 16 (Python checks). */
+/* The decode attention on the helper team (`own`: inside a fused step) or on OpenMP's (between torch's
+   ops) */
+static void decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int64_t hkv, int64_t d,
+                             int64_t rot, int64_t items, const int64_t *rows, const int64_t *run_start,
+                             const int64_t *key_start, const int64_t *slots, const void *cos, const void *sin,
+                             const void *pool_k, const void *pool_v, float scale, float *out, int bf,
+                             int64_t threads, int own) {
+    AttentionJob job = {q, qs, qh, hq, hkv, d, rot, rows, run_start, key_start, slots, cos, sin, pool_k,
+                        pool_v, scale, out, bf};
+    parallel_for(attention_items, &job, items, 1, threads, own);
+}
+
 void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int64_t hkv, int64_t d,
                          int64_t rot, int64_t items, const int64_t *rows, const int64_t *run_start,
                          const int64_t *key_start, const int64_t *slots, const void *cos, const void *sin,
                          const void *pool_k, const void *pool_v, float scale, float *out, int bf,
                          int64_t threads) {
-    AttentionJob job = {q, qs, qh, hq, hkv, d, rot, rows, run_start, key_start, slots, cos, sin, pool_k,
-                        pool_v, scale, out, bf};
-    parallel_for(attention_items, &job, items, 1, threads, 0);
+    decode_attention(q, qs, qh, hq, hkv, d, rot, items, rows, run_start, key_start, slots, cos, sin, pool_k,
+                     pool_v, scale, out, bf, threads, 0);
 }
 
 /* Rows of a linear layer processed per pass over the weight: their accumulators stay in registers. */
@@ -1538,9 +1547,9 @@ static void attention_mixer(const Step *s, const CtLayer *w, const CtStepKeys *k
     }
     ct_store_kv(k, ks, v, qkv_n, keys->store_slots, t, s->hkv, s->d, s->rot, keys->key_cos, keys->key_sin, layer_k,
                 layer_v, s->bf);
-    ct_decode_attention(q, qs, qh, s->hq, s->hkv, s->d, s->rot, s->items, keys->rows, keys->run_start,
-                        keys->key_start, keys->slots, keys->cos, keys->sin, layer_k, layer_v, s->scale, sc->att_f,
-                        s->bf, s->threads);
+    decode_attention(q, qs, qh, s->hq, s->hkv, s->d, s->rot, s->items, keys->rows, keys->run_start,
+                     keys->key_start, keys->slots, keys->cos, keys->sin, layer_k, layer_v, s->scale, sc->att_f,
+                     s->bf, s->threads, 1);
     store_row(sc->att, sc->att_f, t * att_n, s->bf); /* the per-module path's .to(dtype) of the float32 output */
     if (s->gated) ct_sigmoid_gate(sc->att, sc->proj + s->d * size, qkv_n, 2 * s->d, sc->att, t, s->hq, s->d, s->bf);
     layer_linear(s, &w->mix_out, sc->att, att_n, sc->mixed, s->hidden);
@@ -1586,7 +1595,6 @@ static void gdn_mixer(const Step *s, const CtLayer *w, const CtLinearIO *io, Scr
  * `keys`, a Gated DeltaNet layer the buffers of linear[l]. */
 void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const CtLayer *layer, const CtShape *shape,
                       const CtStepKeys *keys, const CtLinearIO *linear, int bf, int wt, int64_t threads) {
-    whole_step = 1;
     Step s = {shape->hidden, shape->heads, shape->kv_heads, shape->head_dim, shape->intermediate, shape->gated,
               shape->zero_centred, shape->key_heads, shape->value_heads, shape->key_dim, shape->value_dim,
               shape->conv_kernel, keys->rot, t_rows, keys->items, threads, shape->eps, shape->l2_eps, keys->scale,
@@ -1621,7 +1629,6 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const CtLayer *la
     char *buffers[] = {sc.normed, sc.proj, sc.att, sc.gated, sc.mixed, sc.total, sc.gate_up, sc.act, sc.down,
                        sc.qn, sc.kn, (char *)sc.att_f};
     for (size_t i = 0; i < sizeof buffers / sizeof *buffers; i++) free(buffers[i]);
-    whole_step = 0;
 }
 
 /* ---- prefill attention (bfloat16, AVX-512 BF16) -----------------------------------------------
