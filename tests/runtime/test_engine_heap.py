@@ -23,7 +23,10 @@ async def test_heap_frozen_while_engines_run_and_released_after_the_last():
         frozen = gc.get_freeze_count()
         assert frozen > 0
         async with second:  # frozen once: the second engine's start freezes nothing more
-            assert gc.get_freeze_count() == frozen
+            # (not ==: a frozen object freed by its last reference meanwhile, say by another test's
+            # thread winding down, leaves the permanent generation; a second freeze would add the
+            # second engine's thousands of objects)
+            assert gc.get_freeze_count() <= frozen
             later = _Cycle()
             later_gone = weakref.ref(later)
             del garbage, later

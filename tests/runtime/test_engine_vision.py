@@ -22,7 +22,7 @@ from PIL import Image
 from support import tiny_vision_folder
 
 import cothink
-from cothink.errors import InvalidParameterError
+from cothink.errors import EngineClosedError, InvalidParameterError
 from cothink.execution.step import StepItem
 from cothink.models.image_processing import preprocess_frames, preprocess_image, preprocess_video
 from cothink.scheduler.policy import PriorityClass, encode_step_patch_blocks
@@ -685,3 +685,21 @@ def test_cancelling_an_image_extend_while_it_encodes(folders):
             return encodes
 
     assert 1 <= _run(main()) < 12
+
+
+def test_an_engine_stopped_while_pixels_are_prepared_refuses_the_extend(folders):
+    """The engine stops while an image extend's pixels are prepared off the event loop: the extend
+    raises EngineClosedError instead of submitting work no step will ever run (it used to hang)."""
+    engine = cothink.Engine.from_pretrained(folders("qwen35_vl"))
+
+    async def main():
+        await engine.start()
+        block = engine.block("picture")
+        task = asyncio.create_task(engine.extend(block, image=_image(24, 24, 1), name="camera"))
+        await asyncio.sleep(0)  # the extend is now waiting for its preprocessing thread
+        await engine.stop()
+        with pytest.raises(EngineClosedError):
+            await asyncio.wait_for(task, 30)
+        assert len(block) == 0 and engine.occupancy().works == 0
+
+    _run(main())

@@ -387,6 +387,7 @@ class Engine:
                     "give exactly one of text, token_ids, image, video or frames", param=next(iter(visual)))
             kind, value = next(iter(visual.items()))
             tokens, vision = await self._vision_input(kind, value, fps, timestamp)
+            self._require_running()  # it may have stopped while the pixels were prepared: nothing would run
         else:
             tokens, vision = self._tokens(text, token_ids), None
         span = span_at(vision.runs(), len(tokens)) if vision is not None else len(tokens)
