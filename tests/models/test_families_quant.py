@@ -104,11 +104,14 @@ def test_int8_moe_model_is_its_dequantized_model(tiny_model, record_error, name)
     """The whole int8 model (prefill and decode; experts, shared experts, attention, the lm_head)
     against the same model whose int8 layers are plain torch products with their dequantized weights:
     the same routing, float32 summation order apart: at most a one-ulp bfloat16 step somewhere, under
-    one step of the largest logit (2^-8 of it; a misrouted token moves logits far more). (qwen3_next
-    measured 7.9e-5 with torch's flash kernel for prefill attention, 1.26e-3 with the exact C one.)"""
+    one step of the largest logit (2^-8 of it). The ids are ones without a near-tie: a one-ulp
+    difference can flip a router's near-tie or a rounding of P in the attention and move every later
+    logit (seeds 7-14 measured 0 to 3e-4 on most, up to 2.6e-2 on two, with torch's flash kernel and
+    the C one alike). With these, the three families measure 0, 0 and 2.9e-4, and one layer's scales
+    off by 1% measure 1.0e-2 to 0.32, two layers' weights exchanged 0.9-1.6."""
     tm = tiny_model(name)
     q = tm.runner(dtype=torch.bfloat16, quantize="int8")
-    ids = random_ids(24, seed=7)
+    ids = random_ids(24, seed=8)
     got = _logits(q, ids)
     assert _dequantize_in_place(q.model) > 0
     want = _logits(q, ids)

@@ -137,8 +137,9 @@ def test_prefill_attention_matches_the_float64_math(causal, earlier, hq, hkv, d)
     """A prefill chunk's rows over one run, visible or causal with earlier keys (row t sees keys
     0..earlier+t), grouped-query heads, head sizes of one 64-lane block with a 16-lane tail, 16 and
     128; key and value runs with a row stride (views of a pool), keys not a multiple of the kernel's
-    32-key blocks: float32 scores, softmax and P V, within float32 rounding of the float64 reference
-    (torch's flash kernel rounds P to bfloat16: ~1e-3 here)."""
+    32-key blocks: float32 scores and softmax (the log-sum-exp within float32 rounding of the float64
+    reference), P rounded to bfloat16 for P V as torch's flash kernel rounds it: each weight off by at
+    most 2^-9 of itself, so each output by at most 2^-9 max|v| (plus float32 rounding)."""
     t = 37
     g = torch.Generator().manual_seed(hq * d + earlier)
     length = earlier + t if causal else earlier
@@ -148,7 +149,8 @@ def test_prefill_attention_matches_the_float64_math(causal, earlier, hq, hkv, d)
     assert native.prefill_attention_fits(q, k, v)
     out, lse = native.prefill_attention(q, k, v, d**-0.5, causal)
     want, want_lse = reference_partial_attention(q, k, v, d**-0.5, causal)
-    torch.testing.assert_close(out, want, atol=2e-6, rtol=2e-6)
+    bound = 2**-9 * v.float().abs().max().item() + 1e-5
+    assert (out - want).abs().max().item() <= bound
     torch.testing.assert_close(lse, want_lse, atol=2e-6, rtol=2e-6)
 
 

@@ -389,8 +389,9 @@ class NativeBackend(TorchBackend):
         """A prefill chunk's queries over one run in the C kernel where it takes them
         (`native.prefill_attention_fits`: AVX-512 BF16 without AMX tiles, bfloat16 pools): torch's
         flash kernel multiplies bfloat16 through MKL, which on AMD's CPUs runs float32 AVX2 code; the
-        kernel's scores and P V are float32 (closer to the reference than the flash kernel's bfloat16
-        P). Single rows, and anything else, take the torch path."""
+        kernel multiplies bfloat16 pairs (VDPBF16PS) with float32 sums: float32 scores and softmax, P
+        rounded to bfloat16 for P V as the flash kernel rounds it. Single rows, and anything else,
+        take the torch path."""
         if q.shape[0] > 1 and native.prefill_attention_fits(q, k, v):
             return native.prefill_attention(q, k, v, scale, causal)
         return super().run(q, k, v, scale, causal)

@@ -1638,8 +1638,12 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const CtLayer *la
  * A task is one key head and a block of token rows: its G query heads per token (grouped-query
  * attention) are the tile's rows, so each key is packed once for all of them. Per block of
  * PREFILL_KEYS keys: scores by VDPBF16PS over the head dimension's bfloat16 pairs (keys packed so
- * one vector holds 16 keys' pair p), the online softmax in float32, and P V in float32 fused
- * multiply-adds (values widened once per block). */
+ * one vector holds 16 keys' pair p), the online softmax in float32, and P V by VDPBF16PS too: P
+ * rounded to bfloat16 (as torch's flash kernel rounds it; its sum stays float32) and the values
+ * packed in pairs of keys. Float32 P V (four FMAs per query row and key at head size 64) held the
+ * kernel at ~1.5x the flash kernel's time; in pairs it is twice the multiply-adds per instruction:
+ * a 2048-token bfloat16 prefill's attention layers 1.18-1.27 -> 0.67-0.68 s, the prefill 696-738 ->
+ * 1018-1042 tokens/s (2-core Zen 4, alternating processes). */
 #if LINEAR_BF16_PAIRS
 #define PREFILL_ATTENTION 1
 #define PREFILL_KEYS 32
@@ -1684,30 +1688,33 @@ static inline __attribute__((always_inline)) void prefill_scores(const uint32_t 
 }
 
 /* channels e0 .. e0 + 16 REGS of nr <= 4 rows of o (row stride d): o * rescale + sum_c p[c] v[c] over
-   the block's n keys (p 0 where a row does not see the key); REGS constant after inlining */
-static inline __attribute__((always_inline)) void prefill_values_regs(float *o, const float *p, const float *rescale,
-                                                                      const float *vf, int64_t n, int64_t d,
-                                                                      int64_t e0, const int nr, const int regs) {
+   the block's key pairs (p 0 where a row does not see the key): p as bfloat16 pairs pb[i * PAIRS + c2],
+   the values as pairs of keys vp[c2 * d + e]; REGS constant after inlining */
+#define PREFILL_PAIRS (PREFILL_KEYS / 2)
+static inline __attribute__((always_inline)) void prefill_values_regs(float *o, const uint32_t *pb,
+                                                                      const float *rescale, const uint32_t *vp,
+                                                                      int64_t pairs, int64_t d, int64_t e0,
+                                                                      const int nr, const int regs) {
     __m512 acc[4][4];
     for (int i = 0; i < nr; i++) {
         __m512 a = _mm512_set1_ps(rescale[i]);
         for (int u = 0; u < regs; u++) acc[i][u] = _mm512_mul_ps(_mm512_loadu_ps(o + i * d + e0 + 16 * u), a);
     }
-    for (int64_t c = 0; c < n; c++) {
-        __m512 vv[4];
-        for (int u = 0; u < regs; u++) vv[u] = _mm512_loadu_ps(vf + c * d + e0 + 16 * u);
+    for (int64_t c = 0; c < pairs; c++) {
+        __m512bh vv[4];
+        for (int u = 0; u < regs; u++) vv[u] = (__m512bh)_mm512_loadu_si512(vp + c * d + e0 + 16 * u);
         for (int i = 0; i < nr; i++) {
-            __m512 pc = _mm512_set1_ps(p[i * PREFILL_KEYS + c]);
-            for (int u = 0; u < regs; u++) acc[i][u] = _mm512_fmadd_ps(pc, vv[u], acc[i][u]);
+            __m512bh pc = (__m512bh)_mm512_set1_epi32((int)pb[i * PREFILL_PAIRS + c]);
+            for (int u = 0; u < regs; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], vv[u], pc);
         }
     }
     for (int i = 0; i < nr; i++)
         for (int u = 0; u < regs; u++) _mm512_storeu_ps(o + i * d + e0 + 16 * u, acc[i][u]);
 }
 
-static inline void prefill_values(float *o, const float *p, const float *rescale, const float *vf, int64_t n,
-                                  int64_t d, int64_t e0, int64_t nr, int regs) {
-#define PV(NR, REGS) prefill_values_regs(o, p, rescale, vf, n, d, e0, NR, REGS)
+static inline void prefill_values(float *o, const uint32_t *pb, const float *rescale, const uint32_t *vp,
+                                  int64_t pairs, int64_t d, int64_t e0, int64_t nr, int regs) {
+#define PV(NR, REGS) prefill_values_regs(o, pb, rescale, vp, pairs, d, e0, NR, REGS)
     if (regs == 4) {
         switch (nr) { case 4: PV(4, 4); break; case 3: PV(3, 4); break; case 2: PV(2, 4); break; default: PV(1, 4); }
     } else {
@@ -1723,37 +1730,37 @@ typedef struct {
     float scale;
     float *out, *lse;
     /* the run's keys and values, prepared once for every task: per key head and block of PREFILL_KEYS
-       keys, the keys' bfloat16 pairs kp[p * PREFILL_KEYS + c] and the values widened, vf[c * d + e] */
-    uint32_t *kp;
-    float *vf;
+       keys, the keys' bfloat16 pairs kp[p * PREFILL_KEYS + c] and the values of key pairs c2 = c / 2,
+       vp[c2 * d + e] = (v[2 c2][e], v[2 c2 + 1][e]) */
+    uint32_t *kp, *vp;
     int64_t blocks;  /* key blocks per head */
 } PrefillJob;
 
-/* key blocks begin .. end-1 (over heads) of a PrefillJob: keys packed in pairs, values widened, zeros past
-   the run's last key */
+/* key blocks begin .. end-1 (over heads) of a PrefillJob: keys and values packed in pairs, zeros past the
+   run's last key */
 static void prefill_pack(void *ctx, int64_t begin, int64_t end) {
     const PrefillJob *j = ctx;
     int64_t d = j->d, pairs = d / 2;
     for (int64_t b = begin; b < end; b++) {
         int64_t h = b / j->blocks, k0 = (b % j->blocks) * PREFILL_KEYS;
         uint32_t *kp = j->kp + b * pairs * PREFILL_KEYS;
-        float *vf = j->vf + b * PREFILL_KEYS * d;
+        bf16 *vp = (bf16 *)(j->vp + b * PREFILL_PAIRS * d);
         for (int64_t c = 0; c < PREFILL_KEYS; c++) {
             if (k0 + c < j->keys) {
                 const uint32_t *kr = (const uint32_t *)(j->k + (k0 + c) * j->ks + h * d);
                 const bf16 *vr = j->v + (k0 + c) * j->vs + h * d;
                 for (int64_t p = 0; p < pairs; p++) kp[p * PREFILL_KEYS + c] = kr[p];
-                for (int64_t e = 0; e < d; e++) vf[c * d + e] = from_bf16(vr[e]);
+                for (int64_t e = 0; e < d; e++) vp[(c / 2 * d + e) * 2 + c % 2] = vr[e];
             } else {
                 for (int64_t p = 0; p < pairs; p++) kp[p * PREFILL_KEYS + c] = 0;
-                memset(vf + c * d, 0, (size_t)d * sizeof(float));
+                for (int64_t e = 0; e < d; e++) vp[(c / 2 * d + e) * 2 + c % 2] = 0;
             }
         }
     }
 }
 
-static void prefill_task(const PrefillJob *j, int64_t task, float *s, float *o, float *m, float *l,
-                         float *rescale) {
+static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *pb, float *o, float *m,
+                         float *l, float *rescale) {
     int64_t g = j->hq / j->hkv, d = j->d, pairs = d / 2, blocks = (j->t + j->tokens - 1) / j->tokens;
     int64_t h = task / blocks, t0 = (task % blocks) * j->tokens;
     int64_t t1 = t0 + j->tokens < j->t ? t0 + j->tokens : j->t, rows = (t1 - t0) * g;
@@ -1767,7 +1774,7 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, float *o, 
     for (int64_t k0 = 0; k0 < end; k0 += PREFILL_KEYS) {
         int64_t n = end - k0 < PREFILL_KEYS ? end - k0 : PREFILL_KEYS, block = h * j->blocks + k0 / PREFILL_KEYS;
         const uint32_t *kp = j->kp + block * pairs * PREFILL_KEYS;
-        const float *vf = j->vf + block * PREFILL_KEYS * d;
+        const uint32_t *vp = j->vp + block * PREFILL_PAIRS * d;
         for (int64_t r0 = 0; r0 < rows; r0 += 4) { /* scores, four rows per pass over the keys */
             const uint32_t *qr[4];
             for (int64_t i = 0; i < 4 && r0 + i < rows; i++) {
@@ -1786,7 +1793,7 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, float *o, 
             visible = visible > n ? n : (visible < 0 ? 0 : visible);
             float *sr = s + r * PREFILL_KEYS;
             if (visible == 0) { /* (a later token's block; row r saw keys before it) */
-                memset(sr, 0, PREFILL_KEYS * sizeof(float));
+                memset(pb + r * PREFILL_PAIRS, 0, PREFILL_PAIRS * sizeof(uint32_t));
                 rescale[r] = 1.0f;
                 continue;
             }
@@ -1801,16 +1808,17 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, float *o, 
             __m512 shift_top = _mm512_set1_ps(top);
             lo = exp16(_mm512_sub_ps(lo, shift_top));
             hi = exp16(_mm512_sub_ps(hi, shift_top));
-            _mm512_storeu_ps(sr, lo);
-            _mm512_storeu_ps(sr + 16, hi);
+            /* P rounded to bfloat16 for P V (as torch's flash kernel does); its sum l stays float32 */
+            _mm512_storeu_si512(pb + r * PREFILL_PAIRS, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
             m[r] = top;
             l[r] = l[r] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
             rescale[r] = alpha;
         }
         for (int64_t r0 = 0; r0 < rows; r0 += 4) { /* o <- o alpha + P V, four rows per pass over V */
             int64_t nr = rows - r0 < 4 ? rows - r0 : 4, e0 = 0;
-            for (; e0 + 64 <= d; e0 += 64) prefill_values(o + r0 * d, s + r0 * PREFILL_KEYS, rescale + r0, vf, n, d, e0, nr, 4);
-            for (; e0 < d; e0 += 16) prefill_values(o + r0 * d, s + r0 * PREFILL_KEYS, rescale + r0, vf, n, d, e0, nr, 1);
+            const uint32_t *p = pb + r0 * PREFILL_PAIRS;
+            for (; e0 + 64 <= d; e0 += 64) prefill_values(o + r0 * d, p, rescale + r0, vp, (n + 1) / 2, d, e0, nr, 4);
+            for (; e0 < d; e0 += 16) prefill_values(o + r0 * d, p, rescale + r0, vp, (n + 1) / 2, d, e0, nr, 1);
         }
     }
     for (int64_t r = 0; r < rows; r++) {
@@ -1825,11 +1833,13 @@ static void prefill_tasks(void *ctx, int64_t begin, int64_t end) {
     const PrefillJob *j = ctx;
     int64_t rows = j->tokens * (j->hq / j->hkv), d = j->d;
     float *s = malloc((size_t)(rows * PREFILL_KEYS) * sizeof(float));
+    uint32_t *pb = malloc((size_t)(rows * PREFILL_PAIRS) * sizeof(uint32_t));
     float *o = malloc((size_t)(rows * d) * sizeof(float));
     float *m = malloc((size_t)rows * sizeof(float)), *l = malloc((size_t)rows * sizeof(float));
     float *rescale = malloc((size_t)rows * sizeof(float));
-    for (int64_t i = begin; i < end; i++) prefill_task(j, i, s, o, m, l, rescale);
+    for (int64_t i = begin; i < end; i++) prefill_task(j, i, s, pb, o, m, l, rescale);
     free(rescale);
+    free(pb);
     free(s);
     free(o);
     free(m);
@@ -1855,11 +1865,11 @@ void ct_prefill_attention(const void *q, int64_t qs, const void *k, int64_t ks, 
     int64_t blocks = (keys + PREFILL_KEYS - 1) / PREFILL_KEYS;
     PrefillJob job = {q, k, v, qs, ks, vs, t, hq, hkv, d, keys, tokens, causal, scale, out, lse,
                       malloc((size_t)(hkv * blocks * PREFILL_KEYS * d / 2) * sizeof(uint32_t)),
-                      malloc((size_t)(hkv * blocks * PREFILL_KEYS * d) * sizeof(float)), blocks};
+                      malloc((size_t)(hkv * blocks * PREFILL_PAIRS * d) * sizeof(uint32_t)), blocks};
     parallel_for(prefill_pack, &job, hkv * blocks, 4, threads, 0);
     parallel_for(prefill_tasks, &job, hkv * ((t + tokens - 1) / tokens), 1, threads, 0);
     free(job.kp);
-    free(job.vf);
+    free(job.vp);
 #else
     (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)t, (void)hq, (void)hkv, (void)d;
     (void)keys, (void)causal, (void)scale, (void)out, (void)lse, (void)threads;

@@ -518,7 +518,9 @@ def prefill_attention(
     """ops/attention.py `partial_attention`'s contract in the C kernel (where `prefill_attention_fits`):
     q [T, Hq, D] over k, v [L, Hkv, D] -> (out [T, Hq, D], lse [T, Hq]) float32; `causal`: row t sees
     keys 0..L-T+t. Scores and the softmax in float32 (the products of bfloat16 pairs summed by
-    VDPBF16PS), P V in float32; tasks over `threads` threads (default: torch's thread count)."""
+    VDPBF16PS), P V of P rounded to bfloat16 (as torch's flash kernel does) by VDPBF16PS too, each
+    output within 2^-9 max|v| of the float32 one; tasks over `threads` threads (default: torch's
+    thread count)."""
     t, hq, d = q.shape
     out = torch.empty(t, hq, d, dtype=torch.float32)
     lse = torch.empty(t, hq, dtype=torch.float32)
