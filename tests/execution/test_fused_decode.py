@@ -143,11 +143,11 @@ def test_switching_the_kernels_off_takes_the_module_path(tiny_model, fused_calls
 def test_packed_bfloat16_linears_take_the_c_kernel_where_it_has_bfloat16_dot_products(
         tiny_model, fused_calls, monkeypatch):
     """Where oneDNN has bfloat16 kernels the linears are prepacked for it; where the C kernel has the
-    CPU's bfloat16 dot products as well (AVX-512 BF16, AMX), products of up to PACKED_NATIVE_MAX_ROWS
-    rows run in C on the plain weight (the packed one, unpacked: the same values), wider ones in
-    oneDNN, and a decode step of up to that many rows takes the fused step, to the bit of the
-    per-module path; a wider one does not. With
-    COTHINK_BF16_DECODE=0 the linears stay oneDNN's."""
+    CPU's bfloat16 dot products as well (AVX-512 BF16, AMX), products of up to a limit run in C on
+    a copy of the weight (the packed one, unpacked: the same values; in pairs where `bf16_pairs`,
+    then up to NATIVE_MAX_ROWS rows, else plain, up to PACKED_NATIVE_MAX_ROWS), wider ones in oneDNN,
+    and a decode step of up to that many rows takes the fused step, to the bit of the per-module
+    path; a wider one does not. With COTHINK_BF16_DECODE=0 the linears stay oneDNN's."""
     from cothink.execution.native_modules import (
         NATIVE_MAX_ROWS,
         PACKED_NATIVE_MAX_ROWS,
@@ -166,15 +166,18 @@ def test_packed_bfloat16_linears_take_the_c_kernel_where_it_has_bfloat16_dot_pro
     linears = [m for m in fused.model.modules() if isinstance(m, packing.FastLinear)]
     assert linears and all(isinstance(m, NativePackedLinear) for m in linears)
     lin = linears[0]
-    assert torch.equal(lin.operands()[0], lin.packed.to_dense())
+    pairs = native.bf16_pairs()
+    limit = NATIVE_MAX_ROWS if pairs else PACKED_NATIVE_MAX_ROWS
+    dense = lin.packed.to_dense()
+    assert torch.equal(lin.operands()[0], native.pack_pairs(dense) if pairs else dense)
     x = torch.randn(NATIVE_MAX_ROWS + 1, lin.in_features).to(torch.bfloat16)
-    small = x[:PACKED_NATIVE_MAX_ROWS]
+    small = x[:limit]
     assert torch.equal(lin(small), native.linear(small, *lin.operands()[::2]))
-    wider = x[: PACKED_NATIVE_MAX_ROWS + 1]
+    wider = x[: limit + 1]
     assert torch.equal(lin(wider), packing.PackedLinear.forward(lin, wider))  # oneDNN's product
-    assert torch.equal(lin(x), packing.PackedLinear.forward(lin, x))
-    assert fused.fused_decode is not None and fused.fused_decode.weights == torch.bfloat16
-    assert fused.fused_decode.max_rows == PACKED_NATIVE_MAX_ROWS
+    assert fused.fused_decode is not None
+    assert fused.fused_decode.weights == (torch.int32 if pairs else torch.bfloat16)
+    assert fused.fused_decode.max_rows == limit
     modules.fused_decode = None
     got, got_kv = _conversation(fused)
     want, want_kv = _conversation(modules)
@@ -182,11 +185,11 @@ def test_packed_bfloat16_linears_take_the_c_kernel_where_it_has_bfloat16_dot_pro
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
     fused_calls.clear()  # a decode step wider than the C products: the per-module path, oneDNN's
-    blocks = [fused.new_block() for _ in range(PACKED_NATIVE_MAX_ROWS + 1)]
+    blocks = [fused.new_block() for _ in range(limit + 1)]
     fused.step([StepItem(b, ids(2, seed=i)) for i, b in enumerate(blocks)])
     fused.step([StepItem(b, [5], logits="last") for b in blocks])
-    fused.step([StepItem(b, [6], logits="last") for b in blocks[:PACKED_NATIVE_MAX_ROWS]])
-    assert fused_calls == [PACKED_NATIVE_MAX_ROWS]
+    fused.step([StepItem(b, [6], logits="last") for b in blocks[:limit]])
+    assert fused_calls == [limit]
     use_torch_modules(modules.model)
     restored = [m for m in modules.model.modules() if isinstance(m, packing.FastLinear)]
     assert all(type(m) is packing.PackedLinear for m in restored)

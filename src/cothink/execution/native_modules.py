@@ -47,10 +47,12 @@ from cothink.ops import native
 from cothink.ops.gdn import L2NORM_EPS
 
 NATIVE_MAX_ROWS = 32
-# Rows up to which a oneDNN-packed bfloat16 linear takes the C kernel (NativePackedLinear): oneDNN's
-# product is faster beyond. Measured on a 2-core AMD EPYC Zen 4 (SmolLM2's shapes, C / oneDNN time):
-# 0.7-1.2x at 1-2 rows, 0.9-1.3x at 4, 2-5x at 8-32 (32 coroutines' decode fell from 493 to 350
-# tokens/s with 32); up to 4 the fused step around the kernel wins the dispatch back.
+# Rows up to which a oneDNN-packed bfloat16 linear takes the C kernel on its plain weight
+# (NativePackedLinear where the weight is not in pairs: AMX tiles, or an output count not a multiple of
+# PAIR_TILE): oneDNN's product is faster beyond. Measured on a 2-core AMD EPYC Zen 4 (SmolLM2's shapes,
+# C / oneDNN time): 0.7-1.2x at 1-2 rows, 0.9-1.3x at 4, 2-5x at 8-32; up to 4 the fused step around
+# the kernel wins the dispatch back. A weight in pairs (`native.pack_pairs`) takes NATIVE_MAX_ROWS:
+# 30 layers' products of 8 / 32 rows 7.5 / 19.9 ms against oneDNN's 10.6 / 22.1 (native.c WT_BF16P).
 PACKED_NATIVE_MAX_ROWS = 4
 
 
@@ -222,15 +224,22 @@ class NativePackedLinear(NativeLinear, PackedLinear):
     """PackedLinear with its products of up to PACKED_NATIVE_MAX_ROWS rows in the C kernel, where that
     has the CPU's bfloat16 dot products (AVX-512 BF16 pairs or AMX tiles; `native.use_bf16_decode`,
     unless COTHINK_BF16_DECODE=0): no per-call dispatch, so a decode step can take the fused step (SmolLM2
-    bfloat16 decode 1.5x on an AMD EPYC Zen 4, docs/benchmarks.md). It keeps the plain weight beside
+    bfloat16 decode 1.5x on an AMD EPYC Zen 4, docs/benchmarks.md). It keeps the weight beside
     oneDNN's packed one, which wider steps (prefill chunks) still use: the linears' memory twice
-    (docs/runtime.md)."""
+    (docs/runtime.md). Where `native.bf16_pairs` (AVX-512 BF16 without AMX tiles) that copy is in
+    pairs (`native.pack_pairs`) and takes products of up to NATIVE_MAX_ROWS rows, so that steps of
+    many coroutines take the fused step too; else the plain weight, up to PACKED_NATIVE_MAX_ROWS."""
 
     @classmethod
     def of(cls, other: PackedLinear) -> NativePackedLinear:
         layer = super().of(other)
-        layer._w = other.packed.to_dense().contiguous()  # the weight, exactly: a reorder is a copy
-        layer._fit_native(torch.bfloat16, PACKED_NATIVE_MAX_ROWS)
+        weight = other.packed.to_dense().contiguous()  # the weight, exactly: a reorder is a copy
+        if native.bf16_pairs() and weight.shape[0] % native.PAIR_TILE == 0 and weight.shape[1] % 16 == 0:
+            layer._w = native.pack_pairs(weight)
+            layer._fit_native(torch.bfloat16, NATIVE_MAX_ROWS)
+        else:
+            layer._w = weight
+            layer._fit_native(torch.bfloat16, PACKED_NATIVE_MAX_ROWS)
         return layer
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

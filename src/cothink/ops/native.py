@@ -51,14 +51,17 @@ REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
 # COTHINK_BF16_DECODE=0 keeps them on oneDNN (execution/native_modules.py)
 BF16_DECODE = os.environ.get("COTHINK_BF16_DECODE", "1") != "0"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 6
+ABI_VERSION = 7
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-# weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales, and
-# 4-bit groups packed two to a byte (uint8, models/quant4.py) with a scale and offset per group
-WEIGHT_TYPES = {**DTYPES, torch.int8: 2, torch.uint8: 3}
+# weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales,
+# 4-bit groups packed two to a byte (uint8, models/quant4.py) with a scale and offset per group, and
+# bfloat16 in pairs (int32, `pack_pairs`)
+WEIGHT_TYPES = {**DTYPES, torch.int8: 2, torch.uint8: 3, torch.int32: 4}
 # weights per 4-bit group (Q4_GROUP in native.c)
 Q4_GROUP = 32
+# outputs per tile of a weight in pairs (PAIR_TILE in native.c)
+PAIR_TILE = 32
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fPIC", "-shared", "-fopenmp",
           # extra compiler flags (part of the cache key), e.g. -mno-avx512f for the portable kernels on a
           # CPU with AVX-512 (the tests build both)
@@ -327,6 +330,25 @@ def bf16_tiles() -> bool:
     return available() and bool(_library().ct_linear_tiles())
 
 
+def bf16_pairs() -> bool:
+    """Whether `linear` takes bfloat16 weights in pairs (`pack_pairs`): AVX-512 BF16 without AMX tiles
+    (where tiles run the plain layout, it stays on them)."""
+    return bf16_dot() and not bf16_tiles()
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight [N, K] (N a multiple of PAIR_TILE, K of 16) in the layout `linear` reads as
+    bfloat16 pairs: int32 [N, K / 2] holding, per tile of PAIR_TILE outputs, [K / 2][PAIR_TILE] pairs
+    (w[o][2p], w[o][2p + 1]). The same bytes as the weight, reordered: the products read the outputs
+    of a tile along the vector lanes (native.c WT_BF16P)."""
+    n, k = weight.shape
+    if weight.dtype != torch.bfloat16 or n % PAIR_TILE or k % 16:
+        raise ValueError(f"pack_pairs: a bfloat16 [N, K] weight with N % {PAIR_TILE} == 0 and K % 16 == 0, "
+                         f"not {tuple(weight.shape)} {weight.dtype}")
+    tiles = weight.reshape(n // PAIR_TILE, PAIR_TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return tiles.view(torch.int32).reshape(n, k // 2)
+
+
 def bf16_dot() -> bool:
     """Whether `linear`'s bfloat16 products use the CPU's bfloat16 dot products (AVX-512 BF16 pairs, or
     AMX tiles: `bf16_tiles`): then, for a few rows, they are faster than oneDNN's (no per-call
@@ -542,12 +564,15 @@ def linear(
     bfloat16 and each output is its sum times the scale rounded to bfloat16, as torch's int8 kernel
     (`_weight_int8pack_mm`) computes it, before the bias (of x's dtype); or 4-bit, uint8 [N, K / 2]
     with float32 `scale` [N, K / 32, 2] (models/quant4.py `Int4Weights`): the product with the
-    dequantized weight within float32 rounding, rounded to x's dtype once, after the bias.
+    dequantized weight within float32 rounding, rounded to x's dtype once, after the bias; or a
+    bfloat16 weight in pairs (int32 [N, K / 2] from `pack_pairs`, x bfloat16, where `bf16_pairs`).
     `float_out`: the result as float32, equal to `linear(...).float()` without the widening pass."""
     m, k = x.shape
     n = weight.shape[0]
-    packed = 2 if weight.dtype == torch.uint8 else 1  # weights per stored element
-    if weight.dtype == torch.int8:
+    packed = 2 if weight.dtype in (torch.uint8, torch.int32) else 1  # weights per stored element
+    if weight.dtype == torch.int32:
+        kind_fits = scale is None and x.dtype == torch.bfloat16 and n % PAIR_TILE == 0 and bf16_pairs()
+    elif weight.dtype == torch.int8:
         kind_fits = scale is not None and scale.dtype == torch.bfloat16 and scale.shape == (n,)
     elif weight.dtype == torch.uint8:
         kind_fits = (scale is not None and scale.dtype == torch.float32 and k % Q4_GROUP == 0
@@ -571,7 +596,15 @@ def linear(
 def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor | None = None) -> bool:
     """Whether `linear` takes this weight and bias: contiguous, K % 16 == 0, of a kernel dtype (the
     bias too), or int8 with a contiguous bfloat16 `scale` per row, or 4-bit (uint8 [N, K / 2]) with
-    contiguous float32 group scales and offsets [N, K / 32, 2] (the bias then of a kernel dtype)."""
+    contiguous float32 group scales and offsets [N, K / 32, 2] (the bias then of a kernel dtype), or a
+    bfloat16 weight in pairs (int32 from `pack_pairs`, where `bf16_pairs`; the bias bfloat16)."""
+    if weight.dtype == torch.int32:
+        return (
+            scale is None and weight.device.type == "cpu" and bf16_pairs() and weight.dim() == 2
+            and weight.is_contiguous() and weight.shape[0] % PAIR_TILE == 0
+            and (2 * weight.shape[1]) % 16 == 0
+            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+        )
     if scale is None:
         kind_fits = supports(weight) and (bias is None or bias.dtype == weight.dtype)
     elif weight.dtype == torch.uint8:
