@@ -261,6 +261,36 @@ def test_int8_linear_is_the_scaled_product_of_the_rounded_input(dtype, k):
         native.linear(x, q, b.to(torch.float32 if dtype == torch.bfloat16 else torch.bfloat16), scale=scale)
 
 
+@pytest.mark.skipif(not native.bf16_pairs(), reason="int8 pairs: CPUs with AVX-512 BF16 and no AMX tiles")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_pairs_are_the_int8_product(dtype):
+    """An int8 weight in pairs (`pack_pairs`: int16, the same bytes in tiles of PAIR_TILE outputs,
+    widened to bfloat16 pairs per tile in C): the int8 product's definition (x rounded to bfloat16,
+    the float32 sum times the scale rounded to bfloat16, the bias) within its bounds, at row counts
+    up to and past NATIVE_MAX_ROWS; every row the same to the bit alone as in the batch."""
+    g = torch.Generator().manual_seed(9)
+    k = 144
+    q = torch.randint(-127, 128, (2 * native.PAIR_TILE, k), generator=g, dtype=torch.int8)
+    scale = (torch.rand(q.shape[0], generator=g) / 50).to(torch.bfloat16)
+    b = torch.randn(q.shape[0], generator=g).to(dtype)
+    pairs = native.pack_pairs(q)
+    assert pairs.dtype == torch.int16 and pairs.shape == (q.shape[0], k // 2)
+    assert torch.equal(pairs.view(torch.int8).reshape(2, k // 2, native.PAIR_TILE, 2)[1, 3, 5],
+                       q[native.PAIR_TILE + 5, 6:8])
+    assert native.linear_fits(pairs, b, scale) and not native.linear_fits(pairs, b, None)
+    for rows in (1, 9, 32, 33):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        for bias in (None, b):
+            got = native.linear(x, pairs, bias, scale=scale)
+            prod = F.linear(x.to(torch.bfloat16).double(), q.double()) * scale.double()
+            ref = prod.to(torch.bfloat16).to(dtype).double() + (0 if bias is None else bias.double())
+            assert got.dtype == dtype
+            assert ((got.double() - ref).abs() <= prod.abs() * 2**-7 + ref.abs() * 2**-8 + 1e-5).all()
+            assert torch.equal(native.linear(x[-1:], pairs, bias, scale=scale), got[-1:])
+    with pytest.raises(ValueError, match="does not fit"):
+        native.linear(x, pairs, None)  # int8 pairs without their scales
+
+
 def _probe(env: dict[str, str]) -> str:
     code = (
         "import torch; from cothink.ops import native\n"

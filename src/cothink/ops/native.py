@@ -56,8 +56,10 @@ SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales,
 # 4-bit groups packed two to a byte (uint8, models/quant4.py) with a scale and offset per group, and
-# bfloat16 in pairs (int32, `pack_pairs`)
-WEIGHT_TYPES = {**DTYPES, torch.int8: 2, torch.uint8: 3, torch.int32: 4}
+# bfloat16 or int8 in pairs (int32 or int16, `pack_pairs`)
+WEIGHT_TYPES = {**DTYPES, torch.int8: 2, torch.uint8: 3, torch.int32: 4, torch.int16: 5}
+# a weight's dtype -> the dtype of its pairs (`pack_pairs`)
+PAIRS_OF = {torch.bfloat16: torch.int32, torch.int8: torch.int16}
 # weights per 4-bit group (Q4_GROUP in native.c)
 Q4_GROUP = 32
 # outputs per tile of a weight in pairs (PAIR_TILE in native.c)
@@ -337,16 +339,17 @@ def bf16_pairs() -> bool:
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """A bfloat16 weight [N, K] (N a multiple of PAIR_TILE, K of 16) in the layout `linear` reads as
-    bfloat16 pairs: int32 [N, K / 2] holding, per tile of PAIR_TILE outputs, [K / 2][PAIR_TILE] pairs
-    (w[o][2p], w[o][2p + 1]). The same bytes as the weight, reordered: the products read the outputs
-    of a tile along the vector lanes (native.c WT_BF16P)."""
+    """A bfloat16 or int8 weight [N, K] (N a multiple of PAIR_TILE, K of 16) in the layout `linear`
+    reads as pairs: int32 (bfloat16 pairs) or int16 (int8 pairs) [N, K / 2] holding, per tile of
+    PAIR_TILE outputs, [K / 2][PAIR_TILE] pairs (w[o][2p], w[o][2p + 1]). The same bytes as the weight,
+    reordered: the products read the outputs of a tile along the vector lanes (native.c WT_BF16P,
+    WT_INT8P)."""
     n, k = weight.shape
-    if weight.dtype != torch.bfloat16 or n % PAIR_TILE or k % 16:
-        raise ValueError(f"pack_pairs: a bfloat16 [N, K] weight with N % {PAIR_TILE} == 0 and K % 16 == 0, "
-                         f"not {tuple(weight.shape)} {weight.dtype}")
+    if weight.dtype not in PAIRS_OF or n % PAIR_TILE or k % 16:
+        raise ValueError(f"pack_pairs: a bfloat16 or int8 [N, K] weight with N % {PAIR_TILE} == 0 and "
+                         f"K % 16 == 0, not {tuple(weight.shape)} {weight.dtype}")
     tiles = weight.reshape(n // PAIR_TILE, PAIR_TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
-    return tiles.view(torch.int32).reshape(n, k // 2)
+    return tiles.view(PAIRS_OF[weight.dtype]).reshape(n, k // 2)
 
 
 def bf16_dot() -> bool:
@@ -565,13 +568,17 @@ def linear(
     (`_weight_int8pack_mm`) computes it, before the bias (of x's dtype); or 4-bit, uint8 [N, K / 2]
     with float32 `scale` [N, K / 32, 2] (models/quant4.py `Int4Weights`): the product with the
     dequantized weight within float32 rounding, rounded to x's dtype once, after the bias; or a
-    bfloat16 weight in pairs (int32 [N, K / 2] from `pack_pairs`, x bfloat16, where `bf16_pairs`).
+    bfloat16 weight in pairs (int32 [N, K / 2] from `pack_pairs`, x bfloat16, where `bf16_pairs`), or an
+    int8 one (int16 [N, K / 2], with its scale: the int8 product above, to the bit at any M).
     `float_out`: the result as float32, equal to `linear(...).float()` without the widening pass."""
     m, k = x.shape
     n = weight.shape[0]
-    packed = 2 if weight.dtype in (torch.uint8, torch.int32) else 1  # weights per stored element
+    packed = 2 if weight.dtype in (torch.uint8, *PAIRS_OF.values()) else 1  # weights per stored element
     if weight.dtype == torch.int32:
         kind_fits = scale is None and x.dtype == torch.bfloat16 and n % PAIR_TILE == 0 and bf16_pairs()
+    elif weight.dtype == torch.int16:
+        kind_fits = (scale is not None and scale.dtype == torch.bfloat16 and scale.shape == (n,)
+                     and n % PAIR_TILE == 0 and bf16_pairs())
     elif weight.dtype == torch.int8:
         kind_fits = scale is not None and scale.dtype == torch.bfloat16 and scale.shape == (n,)
     elif weight.dtype == torch.uint8:
@@ -597,13 +604,18 @@ def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Te
     """Whether `linear` takes this weight and bias: contiguous, K % 16 == 0, of a kernel dtype (the
     bias too), or int8 with a contiguous bfloat16 `scale` per row, or 4-bit (uint8 [N, K / 2]) with
     contiguous float32 group scales and offsets [N, K / 32, 2] (the bias then of a kernel dtype), or a
-    bfloat16 weight in pairs (int32 from `pack_pairs`, where `bf16_pairs`; the bias bfloat16)."""
-    if weight.dtype == torch.int32:
+    weight in pairs (`pack_pairs`, where `bf16_pairs`): bfloat16 (int32; the bias bfloat16) or int8
+    (int16, with its scale as for int8)."""
+    if weight.dtype in (torch.int32, torch.int16):
+        int8 = weight.dtype == torch.int16
+        bias_dtypes = DTYPES if int8 else (torch.bfloat16,)
         return (
-            scale is None and weight.device.type == "cpu" and bf16_pairs() and weight.dim() == 2
-            and weight.is_contiguous() and weight.shape[0] % PAIR_TILE == 0
-            and (2 * weight.shape[1]) % 16 == 0
-            and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+            weight.device.type == "cpu" and bf16_pairs() and weight.dim() == 2 and weight.is_contiguous()
+            and weight.shape[0] % PAIR_TILE == 0 and (2 * weight.shape[1]) % 16 == 0
+            and (scale is None if not int8 else (
+                scale is not None and scale.dtype == torch.bfloat16 and scale.is_contiguous()
+                and scale.shape == weight.shape[:1]))
+            and (bias is None or (bias.is_contiguous() and bias.dtype in bias_dtypes))
         )
     if scale is None:
         kind_fits = supports(weight) and (bias is None or bias.dtype == weight.dtype)
