@@ -234,6 +234,18 @@ def test_bfloat16_pairs_are_the_float32_product_rounded_once(k):
         native.pack_pairs(w[:40])  # not whole tiles
 
 
+def _assert_int8_product(x, weight, q, scale, bias) -> None:
+    """`native.linear` of `weight` (q itself, or q in pairs) is the int8 product's definition: x rounded
+    to bfloat16, the float32 sum times the scale rounded to bfloat16, then the bias in x's dtype
+    (within float32 summation and one rounding); the last row alone the same to the bit."""
+    got = native.linear(x, weight, bias, scale=scale)
+    prod = F.linear(x.to(torch.bfloat16).double(), q.double()) * scale.double()
+    ref = prod.to(torch.bfloat16).to(x.dtype).double() + (0 if bias is None else bias.double())
+    assert got.dtype == x.dtype
+    assert ((got.double() - ref).abs() <= prod.abs() * 2**-7 + ref.abs() * 2**-8 + 1e-5).all()
+    assert torch.equal(native.linear(x[-1:], weight, bias, scale=scale), got[-1:])
+
+
 @pytest.mark.parametrize("k", [48, 144, 128])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_int8_linear_is_the_scaled_product_of_the_rounded_input(dtype, k):
@@ -247,12 +259,7 @@ def test_int8_linear_is_the_scaled_product_of_the_rounded_input(dtype, k):
     x = torch.randn(17, k, generator=g).to(dtype)
     assert native.linear_fits(q, b, scale) and not native.linear_fits(q, b, scale.float())
     for bias in (None, b):
-        got = native.linear(x, q, bias, scale=scale)
-        prod = F.linear(x.to(torch.bfloat16).double(), q.double()) * scale.double()
-        ref = prod.to(torch.bfloat16).to(dtype).double() + (0 if bias is None else bias.double())
-        assert got.dtype == dtype
-        assert ((got.double() - ref).abs() <= prod.abs() * 2**-7 + ref.abs() * 2**-8 + 1e-5).all()
-        assert torch.equal(native.linear(x[-1:], q, bias, scale=scale), got[-1:])
+        _assert_int8_product(x, q, q, scale, bias)
     with pytest.raises(ValueError, match="does not fit"):
         native.linear(x, q, None)  # int8 without its scales
     with pytest.raises(ValueError, match="does not fit"):
@@ -281,12 +288,7 @@ def test_int8_pairs_are_the_int8_product(dtype):
     for rows in (1, 9, 32, 33):
         x = torch.randn(rows, k, generator=g).to(dtype)
         for bias in (None, b):
-            got = native.linear(x, pairs, bias, scale=scale)
-            prod = F.linear(x.to(torch.bfloat16).double(), q.double()) * scale.double()
-            ref = prod.to(torch.bfloat16).to(dtype).double() + (0 if bias is None else bias.double())
-            assert got.dtype == dtype
-            assert ((got.double() - ref).abs() <= prod.abs() * 2**-7 + ref.abs() * 2**-8 + 1e-5).all()
-            assert torch.equal(native.linear(x[-1:], pairs, bias, scale=scale), got[-1:])
+            _assert_int8_product(x, pairs, q, scale, bias)
     with pytest.raises(ValueError, match="does not fit"):
         native.linear(x, pairs, None)  # int8 pairs without their scales
 

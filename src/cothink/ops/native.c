@@ -1133,23 +1133,20 @@ static inline __attribute__((always_inline)) void linear_group_bf16(const bf16 *
  * m = 1 8.6 / 10.3 / 10.4, 8 7.5 / 18.0 / 10.6, 32 19.9 / 44.2 / 22.1. Each output's lane sums its
  * pairs p = 0 .. k/2 - 1 in order: a row's result is the same whatever the other rows. */
 #define PAIR_TILE 32
-/* 16 bfloat16 widened exactly; float32 rounded to bfloat16 (nearest even) and back */
-static inline __m512 widen_bf16x16(const bf16 *p) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-static inline __m512 round_bf16x16(__m512 v) {
+/* float32 rounded to bfloat16 (nearest even) and back (widen16: the attention's, above) */
+static inline __m512 round16(__m512 v) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
 }
 
 /* The 16-output half h of a tile's result row: the sum (times the int8 scale, rounded to bfloat16),
    + the bias (x's dtype), stored in the model dtype bf (or float32 holding the rounded value, y_f32) */
 static inline void pairs_out(__m512 v, const bf16 *scale, const void *bias, void *y, int bf, int y_f32) {
-    if (scale) v = round_bf16x16(_mm512_mul_ps(v, widen_bf16x16(scale)));
-    if (bias) v = _mm512_add_ps(v, bf ? widen_bf16x16(bias) : _mm512_loadu_ps(bias));
+    if (scale) v = round16(_mm512_mul_ps(v, widen16(scale)));
+    if (bias) v = _mm512_add_ps(v, bf ? widen16(bias) : _mm512_loadu_ps(bias));
     if (!bf)
         _mm512_storeu_ps(y, v);
     else if (y_f32)
-        _mm512_storeu_ps(y, round_bf16x16(v));
+        _mm512_storeu_ps(y, round16(v));
     else
         _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(v));
 }
