@@ -221,7 +221,7 @@ class NativeCpuLinear(NativeLinear, CpuLinear):
 
 
 class NativePackedLinear(NativeLinear, PackedLinear):
-    """PackedLinear with its products of up to PACKED_NATIVE_MAX_ROWS rows in the C kernel, where that
+    """PackedLinear with its products of a few rows in the C kernel (limits below), where that
     has the CPU's bfloat16 dot products (AVX-512 BF16 pairs or AMX tiles; `native.use_bf16_decode`,
     unless COTHINK_BF16_DECODE=0): no per-call dispatch, so a decode step can take the fused step (SmolLM2
     bfloat16 decode 1.5x on an AMD EPYC Zen 4, docs/benchmarks.md). It keeps the weight beside
