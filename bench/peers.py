@@ -349,8 +349,11 @@ class Runner:
 
 
 def measure(runner: Runner, work: Workload) -> Figures:
-    runner.decode(work.decode_prompt, 2)  # warm-ups: a short generation, the shortest prefill
-    runner.prefill(work.prefill[min(work.prefill)])
+    # warm-ups: a short generation, the longest prefill (its chunks also take cothink's one-thread
+    # trial of their step width, execution/threads.py: once per width in an engine's life, a
+    # 512-token chunk on one thread, which would otherwise land in the first measured 2048 prefill)
+    runner.decode(work.decode_prompt, 2)
+    runner.prefill(work.prefill[max(work.prefill)])
     ids, seconds = runner.decode(work.decode_prompt, work.decode_tokens)
     figures = Figures(weights=runner.weights, decode_ids=ids, decode_tok_s=len(ids) / seconds,
                       notes=list(getattr(runner, "notes", [])))
