@@ -234,7 +234,7 @@ class NativePackedLinear(NativeLinear, PackedLinear):
     def of(cls, other: PackedLinear) -> NativePackedLinear:
         layer = super().of(other)
         weight = other.packed.to_dense().contiguous()  # the weight, exactly: a reorder is a copy
-        if native.bf16_pairs() and weight.shape[0] % native.PAIR_TILE == 0 and weight.shape[1] % 16 == 0:
+        if native.takes_pairs(weight):
             layer._w = native.pack_pairs(weight)
             layer._fit_native(torch.bfloat16, NATIVE_MAX_ROWS)
         else:
@@ -271,9 +271,8 @@ class NativeInt8Linear(NativeLinear, Int8Linear):
         the same sums, each tile widened to bfloat16 pairs once for all the step's rows: 32
         coroutines about twice as fast as on the plain int8 kernel, which reads the inputs once per
         output), the int8 weight itself staying for torch's wider products (the int8 weights twice)."""
-        w = self.weight_int8
-        if native.bf16_pairs() and w.shape[0] % native.PAIR_TILE == 0 and w.shape[1] % 16 == 0:
-            self._pairs = native.pack_pairs(w)
+        if native.takes_pairs(self.weight_int8):
+            self._pairs = native.pack_pairs(self.weight_int8)
         self._fit_native(None if self.bias is None else self.bias.dtype)  # C reads the bias in x's dtype
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:

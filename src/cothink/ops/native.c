@@ -677,6 +677,11 @@ static inline __attribute__((always_inline)) void dot_pairs(const bf16 *q, const
     }
 }
 
+/* the first n of 16 lanes (none for n <= 0, all for n >= 16) */
+static inline __mmask16 lanes_below(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : (n <= 0 ? 0 : (__mmask16)((1u << n) - 1u));
+}
+
 /* 16 bfloat16 widened exactly */
 static inline __m512 widen16(const bf16 *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
@@ -729,14 +734,14 @@ static inline void attend_chunk_bf16(const bf16 *qb, const char *const *k, const
         /* the online softmax on 16 lanes: the chunk's max, p = exp(s - max) (0 past c), their sum */
         __m512 top16 = _mm512_set1_ps(m[j]), sum16 = _mm512_setzero_ps();
         for (x = 0; x < c; x += 16) {
-            __mmask16 in = c - x >= 16 ? 0xFFFF : (__mmask16)((1u << (c - x)) - 1u);
+            __mmask16 in = lanes_below(c - x);
             top16 = _mm512_mask_max_ps(top16, in, top16, _mm512_maskz_loadu_ps(in, sj + x));
         }
         float top = _mm512_reduce_max_ps(top16);
         float rescale = fast_exp(m[j] - top); /* 0 on the first pass (m = -inf) */
         m[j] = top;
         for (x = 0; x < c; x += 16) {
-            __mmask16 in = c - x >= 16 ? 0xFFFF : (__mmask16)((1u << (c - x)) - 1u);
+            __mmask16 in = lanes_below(c - x);
             __m512 p = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + x), _mm512_set1_ps(top))));
             _mm512_storeu_ps(sj + x, p);
             sum16 = _mm512_add_ps(sum16, p);
@@ -1133,22 +1138,31 @@ static inline __attribute__((always_inline)) void linear_group_bf16(const bf16 *
  * m = 1 8.6 / 10.3 / 10.4, 8 7.5 / 18.0 / 10.6, 32 19.9 / 44.2 / 22.1. Each output's lane sums its
  * pairs p = 0 .. k/2 - 1 in order: a row's result is the same whatever the other rows. */
 #define PAIR_TILE 32
-/* float32 rounded to bfloat16 (nearest even) and back (widen16: the attention's, above) */
-static inline __m512 round16(__m512 v) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+/* 16 float32 rounded to bfloat16 as to_bf16 rounds each (nearest even, NaN quiet), as the bit patterns of
+ * the bfloat16 values widened back to float32 */
+static inline __m512i round_bf16x16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
+    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
 }
 
-/* The 16-output half h of a tile's result row: the sum (times the int8 scale, rounded to bfloat16),
-   + the bias (x's dtype), stored in the model dtype bf (or float32 holding the rounded value, y_f32) */
-static inline void pairs_out(__m512 v, const bf16 *scale, const void *bias, void *y, int bf, int y_f32) {
-    if (scale) v = round16(_mm512_mul_ps(v, widen16(scale)));
+/* 16 outputs of a tile's result row (pairs, AMX): the float32 sums (times the int8 scale, rounded to
+   bfloat16), + the bias (x's dtype), stored in the model dtype bf (or float32 holding the rounded
+   values, y_f32): linear_out's arithmetic, 16 outputs at a time (widen16: the attention's, above) */
+static inline void tile_out(__m512 v, const bf16 *scale, const void *bias, void *y, int bf, int y_f32) {
+    if (scale) v = _mm512_castsi512_ps(round_bf16x16(_mm512_mul_ps(v, widen16(scale))));
     if (bias) v = _mm512_add_ps(v, bf ? widen16(bias) : _mm512_loadu_ps(bias));
-    if (!bf)
+    if (!bf) {
         _mm512_storeu_ps(y, v);
-    else if (y_f32)
-        _mm512_storeu_ps(y, round16(v));
+        return;
+    }
+    __m512i r = round_bf16x16(v);
+    if (y_f32)
+        _mm512_storeu_si512(y, r);
     else
-        _mm256_storeu_si256((__m256i *)y, (__m256i)_mm512_cvtneps_pbh(v));
+        _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
 
 /* 16 outputs' int8 pairs (32 bytes, in order) widened to bfloat16 pairs (exact: |q| <= 127) */
@@ -1191,8 +1205,8 @@ static inline __attribute__((always_inline)) void pairs_tile(const void *wt, con
     int64_t size = bf ? 2 : 4, y_size = bf && !y_f32 ? 2 : 4;
     for (int i = 0; i < nr; i++) {
         char *yi = (char *)y + i * ys * y_size;
-        pairs_out(a0[i], scale, bias, yi, bf, y_f32);
-        pairs_out(a1[i], scale ? scale + 16 : NULL, bias ? (const char *)bias + 16 * size : NULL, yi + 16 * y_size,
+        tile_out(a0[i], scale, bias, yi, bf, y_f32);
+        tile_out(a1[i], scale ? scale + 16 : NULL, bias ? (const char *)bias + 16 * size : NULL, yi + 16 * y_size,
                   bf, y_f32);
     }
 }
@@ -1227,12 +1241,10 @@ static void linear_rows_pairs(const bf16 *xb, const void *w, int wt_kind, const 
     }
     int i8 = wt_kind == WT_INT8P && m <= LINEAR_GROUP; /* widened as read */
     for (int64_t r = begin; r < end; r += PAIR_TILE) {
-        const void *wt = (const uint32_t *)w + r * k / 2;
+        const void *wt = (const char *)w + r * weight_row_bytes(wt_kind, k);
         if (wt_kind == WT_INT8P && !i8) {
-            widen_tile_i8((const int8_t *)w + r * k, k / 2, widened);
+            widen_tile_i8(wt, k / 2, widened);
             wt = widened;
-        } else if (i8) {
-            wt = (const int8_t *)w + r * k;
         }
         const bf16 *sc = scale ? scale + r : NULL;
         const void *b = bias ? (const char *)bias + r * size : NULL;
@@ -1385,32 +1397,16 @@ static void pack_pairs(const bf16 *x, int64_t m, int64_t k, bf16 *out) {
     }
 }
 
-/* 16 float32 rounded to bfloat16 as to_bf16 rounds each (nearest even, NaN quiet), as the bit patterns of
- * the bfloat16 values widened back to float32 */
-static inline __m512i round_bf16x16(__m512 v) {
-    __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
-                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), one)));
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc00000));
-    return _mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u));
-}
-
 /* One tile of results, 16 outputs (r0..) x 16 rows of x (i0..): bias, one rounding to bfloat16, into
- * y [m, n] (y_f32: float32 holding the rounded values); linear_out's arithmetic, 16 outputs at a time. */
+ * y [m, n] (y_f32: float32 holding the rounded values), by tile_out. */
 static void amx_out(const float *t, int64_t r0, int64_t i0, int64_t m, const void *bias, void *y, int64_t ys,
                     int y_f32) {
     float col[16];
-    __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-                          _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const bf16 *)bias + r0))), 16))
-                    : _mm512_setzero_ps();
+    const bf16 *b = bias ? (const bf16 *)bias + r0 : NULL;
     for (int64_t c = 0; c < 16 && i0 + c < m; c++) {
         for (int a = 0; a < 16; a++) col[a] = t[a * 16 + c];
-        __m512i r = round_bf16x16(_mm512_add_ps(_mm512_loadu_ps(col), b));
-        if (y_f32)
-            _mm512_storeu_si512((float *)y + (i0 + c) * ys + r0, r);
-        else
-            _mm256_storeu_si256((__m256i *)((bf16 *)y + (i0 + c) * ys + r0),
-                                _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+        void *yc = y_f32 ? (void *)((float *)y + (i0 + c) * ys + r0) : (void *)((bf16 *)y + (i0 + c) * ys + r0);
+        tile_out(_mm512_loadu_ps(col), NULL, b, yc, 1, y_f32);
     }
 }
 
@@ -1555,6 +1551,12 @@ typedef struct {
  * weight rows are read from memory once, the groups after the first find them in cache. */
 static void linear_rows(void *ctx, int64_t begin, int64_t end) {
     const LinearJob *j = ctx;
+#if LINEAR_BF16_PAIRS
+    if (j->wt == WT_BF16P || j->wt == WT_INT8P) { /* whole tiles of PAIR_TILE outputs */
+        linear_rows_pairs(j->x, j->w, j->wt, j->scale, j->bias, j->y, j->ys, j->m, j->k, begin, end, j->bf, j->y_f32);
+        return;
+    }
+#endif
     int64_t size = j->bf ? 2 : 4, n = end - begin, k = j->k, groups = k / Q4_GROUP;
     int64_t x_size = LINEAR_X_BF16(j->wt, j->bf) ? 2 : 4, y_size = j->y_f32 ? 4 : size;
     const void *w = (const char *)j->w + begin * weight_row_bytes(j->wt, k);
@@ -1563,12 +1565,6 @@ static void linear_rows(void *ctx, int64_t begin, int64_t end) {
                       : j->wt == WT_Q4 ? (const void *)((const float *)j->scale + begin * groups * 2)
                                        : (const void *)((const bf16 *)j->scale + begin);
     const void *bias = j->bias ? (const char *)j->bias + begin * size : NULL;
-#if LINEAR_BF16_PAIRS
-    if (j->wt == WT_BF16P || j->wt == WT_INT8P) {
-        linear_rows_pairs(j->x, j->w, j->wt, j->scale, j->bias, j->y, j->ys, j->m, k, begin, end, j->bf, j->y_f32);
-        return;
-    }
-#endif
 #if LINEAR_AMX
     if (j->xp) { /* whole tiles of 16 outputs on AMX, what is left below */
         int64_t tiled = (n / 16) * 16;
@@ -2075,8 +2071,7 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
                 rescale[r] = 1.0f;
                 continue;
             }
-            __mmask16 in_lo = visible >= 16 ? 0xFFFF : (__mmask16)((1u << visible) - 1u);
-            __mmask16 in_hi = visible >= 32 ? 0xFFFF : (visible > 16 ? (__mmask16)((1u << (visible - 16)) - 1u) : 0);
+            __mmask16 in_lo = lanes_below(visible), in_hi = lanes_below(visible - 16);
             __m512 scale = _mm512_set1_ps(j->scale), hidden = _mm512_set1_ps(-INFINITY);
             __m512 lo = _mm512_mask_mul_ps(hidden, in_lo, _mm512_loadu_ps(sr), scale);
             __m512 hi = _mm512_mask_mul_ps(hidden, in_hi, _mm512_loadu_ps(sr + 16), scale);

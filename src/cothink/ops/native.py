@@ -338,6 +338,13 @@ def bf16_pairs() -> bool:
     return bf16_dot() and not bf16_tiles()
 
 
+def takes_pairs(weight: torch.Tensor) -> bool:
+    """Whether `linear` runs this weight in pairs here: `bf16_pairs`, and a bfloat16 or int8 [N, K]
+    weight that `pack_pairs` takes (N a multiple of PAIR_TILE, K of 16)."""
+    return (bf16_pairs() and weight.dtype in PAIRS_OF and weight.dim() == 2
+            and weight.shape[0] % PAIR_TILE == 0 and weight.shape[1] % 16 == 0)
+
+
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     """A bfloat16 or int8 weight [N, K] (N a multiple of PAIR_TILE, K of 16) in the layout `linear`
     reads as pairs: int32 (bfloat16 pairs) or int16 (int8 pairs) [N, K / 2] holding, per tile of
