@@ -78,15 +78,16 @@ def test_fused_decode_is_the_per_module_path_to_the_bit(
     tiny_model, fused_calls, c_linears, name, dtype, quantize, threads
 ):
     """llama3 adds biases on every projection and tied embeddings; int8 weights (with row scales; in
-    pairs where `native.bf16_pairs`) and 4-bit weights (group scales and offsets) take the same C
-    kernel as in the module path. On 2
+    pairs where `native.bf16_pairs`) and 4-bit weights (group scales and offsets; in pairs for bfloat16
+    activations there) take the same C kernel as in the module path. On 2
     threads the C kernels split their products and attention over them (and torch's prefill matmuls
     run on both)."""
     fused = tiny_model(name).runner(dtype=dtype, quantize=quantize)
     modules = tiny_model(name).runner(dtype=dtype, quantize=quantize)
     assert fused.fused_decode is not None
     int8 = torch.int16 if native.bf16_pairs() else torch.int8  # int8 in pairs where they run
-    storage = {None: dtype, "int8": int8, "int4": torch.uint8}[quantize]
+    int4 = torch.uint16 if native.bf16_pairs() and dtype == torch.bfloat16 else torch.uint8  # 4-bit pairs
+    storage = {None: dtype, "int8": int8, "int4": int4}[quantize]
     assert fused.fused_decode.weights == storage
     modules.fused_decode = None
     before = torch.get_num_threads()

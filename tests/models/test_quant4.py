@@ -1,6 +1,7 @@
 """Weight-only 4-bit weights (models/quant4.py): GGUF's Q4_0 / Q4_1 / Q4_K tensors dequantize exactly as
-the gguf package does, the C kernel stays within the documented float32 bound of the reference
-product (independent of the thread count and of the batch), and a tiny model stays close to bfloat16."""
+the gguf package does, the C kernel (and its layout in pairs) stays within the documented float32 bound of the
+reference product (independent of the thread count and of the batch), and a tiny model stays close to
+bfloat16."""
 
 from __future__ import annotations
 
@@ -123,6 +124,66 @@ def test_kernel_within_bound_of_the_reference_for_any_threads_and_batch(dtype):
     finally:
         torch.set_num_threads(before)
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+needs_pairs = pytest.mark.skipif(not native.bf16_pairs(), reason="AVX-512 BF16, no AMX tiles")
+
+
+@needs_pairs
+def test_4bit_pairs_stay_within_the_bound_for_any_threads_and_batch():
+    """A 4-bit weight in pairs (`pack_q4_pairs`: the same codes and scales, in tiles of PAIR_TILE outputs)
+    under bfloat16 rows: within the documented bound of the reference, each row's result the same in any
+    batch (up to 8 rows the codes widen as read, beyond through a widened tile) and on any thread count."""
+    torch.manual_seed(1)
+    n, k = 96, 320
+    weights = Int4Weights.quantize(torch.randn(n, k))
+    pairs, scales = native.pack_q4_pairs(weights.packed, weights.scale)
+    assert pairs.dtype == torch.uint16 and pairs.shape == (n, k // 4) and scales.shape == (3, 10, 2, 32)
+    # tile 1, group 3, pair 5, byte 7: outputs 32 + 3 (low nibble) and 32 + 16 + 3 (high), input 96 + 10 + 1
+    byte = int(pairs.view(torch.uint8).view(3, 10, 16, 32)[1, 3, 5, 7])
+    codes = weights.codes()
+    assert (byte & 15, byte >> 4) == (int(codes[35, 107]), int(codes[51, 107]))
+    assert torch.equal(scales[1, 3, :, 5], weights.scale[37, 3])
+    bias = torch.randn(n).bfloat16()
+    assert native.linear_fits(pairs, bias, scales) and native.linear_fits(pairs, None, scales)
+    assert not native.linear_fits(pairs, bias.float(), scales)  # C reads the bias in x's dtype: bfloat16
+    assert not native.linear_fits(pairs, bias, weights.scale)
+    x = torch.randn(33, k).bfloat16()
+    exact = torch.nn.functional.linear(x.float(), weights.dequantize(), bias.float())
+    got = native.linear(x, pairs, bias, scale=scales, float_out=True)
+    assert ((got - exact).abs() <= _bound(x, weights) + exact.abs() * 2.0**-8).all()
+    for m in (1, 5, 8, 9, 32, 33):
+        rows = [native.linear(x[i : i + 1], pairs, bias, scale=scales) for i in range(m)]
+        assert torch.equal(torch.cat(rows), native.linear(x[:m], pairs, bias, scale=scales))
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(native.linear(x, pairs, bias, scale=scales))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    with pytest.raises(ValueError, match="does not fit"):
+        native.linear(x.float(), pairs, None, scale=scales)  # pairs take bfloat16 rows only
+    with pytest.raises(ValueError, match="pack_q4_pairs"):
+        native.pack_q4_pairs(weights.packed[:40], weights.scale[:40])  # not whole tiles
+
+
+@needs_pairs
+def test_native_4bit_linear_takes_pairs_for_bfloat16_activations():
+    """The native module reads the weight in pairs where the model's activations are bfloat16 (given at
+    the swap), the packed weight otherwise; rows of the other dtype take the torch path."""
+    torch.manual_seed(3)
+    plain = Int4Linear(torch.randn(64, 96), None)
+    pairs, packed = NativeInt4Linear.of(plain, torch.bfloat16), NativeInt4Linear.of(plain, torch.float32)
+    assert pairs.operands()[0].dtype == torch.uint16 and pairs.native_rows > 0
+    assert packed.operands()[0] is plain.weight_packed and packed.takes_dtype(torch.float32)
+    assert not pairs.takes_dtype(torch.float32) and pairs.weight_packed is plain.weight_packed
+    x = torch.randn(5, 96)
+    ref = reference_linear(x.bfloat16(), plain.weights, None).float()
+    assert ((pairs(x.bfloat16()).float() - ref).abs() <= ref.abs() * 2.0**-7).all()
+    torch.testing.assert_close(pairs(x), packed(x), rtol=1e-5, atol=1e-5)  # float32: the torch path
 
 
 @needs_native

@@ -104,9 +104,9 @@ class FusedDecode:
             return None
         dtype = layers[0].input_layernorm.weight.dtype  # the activations'
         storage = {m.operands()[0].dtype for m in linears}
-        # model-dtype, int8, 4-bit (uint8: two codes per byte), bfloat16 pairs (int32) or int8 pairs
-        # (int16) weights: one kind for every layer
-        kinds = ({dtype}, {torch.int8}, {torch.uint8}, {torch.int32}, {torch.int16})
+        # model-dtype, int8, 4-bit (uint8: two codes per byte), bfloat16 pairs (int32), int8 pairs (int16)
+        # or 4-bit pairs (uint16) weights: one kind for every layer
+        kinds = ({dtype}, {torch.int8}, {torch.uint8}, {torch.int32}, {torch.int16}, {torch.uint16})
         if storage not in kinds or not all(m.takes_dtype(dtype) for m in linears):
             return None
         params = [_layer_params(layer) for layer in layers]

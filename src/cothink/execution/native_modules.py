@@ -289,19 +289,34 @@ class NativeInt4Linear(NativeLinear, Int4Linear):
     """Int4Linear with its products of up to NATIVE_MAX_ROWS rows in the C kernel (the dequantized
     product within float32 rounding, models/quant4.py; bias included, rounded once)."""
 
+    _pairs: tuple[torch.Tensor, torch.Tensor] | None = None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight, bias)
-        # the C kernel reads the bias in x's dtype
-        self._fit_native(None if self.bias is None else self.bias.dtype)
+        self._fit(None)
 
     @classmethod
-    def of(cls, other: Int4Linear) -> NativeInt4Linear:
+    def of(cls, other: Int4Linear, activations: torch.dtype | None = None) -> NativeInt4Linear:
+        """A native layer holding `other`'s weights; `activations`: the model dtype, where known."""
         layer = super().of(other)
-        layer._fit_native(None if layer.bias is None else layer.bias.dtype)
+        layer._fit(activations)
         return layer
 
+    def _fit(self, activations: torch.dtype | None) -> None:
+        """For bfloat16 activations where `native.bf16_pairs`, the C kernel reads a copy of the weight in
+        pairs (`pack_q4_pairs`: tiles of outputs along the lanes, no horizontal sums; 32 coroutines about
+        twice as fast), the packed weight itself staying for the dequantized GEMM of wider products (the
+        4-bit weights twice). Else the packed weight, for either dtype."""
+        if activations == torch.bfloat16 and native.takes_pairs(self.weight_packed) and (
+                self.bias is None or self.bias.dtype == torch.bfloat16):
+            self._pairs = native.pack_q4_pairs(self.weight_packed, self.weight_scale)
+            self._fit_native(torch.bfloat16)
+        else:  # the C kernel reads the bias in x's dtype
+            self._fit_native(None if self.bias is None else self.bias.dtype)
+
     def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        return self.weight_packed, self.weight_scale, self.bias
+        weight, scale = (self.weight_packed, self.weight_scale) if self._pairs is None else self._pairs
+        return weight, scale, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -352,6 +367,8 @@ def use_native_modules(model: CausalLM) -> None:
     The eager modules stay as they are."""
     if model.fused:
         makers = {plain: _MAKE[plain](fast) for plain, fast in _NATIVE.items()}
+        dtype = model.model.norm.weight.dtype  # the activations'
+        makers[Int4Linear] = lambda lin: NativeInt4Linear.of(lin, dtype)  # 4-bit pairs take bfloat16 only
         if native.use_bf16_decode():  # oneDNN's bfloat16 products: the C kernel's for decode-sized steps too
             makers[PackedLinear] = NativePackedLinear.of
         _replace(model, makers)

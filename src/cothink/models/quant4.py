@@ -39,7 +39,12 @@ output before the rounding to the activations' dtype:
     |y - y_ref| <= 2^-18 sum_g sum_j |x_j| (|scale_g| q_j + |offset_g|)
 
 (about a fortieth of it on random data), so a bfloat16 result is the reference's or one bfloat16 step
-from it. Wider inputs (prefill chunks), and every input without the C kernels, dequantize the weight
+from it. For a bfloat16 model where `native.bf16_pairs` (AVX-512 BF16 without AMX tiles), the native
+module reads a copy of the weight reordered in tiles of 32 outputs (`native.pack_q4_pairs`, native.c
+WT_Q4P): the same per-group regrouping with each output along a vector lane (no horizontal sums, a
+group's offsets on vectors too), within the same bound, one fixed order per output; the packed weight
+stays for the wider products, so those 4-bit weights are held twice (SmolLM2 +76 MiB). Wider inputs
+(prefill chunks), and every input without the C kernels, dequantize the weight
 (`native.q4_dequant`, the reference's values to the bit) and run a GEMM. Float32 activations, or a
 CPU without bfloat16 arithmetic: float32 slabs and float32 GEMMs (models/packing.py
 `widened_matmul`), the reference's product up to the order of float32 sums. Bfloat16 activations on

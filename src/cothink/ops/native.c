@@ -31,7 +31,7 @@
 
 /* The version of this library's interface (the ct_* signatures and the tables they read), raised with
  * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
-#define CT_ABI_VERSION 7
+#define CT_ABI_VERSION 8
 
 int ct_abi_version(void) { return CT_ABI_VERSION; }
 
@@ -901,10 +901,11 @@ void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int6
 
 /* Weight storage of ct_linear: the model dtype (x's: float32 or bfloat16), int8 with a bfloat16
  * scale per output row (weight-only quantization, models/quantize.py), 4-bit groups (WT_Q4, below;
- * models/quant4.py), or bfloat16 in pairs (WT_BF16P, below: where the CPU has AVX-512 BF16). */
-enum { WT_F32 = 0, WT_BF16 = 1, WT_INT8 = 2, WT_Q4 = 3, WT_BF16P = 4, WT_INT8P = 5 };
+ * models/quant4.py), or in pairs (where the CPU has AVX-512 BF16, below): bfloat16 (WT_BF16P), int8
+ * (WT_INT8P) or 4-bit (WT_Q4P). */
+enum { WT_F32 = 0, WT_BF16 = 1, WT_INT8 = 2, WT_Q4 = 3, WT_BF16P = 4, WT_INT8P = 5, WT_Q4P = 6 };
 
-/* bytes of one weight row of k elements (WT_BF16P, WT_INT8P: of PAIR_TILE rows, per row) */
+/* bytes of one weight row of k elements (WT_BF16P, WT_INT8P, WT_Q4P: of PAIR_TILE rows, per row) */
 static inline int64_t weight_row_bytes(int wt, int64_t k) {
     return wt == WT_F32 ? 4 * k
          : (wt == WT_BF16 || wt == WT_BF16P ? 2 * k : (wt == WT_INT8 || wt == WT_INT8P ? k : k / 2));
@@ -1218,42 +1219,142 @@ static inline __attribute__((always_inline)) void pairs_tile(const void *wt, con
  * step of one group of rows widens the pairs as it reads them; a wider one widens the tile once into
  * a scratch for all its groups (the same values): measured on a 2-core Zen 4, SmolLM2 int8, 32
  * coroutines 208-292 -> 509-562 tokens/s against the plain int8 kernel. */
-static void widen_tile_i8(const int8_t *wt, int64_t pairs, uint32_t *out) {
-    for (int64_t p = 0; p < pairs; p++)
-        for (int h = 0; h < 2; h++) /* outputs 16h .. 16h + 15: 32 bytes, in order */
-            _mm512_storeu_si512(out + p * PAIR_TILE + 16 * h,
-                                (__m512i)widen_pairs_i8(wt + p * 2 * PAIR_TILE + 32 * h));
+/* The codes 0..15 as bfloat16 (exact), a table for VPERMW (entries 16..31 unused) */
+static const uint16_t Q4_BF16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                     0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
+
+/* WT_Q4P: 4-bit weights (WT_Q4's codes, scales and offsets, below) in tiles of PAIR_TILE outputs, for
+ * bfloat16 x (native.py `pack_q4_pairs`). Tile t holds per group g of Q4_GROUP inputs 16 pairs of 32
+ * bytes: byte j of pair p holds in its low nibble the code of output j / 2 at input Q4_GROUP g + 2p + j % 2
+ * and in its high nibble that of output 16 + j / 2, so that one byte-to-word widening, a mask and a
+ * shift give two vectors of code pairs along the lanes, and VPERMW on Q4_BF16 makes them bfloat16 pairs
+ * (exact). The tile's scales are [k / Q4_GROUP][2][PAIR_TILE]: per group the outputs' scales, then their
+ * offsets. Per group d = x_g . q_g by VDPBF16PS (exact products, float32 sums in pair order), then per
+ * output acc += d scale_g and, apart, off += offset_g sum(x_g); the result acc + off: WT_Q4's regrouping,
+ * within the bound models/quant4.py states, one fixed order per output whatever the rows. Where WT_Q4 sums
+ * 16 lanes per output and row and adds each group's offset in scalar code, this is a GEMM tile: no
+ * horizontal sums. Measured on a 2-core Zen 4 over 30 SmolLM2 layers' products (ms per step of m rows,
+ * this / WT_Q4): m = 1 4.9 / 5.5, 8 7.6 / 14.3, 32 24.0 / 54.8 (int8 pairs 6.2, 7.6, 25.5). */
+
+/* one pair of a WT_Q4P tile (32 bytes) as outputs 0-15 and 16-31's bfloat16 code pairs */
+static inline void widen_pairs_q4(const uint8_t *b, __m512i table, __m512bh *w0, __m512bh *w1) {
+    __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)b));
+    *w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x0f)), table);
+    *w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(c, 4), table);
 }
 
-/* tiles of outputs begin .. end-1 (multiples of PAIR_TILE) of a WT_BF16P or WT_INT8P weight (with its
-   scale) for every group of LINEAR_GROUP rows of xb [m, k] bfloat16; y and the bias of the model dtype
-   bf (y_f32: y float32 holding the rounded values) */
-static void linear_rows_pairs(const bf16 *xb, const void *w, int wt_kind, const bf16 *scale, const void *bias,
-                              void *y, int64_t ys, int64_t m, int64_t k, int64_t begin, int64_t end, int bf,
-                              int y_f32) {
-    static __thread uint32_t *widened; /* a tile of int8 weights as bfloat16 pairs */
+/* A WT_Q4P tile's products for NR rows (constant after inlining): the codes widened as read, or (WIDE, a
+   constant) the tile already widened to bfloat16 pairs ([k / 2][PAIR_TILE], `widen_tile`), the same values */
+static inline __attribute__((always_inline)) void q4_pairs_tile(const void *wt, const float *sm, const bf16 *x,
+                                                                 const float *xsum, int64_t k, const void *bias,
+                                                                 void *y, int64_t ys, int y_f32, const int nr,
+                                                                 const int wide) {
+    const __m512i table = _mm512_loadu_si512(Q4_BF16);
+    __m512 a0[LINEAR_GROUP], a1[LINEAR_GROUP], d0[LINEAR_GROUP], d1[LINEAR_GROUP];
+    for (int i = 0; i < nr; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    const uint32_t *xr = (const uint32_t *)x;
+    int64_t pairs = k / 2, groups = k / Q4_GROUP;
+    for (int64_t g = 0; g < groups; g++) {
+        for (int i = 0; i < nr; i++) d0[i] = d1[i] = _mm512_setzero_ps();
+        for (int64_t p = g * (Q4_GROUP / 2); p < (g + 1) * (Q4_GROUP / 2); p++) {
+            __m512bh w0, w1;
+            if (wide) {
+                const uint32_t *b = (const uint32_t *)wt + p * PAIR_TILE;
+                w0 = (__m512bh)_mm512_loadu_si512(b);
+                w1 = (__m512bh)_mm512_loadu_si512(b + 16);
+            } else {
+                const uint8_t *b = (const uint8_t *)wt + p * PAIR_TILE;
+                if (p % 2 == 0) __builtin_prefetch(b + LINEAR_PREFETCH);
+                widen_pairs_q4(b, table, &w0, &w1);
+            }
+            for (int i = 0; i < nr; i++) {
+                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[i * pairs + p]);
+                d0[i] = _mm512_dpbf16_ps(d0[i], w0, xb);
+                d1[i] = _mm512_dpbf16_ps(d1[i], w1, xb);
+            }
+        }
+        const float *s = sm + g * 2 * PAIR_TILE;
+        if (!wide) __builtin_prefetch(s + LINEAR_PREFETCH / 2);
+        __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+        for (int i = 0; i < nr; i++) {
+            a0[i] = _mm512_fmadd_ps(d0[i], s0, a0[i]);
+            a1[i] = _mm512_fmadd_ps(d1[i], s1, a1[i]);
+        }
+    }
+    /* the offsets' sums, after (the tile's scales in cache): fewer registers live in the loop above */
+    for (int i = 0; i < nr; i++) d0[i] = d1[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 f0 = _mm512_loadu_ps(sm + g * 2 * PAIR_TILE + 32), f1 = _mm512_loadu_ps(sm + g * 2 * PAIR_TILE + 48);
+        for (int i = 0; i < nr; i++) {
+            __m512 xs = _mm512_set1_ps(xsum[i * groups + g]);
+            d0[i] = _mm512_fmadd_ps(f0, xs, d0[i]);
+            d1[i] = _mm512_fmadd_ps(f1, xs, d1[i]);
+        }
+    }
+    int64_t y_size = y_f32 ? 4 : 2;
+    for (int i = 0; i < nr; i++) {
+        char *yi = (char *)y + i * ys * y_size;
+        tile_out(_mm512_add_ps(a0[i], d0[i]), NULL, bias, yi, 1, y_f32);
+        tile_out(_mm512_add_ps(a1[i], d1[i]), NULL, bias ? (const bf16 *)bias + 16 : NULL, yi + 16 * y_size, 1,
+                 y_f32);
+    }
+}
+
+/* A WT_INT8P or WT_Q4P tile widened to bfloat16 pairs, [pairs][PAIR_TILE]: the values the products widen
+   as they read */
+static void widen_tile(const void *wt, int wt_kind, int64_t pairs, uint32_t *out) {
+    const __m512i table = _mm512_loadu_si512(Q4_BF16);
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh w0, w1;
+        if (wt_kind == WT_Q4P) {
+            widen_pairs_q4((const uint8_t *)wt + p * PAIR_TILE, table, &w0, &w1);
+        } else { /* outputs 0-15, then 16-31: 32 bytes each, in order */
+            w0 = widen_pairs_i8((const int8_t *)wt + p * 2 * PAIR_TILE);
+            w1 = widen_pairs_i8((const int8_t *)wt + p * 2 * PAIR_TILE + 32);
+        }
+        _mm512_storeu_si512(out + p * PAIR_TILE, (__m512i)w0);
+        _mm512_storeu_si512(out + p * PAIR_TILE + 16, (__m512i)w1);
+    }
+}
+
+/* tiles of outputs begin .. end-1 (multiples of PAIR_TILE) of a WT_BF16P, WT_INT8P or WT_Q4P weight (with
+   its scale; 4-bit: and xsum, the rows' group sums) for every group of rows of xb [m, k] bfloat16; y and
+   the bias of the model dtype bf (y_f32: y float32 holding the rounded values). int8 and 4-bit: a step
+   of one group of rows widens the pairs as it reads them; a wider one widens each tile once into a
+   scratch for all its groups (the same values). */
+static void linear_rows_pairs(const bf16 *xb, const float *xsum, const void *w, int wt_kind, const void *scale,
+                              const void *bias, void *y, int64_t ys, int64_t m, int64_t k, int64_t begin,
+                              int64_t end, int bf, int y_f32) {
+    static __thread uint32_t *widened; /* a tile of int8 or 4-bit weights as bfloat16 pairs */
     static __thread int64_t widened_k;
-    int64_t size = bf ? 2 : 4, y_size = bf && !y_f32 ? 2 : 4;
-    if (wt_kind == WT_INT8P && m > LINEAR_GROUP && widened_k < k) {
+    int q4 = wt_kind == WT_Q4P;
+    int64_t size = bf ? 2 : 4, y_size = bf && !y_f32 ? 2 : 4, groups = k / Q4_GROUP;
+    int as_read = wt_kind != WT_BF16P && m <= LINEAR_GROUP, scratch = wt_kind != WT_BF16P && !as_read;
+    if (scratch && widened_k < k) {
         free(widened);
         widened = malloc((size_t)(k / 2 * PAIR_TILE) * sizeof(uint32_t));
         widened_k = k;
     }
-    int i8 = wt_kind == WT_INT8P && m <= LINEAR_GROUP; /* widened as read */
     for (int64_t r = begin; r < end; r += PAIR_TILE) {
         const void *wt = (const char *)w + r * weight_row_bytes(wt_kind, k);
-        if (wt_kind == WT_INT8P && !i8) {
-            widen_tile_i8(wt, k / 2, widened);
+        if (scratch) {
+            widen_tile(wt, wt_kind, k / 2, widened);
             wt = widened;
         }
-        const bf16 *sc = scale ? scale + r : NULL;
+        const void *sc = !scale ? NULL : q4 ? (const void *)((const float *)scale + r * groups * 2)
+                                            : (const void *)((const bf16 *)scale + r);
         const void *b = bias ? (const char *)bias + r * size : NULL;
         for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
             const bf16 *x = xb + i0 * k;
+            const float *xs = q4 ? xsum + i0 * groups : NULL;
             void *yi = (char *)y + (i0 * ys + r) * y_size;
 #define PAIRS_CASE(M)                                                                    \
     case M:                                                                              \
-        if (i8)                                                                          \
+        if (q4 && as_read)                                                               \
+            q4_pairs_tile(wt, sc, x, xs, k, b, yi, ys, y_f32, M, 0);                     \
+        else if (q4)                                                                     \
+            q4_pairs_tile(wt, sc, x, xs, k, b, yi, ys, y_f32, M, 1);                     \
+        else if (as_read)                                                                \
             pairs_tile(wt, x, k, sc, b, yi, ys, bf, y_f32, M, 1);                        \
         else                                                                             \
             pairs_tile(wt, x, k, sc, b, yi, ys, bf, y_f32, M, 0);                        \
@@ -1266,12 +1367,6 @@ static void linear_rows_pairs(const bf16 *xb, const void *w, int wt_kind, const 
         }
     }
 }
-#endif
-
-#if LINEAR_BF16_PAIRS
-/* The codes 0..15 as bfloat16 (exact), a table for VPERMW (entries 16..31 unused) */
-static const uint16_t Q4_BF16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-                                     0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
 #endif
 
 /* linear_group_q4 with 16-lane fused multiply-adds: per group d = x . q over 16 lanes, then
@@ -1520,8 +1615,9 @@ int ct_linear_bf16_dot(void) { return LINEAR_BF16_PAIRS; }
 #define LINEAR_CASE_BF16(M) LINEAR_GROUP_W(xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_BF16, j->y_f32)
 #endif
 /* whether ct_linear hands its kernel the bfloat16 input rows themselves (else float32 ones) */
-#define LINEAR_X_BF16(wt, bf) \
-    (LINEAR_BF16_PAIRS && ((wt) == WT_BF16 || (wt) == WT_BF16P || (wt) == WT_INT8P || ((wt) == WT_Q4 && (bf))))
+#define LINEAR_X_BF16(wt, bf)                                                                          \
+    (LINEAR_BF16_PAIRS && ((wt) == WT_BF16 || (wt) == WT_BF16P || (wt) == WT_INT8P || (wt) == WT_Q4P || \
+                           ((wt) == WT_Q4 && (bf))))
 #define LINEAR_CASE(M)                                                                                   \
     case M:                                                                                              \
         if (j->wt == WT_Q4 && j->bf) /* bf a constant in each: the group loop holds no branch */          \
@@ -1540,7 +1636,7 @@ int ct_linear_bf16_dot(void) { return LINEAR_BF16_PAIRS; }
 typedef struct {
     const void *x;      /* [m, k] float32 in the kernel's order, or the bfloat16 rows (LINEAR_BF16_PAIRS) */
     const void *xp;     /* the bfloat16 rows packed for AMX (`pack_pairs`), or NULL */
-    const float *xsum;  /* [m, k / Q4_GROUP]: the rows' group sums (WT_Q4 only) */
+    const float *xsum;  /* [m, k / Q4_GROUP]: the rows' group sums (WT_Q4, WT_Q4P only) */
     const void *w, *bias, *scale;
     void *y;
     int64_t ys, m, k;
@@ -1552,8 +1648,9 @@ typedef struct {
 static void linear_rows(void *ctx, int64_t begin, int64_t end) {
     const LinearJob *j = ctx;
 #if LINEAR_BF16_PAIRS
-    if (j->wt == WT_BF16P || j->wt == WT_INT8P) { /* whole tiles of PAIR_TILE outputs */
-        linear_rows_pairs(j->x, j->w, j->wt, j->scale, j->bias, j->y, j->ys, j->m, j->k, begin, end, j->bf, j->y_f32);
+    if (j->wt == WT_BF16P || j->wt == WT_INT8P || j->wt == WT_Q4P) { /* whole tiles of PAIR_TILE outputs */
+        linear_rows_pairs(j->x, j->xsum, j->w, j->wt, j->scale, j->bias, j->y, j->ys, j->m, j->k, begin, end, j->bf,
+                          j->y_f32);
         return;
     }
 #endif
@@ -1600,7 +1697,8 @@ static void linear_rows(void *ctx, int64_t begin, int64_t end) {
  * the bias of the model dtype bf (or y float32 holding the rounded values, y_f32: the logits without
  * a widening pass), w of storage wt (int8: with `scale` [n], and x rounded to bfloat16 first, as
  * torch's int8 kernel takes it; 4-bit: `scale` the groups' [n, k / Q4_GROUP, 2] scales and offsets, x
- * as it is); k a multiple of 16, of Q4_GROUP for 4-bit (Python checks). Float32 sums in a fixed order per
+ * as it is; 4-bit in pairs: [n / PAIR_TILE, k / Q4_GROUP, 2, PAIR_TILE], x bfloat16); k a multiple of 16,
+ * of Q4_GROUP for 4-bit (Python checks). Float32 sums in a fixed order per
  * output, so a row's result does not depend on the others nor on `threads`; bfloat16 results
  * rounded once, after the bias. A decode-sized product is bound by reading the weight: it is read
  * once, whatever m, its rows split over up to `threads` threads. */
@@ -1615,7 +1713,7 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
                 memcpy((bf16 *)xf + i * k, xi, (size_t)k * sizeof(bf16));
             else /* (WT_INT8P of float32 rows: x rounded to bfloat16, as WT_INT8 takes it) */
                 for (int64_t e = 0; e < k; e++) ((bf16 *)xf)[i * k + e] = to_bf16(((const float *)xi)[e]);
-            if (wt == WT_Q4)
+            if (wt == WT_Q4 || wt == WT_Q4P)
                 for (int64_t g = 0; g < groups; g++) {
                     float part[Q4_GROUP];
                     load_row((const bf16 *)xi + g * Q4_GROUP, Q4_GROUP, 1, part);

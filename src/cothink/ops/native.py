@@ -51,13 +51,13 @@ REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
 # COTHINK_BF16_DECODE=0 keeps them on oneDNN (execution/native_modules.py)
 BF16_DECODE = os.environ.get("COTHINK_BF16_DECODE", "1") != "0"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 7
+ABI_VERSION = 8
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales,
 # 4-bit groups packed two to a byte (uint8, models/quant4.py) with a scale and offset per group, and
-# bfloat16 or int8 in pairs (int32 or int16, `pack_pairs`)
-WEIGHT_TYPES = {**DTYPES, torch.int8: 2, torch.uint8: 3, torch.int32: 4, torch.int16: 5}
+# bfloat16 or int8 in pairs (int32 or int16, `pack_pairs`), 4-bit in pairs (uint16, `pack_q4_pairs`)
+WEIGHT_TYPES = {**DTYPES, torch.int8: 2, torch.uint8: 3, torch.int32: 4, torch.int16: 5, torch.uint16: 6}
 # a weight's dtype -> the dtype of its pairs (`pack_pairs`)
 PAIRS_OF = {torch.bfloat16: torch.int32, torch.int8: torch.int16}
 # weights per 4-bit group (Q4_GROUP in native.c)
@@ -340,8 +340,9 @@ def bf16_pairs() -> bool:
 
 def takes_pairs(weight: torch.Tensor) -> bool:
     """Whether `linear` runs this weight in pairs here: `bf16_pairs`, and a bfloat16 or int8 [N, K]
-    weight that `pack_pairs` takes (N a multiple of PAIR_TILE, K of 16)."""
-    return (bf16_pairs() and weight.dtype in PAIRS_OF and weight.dim() == 2
+    weight that `pack_pairs` takes (N a multiple of PAIR_TILE, K of 16), or a 4-bit one (uint8
+    [N, K / 2]) that `pack_q4_pairs` takes (N a multiple of PAIR_TILE, K of Q4_GROUP)."""
+    return (bf16_pairs() and weight.dtype in (*PAIRS_OF, torch.uint8) and weight.dim() == 2
             and weight.shape[0] % PAIR_TILE == 0 and weight.shape[1] % 16 == 0)
 
 
@@ -357,6 +358,30 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
                          f"K % 16 == 0, not {tuple(weight.shape)} {weight.dtype}")
     tiles = weight.reshape(n // PAIR_TILE, PAIR_TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
     return tiles.view(PAIRS_OF[weight.dtype]).reshape(n, k // 2)
+
+
+def pack_q4_pairs(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A 4-bit weight (uint8 [N, K / 2] with float32 scales and offsets [N, K / Q4_GROUP, 2], as `linear`
+    takes it; N a multiple of PAIR_TILE) in the layout `linear` reads as pairs (native.c WT_Q4P): uint16
+    [N, K / 4] holding, per tile of PAIR_TILE outputs and group of Q4_GROUP inputs, 16 pairs of 32 bytes,
+    byte j of pair p holding the code of output j // 2 at input 2p + j % 2 in its low nibble and that of
+    output 16 + j // 2 in its high one; and the scales as [N / PAIR_TILE, K / Q4_GROUP, 2, PAIR_TILE] (per
+    tile and group the outputs' scales, then their offsets). The same codes and scales, reordered."""
+    n, half = weight.shape
+    groups = 2 * half // Q4_GROUP
+    if (weight.dtype != torch.uint8 or n % PAIR_TILE or half % (Q4_GROUP // 2)
+            or scale.dtype != torch.float32 or scale.shape != (n, groups, 2)):
+        raise ValueError(f"pack_q4_pairs: a 4-bit weight [N, K / 2] (N % {PAIR_TILE} == 0) with its scales "
+                         f"[N, K / {Q4_GROUP}, 2], not {tuple(weight.shape)} {weight.dtype} and "
+                         f"{tuple(scale.shape)} {scale.dtype}")
+    bytes_ = weight.view(n, groups, Q4_GROUP // 2)
+    codes = torch.cat([bytes_ & 0x0F, bytes_ >> 4], dim=-1)  # [N, groups, Q4_GROUP], inputs in order
+    # [tiles, half of the tile, output, group, pair, input of the pair] -> [tiles, group, pair, half, byte]
+    tiles = codes.view(n // PAIR_TILE, 2, PAIR_TILE // 2, groups, Q4_GROUP // 2, 2).permute(0, 3, 4, 1, 2, 5)
+    tiles = tiles.reshape(n // PAIR_TILE, groups, Q4_GROUP // 2, 2, PAIR_TILE)
+    packed = (tiles[..., 0, :] | (tiles[..., 1, :] << 4)).contiguous()
+    scales = scale.view(n // PAIR_TILE, PAIR_TILE, groups, 2).permute(0, 2, 3, 1).contiguous()
+    return packed.view(torch.uint16).reshape(n, half // 2), scales
 
 
 def bf16_dot() -> bool:
@@ -577,11 +602,18 @@ def linear(
     dequantized weight within float32 rounding, rounded to x's dtype once, after the bias; or a
     bfloat16 weight in pairs (int32 [N, K / 2] from `pack_pairs`, x bfloat16, where `bf16_pairs`), or an
     int8 one (int16 [N, K / 2], with its scale: the int8 product above, to the bit at any M).
+    A 4-bit weight in pairs (uint16 [N, K / 4] with its scales from `pack_q4_pairs`, x bfloat16, where
+    `bf16_pairs`): the 4-bit product above, to the same bound.
     `float_out`: the result as float32, equal to `linear(...).float()` without the widening pass."""
     m, k = x.shape
     n = weight.shape[0]
-    packed = 2 if weight.dtype in (torch.uint8, *PAIRS_OF.values()) else 1  # weights per stored element
-    if weight.dtype == torch.int32:
+    # weights per stored element
+    packed = {torch.uint16: 4, torch.uint8: 2, **dict.fromkeys(PAIRS_OF.values(), 2)}.get(weight.dtype, 1)
+    if weight.dtype == torch.uint16:
+        kind_fits = (scale is not None and scale.dtype == torch.float32 and x.dtype == torch.bfloat16
+                     and scale.shape == (n // PAIR_TILE, k // Q4_GROUP, 2, PAIR_TILE) and n % PAIR_TILE == 0
+                     and k % Q4_GROUP == 0 and bf16_pairs())
+    elif weight.dtype == torch.int32:
         kind_fits = scale is None and x.dtype == torch.bfloat16 and n % PAIR_TILE == 0 and bf16_pairs()
     elif weight.dtype == torch.int16:
         kind_fits = (scale is not None and scale.dtype == torch.bfloat16 and scale.shape == (n,)
@@ -612,7 +644,17 @@ def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Te
     bias too), or int8 with a contiguous bfloat16 `scale` per row, or 4-bit (uint8 [N, K / 2]) with
     contiguous float32 group scales and offsets [N, K / 32, 2] (the bias then of a kernel dtype), or a
     weight in pairs (`pack_pairs`, where `bf16_pairs`): bfloat16 (int32; the bias bfloat16) or int8
-    (int16, with its scale as for int8)."""
+    (int16, with its scale as for int8) or 4-bit (uint16 with its scales, `pack_q4_pairs`; the bias
+    bfloat16)."""
+    if weight.dtype == torch.uint16:
+        n, k = weight.shape[0], 4 * weight.shape[1] if weight.dim() == 2 else 0
+        return (
+            weight.device.type == "cpu" and bf16_pairs() and weight.dim() == 2 and weight.is_contiguous()
+            and n % PAIR_TILE == 0 and k % Q4_GROUP == 0 and scale is not None
+            and scale.dtype == torch.float32 and scale.is_contiguous()
+            and scale.shape == (n // PAIR_TILE, k // Q4_GROUP, 2, PAIR_TILE)
+            and (bias is None or (bias.is_contiguous() and bias.dtype == torch.bfloat16))
+        )
     if weight.dtype in (torch.int32, torch.int16):
         int8 = weight.dtype == torch.int16
         bias_dtypes = DTYPES if int8 else (torch.bfloat16,)
