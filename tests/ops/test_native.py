@@ -137,7 +137,7 @@ def test_prefill_attention_matches_the_float64_math(causal, earlier, hq, hkv, d)
     """A prefill chunk's rows over one run, visible or causal with earlier keys (row t sees keys
     0..earlier+t), grouped-query heads, head sizes of one 64-lane block with a 16-lane tail, 16 and
     128; key and value runs with a row stride (views of a pool), keys not a multiple of the kernel's
-    32-key blocks: float32 scores and softmax (the log-sum-exp within float32 rounding of the float64
+    64-key blocks: float32 scores and softmax (the log-sum-exp within float32 rounding of the float64
     reference), P rounded to bfloat16 for P V as torch's flash kernel rounds it: each weight off by at
     most 2^-9 of itself, so each output by at most 2^-9 max|v| (plus float32 rounding)."""
     t = 37
