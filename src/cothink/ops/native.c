@@ -31,7 +31,7 @@
 
 /* The version of this library's interface (the ct_* signatures and the tables they read), raised with
  * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
-#define CT_ABI_VERSION 8
+#define CT_ABI_VERSION 9
 
 int ct_abi_version(void) { return CT_ABI_VERSION; }
 
@@ -167,26 +167,33 @@ static inline float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 /* RMSNorm of `rows` rows of x (row stride xs), optionally after adding a residual: s = x + res
  * (rounded to the dtype, written to sum_out), out = norm(s). Llama/Qwen3 scale after the cast
  * (w * dtype(normed)); zero-centred (Qwen3.5) scales in float by (1 + w), then casts. */
-void ct_rms_norm(const void *x, int64_t xs, const void *res, int64_t rs, void *sum_out, const void *w,
-                 void *out, int64_t rows, int64_t dim, float eps, int zero_centred, int bf) {
-    float *s = malloc((size_t)dim * sizeof(float));
-    float *wf = malloc((size_t)dim * sizeof(float));
-    load_row(w, dim, bf, wf);
-    for (int64_t r = 0; r < rows; r++) {
-        const char *xr = (const char *)x + r * xs * (bf ? 2 : 4);
-        load_row(xr, dim, bf, s);
-        if (res) {
-            const char *rr = (const char *)res + r * rs * (bf ? 2 : 4);
+typedef struct {
+    const void *x, *res, *w;
+    void *sum_out, *out;
+    int64_t xs, rs, dim;
+    float eps;
+    int zero_centred, bf;
+} NormJob;
+
+static void norm_rows(void *ctx, int64_t begin, int64_t end) {
+    const NormJob *j = ctx;
+    int64_t dim = j->dim, size = j->bf ? 2 : 4;
+    float *s = malloc((size_t)dim * sizeof(float)), *wf = malloc((size_t)dim * sizeof(float));
+    load_row(j->w, dim, j->bf, wf);
+    for (int64_t r = begin; r < end; r++) {
+        load_row((const char *)j->x + r * j->xs * size, dim, j->bf, s);
+        if (j->res) {
+            const char *rr = (const char *)j->res + r * j->rs * size;
             for (int64_t i = 0; i < dim; i++) {
-                s[i] = rnd(s[i] + load(rr, i, bf), bf);
-                store(sum_out, r * dim + i, s[i], bf);
+                s[i] = rnd(s[i] + load(rr, i, j->bf), j->bf);
+                store(j->sum_out, r * dim + i, s[i], j->bf);
             }
         }
-        float inv = 1.0f / sqrtf((float)(sum_squares(s, dim) / (double)dim) + eps);
+        float inv = 1.0f / sqrtf((float)(sum_squares(s, dim) / (double)dim) + j->eps);
         for (int64_t i = 0; i < dim; i++) {
             float normed = s[i] * inv;
-            float y = zero_centred ? normed * (1.0f + wf[i]) : wf[i] * rnd(normed, bf);
-            store(out, r * dim + i, y, bf);
+            float y = j->zero_centred ? normed * (1.0f + wf[i]) : wf[i] * rnd(normed, j->bf);
+            store(j->out, r * dim + i, y, j->bf);
         }
     }
     free(s);
@@ -195,16 +202,24 @@ void ct_rms_norm(const void *x, int64_t xs, const void *res, int64_t rs, void *s
 
 /* silu(gate) * up for rows of gate_up = [gate | up] (row stride gs, `inter` channels each);
  * silu is rounded to the dtype before the product, as torch computes F.silu(gate) * up. */
-void ct_silu_mul(const void *gate_up, int64_t gs, void *out, int64_t rows, int64_t inter, int bf) {
-    int64_t size = bf ? 2 : 4;
+typedef struct {
+    const void *gate_up;
+    void *out;
+    int64_t gs, inter;
+    int bf;
+} SiluJob;
+
+static void silu_rows(void *ctx, int64_t begin, int64_t end) {
+    const SiluJob *j = ctx;
+    int64_t inter = j->inter, size = j->bf ? 2 : 4;
     float *g = malloc((size_t)inter * sizeof(float)), *u = malloc((size_t)inter * sizeof(float));
-    for (int64_t r = 0; r < rows; r++) {
-        load_row((const char *)gate_up + r * gs * size, inter, bf, g);
-        load_row((const char *)gate_up + (r * gs + inter) * size, inter, bf, u);
+    for (int64_t r = begin; r < end; r++) {
+        load_row((const char *)j->gate_up + r * j->gs * size, inter, j->bf, g);
+        load_row((const char *)j->gate_up + (r * j->gs + inter) * size, inter, j->bf, u);
         for (int64_t i = 0; i < inter; i++) g[i] = g[i] / (1.0f + fast_exp(-g[i]));
-        round_row(g, inter, bf);
+        round_row(g, inter, j->bf);
         for (int64_t i = 0; i < inter; i++) g[i] *= u[i];
-        store_row((char *)out + r * inter * size, g, inter, bf);
+        store_row((char *)j->out + r * inter * size, g, inter, j->bf);
     }
     free(g);
     free(u);
@@ -489,6 +504,32 @@ static void parallel_for(task_fn fn, void *ctx, int64_t tasks, int64_t grain, in
 }
 
 int64_t ct_helper_grains(void) { return atomic_load(&team.helped); }
+
+/* Rows a thread of a norm or SiLU x up claims at a time: a decode step's few rows stay on one thread, a
+ * prefill chunk's split (one row is ~1-3 us; these took ~11% of a 2048-token prefill on one thread) */
+#define ROW_GRAIN 16
+
+static void rms_norm_on(const NormJob *j, int64_t rows, int64_t threads, int own) {
+    parallel_for(norm_rows, (void *)j, rows, ROW_GRAIN, threads, own);
+}
+
+static void silu_mul_on(const SiluJob *j, int64_t rows, int64_t threads, int own) {
+    parallel_for(silu_rows, (void *)j, rows, ROW_GRAIN, threads, own);
+}
+
+/* The norm (norm_rows) of rows over up to `threads` threads of OpenMP's team (a call between torch's
+ * ops), each row whole on one thread: the same result at any thread count. */
+void ct_rms_norm(const void *x, int64_t xs, const void *res, int64_t rs, void *sum_out, const void *w,
+                 void *out, int64_t rows, int64_t dim, float eps, int zero_centred, int bf, int64_t threads) {
+    NormJob j = {x, res, w, sum_out, out, xs, rs, dim, eps, zero_centred, bf};
+    rms_norm_on(&j, rows, threads, 0);
+}
+
+/* silu_rows over up to `threads` threads, as ct_rms_norm */
+void ct_silu_mul(const void *gate_up, int64_t gs, void *out, int64_t rows, int64_t inter, int bf, int64_t threads) {
+    SiluJob j = {gate_up, out, gs, inter, bf};
+    silu_mul_on(&j, rows, threads, 0);
+}
 
 /* Eight float32 lanes (GCC/Clang vector extensions: AVX on x86, NEON pairs on Arm, plain code
  * elsewhere). Loads and stores go through memcpy: nothing needs to be aligned. */
@@ -1783,9 +1824,11 @@ void ct_q4_dequant(const uint8_t *w, const float *sm, void *out, int bf, int64_t
 void ct_head_rms_norm(const void *x, int64_t ts, int64_t hs, const void *w, void *out, int64_t tokens,
                       int64_t heads, int64_t dim, float eps, int zero_centred, int bf) {
     int64_t size = bf ? 2 : 4;
-    for (int64_t t = 0; t < tokens; t++)
-        ct_rms_norm((const char *)x + t * ts * size, hs, NULL, 0, NULL, w, (char *)out + t * heads * dim * size,
-                    heads, dim, eps, zero_centred, bf);
+    for (int64_t t = 0; t < tokens; t++) {
+        NormJob j = {(const char *)x + t * ts * size, NULL, w, NULL, (char *)out + t * heads * dim * size, hs, 0, dim,
+                     eps, zero_centred, bf};
+        norm_rows(&j, 0, heads);
+    }
 }
 
 /* Qwen3.5's attention output gate: out = x * sigmoid(gate) over x [T, heads * dim] (contiguous,
@@ -2004,15 +2047,19 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const CtLayer *la
 #undef ROWS
     for (int64_t l = 0; l < layers; l++) {
         const CtLayer *w = &layer[l];
-        ct_rms_norm(x, hidden, NULL, 0, NULL, w->in_norm, sc.normed, t, hidden, s.eps, s.zero_centred, bf);
+        /* the norms and SiLU x up on the helper team, as the products around them */
+        NormJob in = {x, NULL, w->in_norm, NULL, sc.normed, hidden, 0, hidden, s.eps, s.zero_centred, bf};
+        rms_norm_on(&in, t, threads, 1);
         if (w->kv_slot >= 0)
             attention_mixer(&s, w, keys, &sc);
         else
             gdn_mixer(&s, w, &linear[l], &sc);
-        ct_rms_norm(x, hidden, sc.mixed, hidden, sc.total, w->post_norm, sc.normed, t, hidden, s.eps,
-                    s.zero_centred, bf);
+        NormJob post = {x, sc.mixed, w->post_norm, sc.total, sc.normed, hidden, hidden, hidden, s.eps,
+                        s.zero_centred, bf};
+        rms_norm_on(&post, t, threads, 1);
         layer_linear(&s, &w->gate_up, sc.normed, hidden, sc.gate_up, 2 * s.inter);
-        ct_silu_mul(sc.gate_up, 2 * s.inter, sc.act, t, s.inter, bf);
+        SiluJob act = {sc.gate_up, sc.act, 2 * s.inter, s.inter, bf};
+        silu_mul_on(&act, t, threads, 1);
         layer_linear(&s, &w->down, sc.act, s.inter, sc.down, hidden);
         for (int64_t i = 0; i < t * hidden; i++) store(x, i, load(sc.total, i, bf) + load(sc.down, i, bf), bf);
     }

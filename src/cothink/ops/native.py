@@ -51,7 +51,7 @@ REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
 # COTHINK_BF16_DECODE=0 keeps them on oneDNN (execution/native_modules.py)
 BF16_DECODE = os.environ.get("COTHINK_BF16_DECODE", "1") != "0"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 8
+ABI_VERSION = 9
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales,
@@ -71,8 +71,8 @@ _FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-f
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
-    "ct_rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, ctypes.c_int, ctypes.c_int],
-    "ct_silu_mul": [_P, _I, _P, _I, _I, ctypes.c_int],
+    "ct_rms_norm": [_P, _I, _P, _I, _P, _P, _P, _I, _I, _F, ctypes.c_int, ctypes.c_int, _I],
+    "ct_silu_mul": [_P, _I, _P, _I, _I, ctypes.c_int, _I],
     "ct_gdn_gates": [_P, _P, _I, _P, _P, _P, _P, _I, _I, ctypes.c_int],
     "ct_gated_rms_norm": [_P, _P, _I, _P, _P, _I, _I, _I, _F, ctypes.c_int],
     "ct_gdn_token": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _F, ctypes.c_int],
@@ -421,7 +421,7 @@ def rms_norm(
     res_ptr, res_stride = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
     _library().ct_rms_norm(
         x.data_ptr(), x.stride(0), res_ptr, res_stride, total.data_ptr(), weight.data_ptr(), out.data_ptr(),
-        rows, dim, eps, int(zero_centred), DTYPES[x.dtype],
+        rows, dim, eps, int(zero_centred), DTYPES[x.dtype], torch.get_num_threads(),
     )
     return out, total
 
@@ -457,7 +457,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows, width = gate_up.shape
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
     _library().ct_silu_mul(
-        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, DTYPES[gate_up.dtype]
+        gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, DTYPES[gate_up.dtype],
+        torch.get_num_threads(),
     )
     return out
 
