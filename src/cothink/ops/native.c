@@ -31,7 +31,7 @@
 
 /* The version of this library's interface (the ct_* signatures and the tables they read), raised with
  * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
-#define CT_ABI_VERSION 9
+#define CT_ABI_VERSION 10
 
 int ct_abi_version(void) { return CT_ABI_VERSION; }
 
@@ -1802,21 +1802,37 @@ static inline void put8(void *row, int64_t e, v8 x, int bf) {
         st8((float *)row + e, x);
 }
 
-/* The 4-bit weight rows r0 .. r1-1 (WT_Q4's layout) dequantized into out [r1 - r0, k], float32 (bf 0)
- * or bfloat16 (bf 1): q * scale + offset in float32, the two roundings of the torch reference
- * (models/quant4.py), to the bit; then rounded to bfloat16 where bf. One thread: the caller's (a
- * helper would share a core with torch's spinning OpenMP threads between its GEMMs). */
-void ct_q4_dequant(const uint8_t *w, const float *sm, void *out, int bf, int64_t r0, int64_t r1, int64_t k) {
-    int64_t groups = k / Q4_GROUP;
+typedef struct {
+    const uint8_t *w;
+    const float *sm;
+    void *out;
+    int64_t r0, k;
+    int bf;
+} DequantJob;
+
+static void dequant_rows(void *ctx, int64_t begin, int64_t end) {
+    const DequantJob *j = ctx;
+    int64_t k = j->k, groups = k / Q4_GROUP;
     v8 q[4];
-    for (int64_t r = r0; r < r1; r++) {
-        void *row = (char *)out + (r - r0) * k * (bf ? 2 : 4);
+    for (int64_t r = j->r0 + begin; r < j->r0 + end; r++) {
+        void *row = (char *)j->out + (r - j->r0) * k * (j->bf ? 2 : 4);
         for (int64_t g = 0; g < groups; g++) {
-            const float *s = sm + (r * groups + g) * 2;
-            ld_q4(w + r * (k / 2) + g * 16, q);
-            for (int u = 0; u < 4; u++) put8(row, g * Q4_GROUP + 8 * u, q[u] * s[0] + s[1], bf);
+            const float *s = j->sm + (r * groups + g) * 2;
+            ld_q4(j->w + r * (k / 2) + g * 16, q);
+            for (int u = 0; u < 4; u++) put8(row, g * Q4_GROUP + 8 * u, q[u] * s[0] + s[1], j->bf);
         }
     }
+}
+
+/* The 4-bit weight rows r0 .. r1-1 (WT_Q4's layout) dequantized into out [r1 - r0, k], float32 (bf 0)
+ * or bfloat16 (bf 1): q * scale + offset in float32, the two roundings of the torch reference
+ * (models/quant4.py), to the bit; then rounded to bfloat16 where bf. Over up to `threads` threads of
+ * OpenMP's team, the one the GEMM after it runs on (a 4-bit prefill dequantizes every weight per
+ * chunk: on one thread ~15% of SmolLM2's). */
+void ct_q4_dequant(const uint8_t *w, const float *sm, void *out, int bf, int64_t r0, int64_t r1, int64_t k,
+                   int64_t threads) {
+    DequantJob j = {w, sm, out, r0, k, bf};
+    parallel_for(dequant_rows, &j, r1 - r0, 64, threads, 0);
 }
 
 /* RMSNorm of each head of x [T, heads, dim] (token stride ts, head stride hs; the q/k norms of

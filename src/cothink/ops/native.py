@@ -51,7 +51,7 @@ REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
 # COTHINK_BF16_DECODE=0 keeps them on oneDNN (execution/native_modules.py)
 BF16_DECODE = os.environ.get("COTHINK_BF16_DECODE", "1") != "0"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 9
+ABI_VERSION = 10
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales,
@@ -83,7 +83,7 @@ _SIGNATURES = {
     "ct_head_rms_norm": [_P, _I, _I, _P, _P, _I, _I, _I, _F, ctypes.c_int, ctypes.c_int],
     "ct_sigmoid_gate": [_P, _P, _I, _I, _P, _I, _I, _I, ctypes.c_int],
     "ct_decode_layers": [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int, _I],
-    "ct_q4_dequant": [_P, _P, _P, ctypes.c_int, _I, _I, _I],
+    "ct_q4_dequant": [_P, _P, _P, ctypes.c_int, _I, _I, _I, _I],
     "ct_helper_grains": [],
     "ct_linear_tiles": [],
     "ct_linear_bf16_dot": [],
@@ -700,7 +700,7 @@ def q4_dequant(weight: torch.Tensor, scale: torch.Tensor, rows: slice, out: torc
         raise ValueError(f"q4_dequant: out {tuple(out.shape)} {out.dtype} is not float32 or bfloat16 "
                          f"[{stop - start}, {k}]")
     _library().ct_q4_dequant(weight.data_ptr(), scale.data_ptr(), out.data_ptr(), DTYPES[out.dtype], start,
-                             stop, k)
+                             stop, k, torch.get_num_threads())
 
 
 @dataclass(frozen=True)
