@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from cothink.models.quant4 import Int4Weights
 from cothink.ops import native
 from cothink.ops.attention import reference_merge, reference_partial_attention
 from cothink.ops.rope import Rotary
@@ -350,9 +351,9 @@ def torch_threads():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_results_do_not_depend_on_the_thread_count(dtype, torch_threads):
-    """Weight rows (products) and items (decode attention) split over helper threads: each task is
-    computed whole by one thread in a fixed order, so 1, 2 and 3 threads give the same bits; the
-    helpers do take part."""
+    """Weight rows (products), items (decode attention) and rows (norms, SiLU x up, 4-bit
+    dequantization, on OpenMP's team) split over threads: each task is computed whole by one thread in
+    a fixed order, so 1, 2 and 3 threads give the same bits; the helpers do take part."""
     g = torch.Generator().manual_seed(9)
     w = torch.randn(4096, 64, generator=g).to(dtype)  # 128 grains of weight rows
     x = torch.randn(3, 64, generator=g).to(dtype)
@@ -362,6 +363,10 @@ def test_results_do_not_depend_on_the_thread_count(dtype, torch_threads):
     runs = [[(torch.randperm(64, generator=g)[: 10 + i], *rotary.prepared(torch.tensor([i]), dtype))]
             for i in range(24)]
     plan = native.DecodePlan(list(range(24)), runs)
+    rows, residual = (torch.randn(100, 64, generator=g).to(dtype) for _ in range(2))  # 7 grains of rows
+    norm_weight = torch.randn(64, generator=g).to(dtype)
+    gate_up = torch.randn(100, 128, generator=g).to(dtype)
+    four_bit = Int4Weights.quantize(torch.randn(300, 64, generator=g))
     results = {}
     helped = native.helper_grains()
     for threads in (1, 2, 3):
@@ -370,7 +375,10 @@ def test_results_do_not_depend_on_the_thread_count(dtype, torch_threads):
             y = native.linear(x, w, None)
             out = torch.empty(24, 4, 32)
             native.decode_attention(q, plan, pool_k, pool_v, 32**-0.5, out)
-        results[threads] = (y, out)
+        dequantized = torch.empty(300, 64, dtype=dtype)
+        native.q4_dequant(four_bit.packed, four_bit.scale, slice(0, 300), dequantized)
+        results[threads] = (y, out, *native.rms_norm(rows, norm_weight, 1e-6, False, residual),
+                            native.silu_mul(gate_up), dequantized)
     # helpers take part once the scheduler gives them a core: on a loaded machine the calling thread
     # may take every grain for a while, so keep calling (bounded) until one is seen
     deadline = time.monotonic() + 60
@@ -378,8 +386,7 @@ def test_results_do_not_depend_on_the_thread_count(dtype, torch_threads):
         assert torch.equal(native.linear(x, w, None), results[1][0])
     assert native.helper_grains() > helped
     for threads in (2, 3):
-        assert torch.equal(results[threads][0], results[1][0])
-        assert torch.equal(results[threads][1], results[1][1])
+        assert all(torch.equal(a, b) for a, b in zip(results[threads], results[1]))
 
 
 def test_a_forked_child_runs_the_kernels_without_the_parents_threads(torch_threads):
