@@ -509,26 +509,18 @@ int64_t ct_helper_grains(void) { return atomic_load(&team.helped); }
  * prefill chunk's split (one row is ~1-3 us; these took ~11% of a 2048-token prefill on one thread) */
 #define ROW_GRAIN 16
 
-static void rms_norm_on(const NormJob *j, int64_t rows, int64_t threads, int own) {
-    parallel_for(norm_rows, (void *)j, rows, ROW_GRAIN, threads, own);
-}
-
-static void silu_mul_on(const SiluJob *j, int64_t rows, int64_t threads, int own) {
-    parallel_for(silu_rows, (void *)j, rows, ROW_GRAIN, threads, own);
-}
-
 /* The norm (norm_rows) of rows over up to `threads` threads of OpenMP's team (a call between torch's
  * ops), each row whole on one thread: the same result at any thread count. */
 void ct_rms_norm(const void *x, int64_t xs, const void *res, int64_t rs, void *sum_out, const void *w,
                  void *out, int64_t rows, int64_t dim, float eps, int zero_centred, int bf, int64_t threads) {
     NormJob j = {x, res, w, sum_out, out, xs, rs, dim, eps, zero_centred, bf};
-    rms_norm_on(&j, rows, threads, 0);
+    parallel_for(norm_rows, &j, rows, ROW_GRAIN, threads, 0);
 }
 
 /* silu_rows over up to `threads` threads, as ct_rms_norm */
 void ct_silu_mul(const void *gate_up, int64_t gs, void *out, int64_t rows, int64_t inter, int bf, int64_t threads) {
     SiluJob j = {gate_up, out, gs, inter, bf};
-    silu_mul_on(&j, rows, threads, 0);
+    parallel_for(silu_rows, &j, rows, ROW_GRAIN, threads, 0);
 }
 
 /* Eight float32 lanes (GCC/Clang vector extensions: AVX on x86, NEON pairs on Arm, plain code
@@ -1261,10 +1253,6 @@ static inline __attribute__((always_inline)) void pairs_tile(const void *wt, con
  * step of one group of rows widens the pairs as it reads them; a wider one widens the tile once into
  * a scratch for all its groups (the same values): measured on a 2-core Zen 4, SmolLM2 int8, 32
  * coroutines 208-292 -> 509-562 tokens/s against the plain int8 kernel. */
-/* The codes 0..15 as bfloat16 (exact), a table for VPERMW (entries 16..31 unused) */
-static const uint16_t Q4_BF16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-                                     0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-
 /* WT_Q4P: 4-bit weights (WT_Q4's codes, scales and offsets, below) in tiles of PAIR_TILE outputs, for
  * bfloat16 x (native.py `pack_q4_pairs`). Tile t holds per group g of Q4_GROUP inputs 16 pairs of 32
  * bytes: byte j of pair p holds in its low nibble the code of output j / 2 at input Q4_GROUP g + 2p + j % 2
@@ -1277,6 +1265,10 @@ static const uint16_t Q4_BF16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x4
  * 16 lanes per output and row and adds each group's offset in scalar code, this is a GEMM tile: no
  * horizontal sums. Measured on a 2-core Zen 4 over 30 SmolLM2 layers' products (ms per step of m rows,
  * this / WT_Q4): m = 1 4.9 / 5.5, 8 7.6 / 14.3, 32 24.0 / 54.8 (int8 pairs 6.2, 7.6, 25.5). */
+
+/* The codes 0..15 as bfloat16 (exact), a table for VPERMW (entries 16..31 unused) */
+static const uint16_t Q4_BF16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
+                                     0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
 
 /* one pair of a WT_Q4P tile (32 bytes) as outputs 0-15 and 16-31's bfloat16 code pairs */
 static inline void widen_pairs_q4(const uint8_t *b, __m512i table, __m512bh *w0, __m512bh *w1) {
@@ -1741,8 +1733,8 @@ static void linear_rows(void *ctx, int64_t begin, int64_t end) {
  * a widening pass), w of storage wt (int8: with `scale` [n], and x rounded to bfloat16 first, as
  * torch's int8 kernel takes it; 4-bit: `scale` the groups' [n, k / Q4_GROUP, 2] scales and offsets, x
  * as it is; 4-bit in pairs: [n / PAIR_TILE, k / Q4_GROUP, 2, PAIR_TILE], x bfloat16); k a multiple of 16,
- * of Q4_GROUP for 4-bit (Python checks). Float32 sums in a fixed order per
- * output, so a row's result does not depend on the others nor on `threads`; bfloat16 results
+ * of Q4_GROUP for 4-bit (Python checks). Float32 sums in a fixed order per output, so a row's result
+ * does not depend on the others nor on `threads`; bfloat16 results
  * rounded once, after the bias. A decode-sized product is bound by reading the weight: it is read
  * once, whatever m, its rows split over up to `threads` threads. */
 void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, const void *bias, void *y,
@@ -2066,17 +2058,17 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const CtLayer *la
         const CtLayer *w = &layer[l];
         /* the norms and SiLU x up on the helper team, as the products around them */
         NormJob in = {x, NULL, w->in_norm, NULL, sc.normed, hidden, 0, hidden, s.eps, s.zero_centred, bf};
-        rms_norm_on(&in, t, threads, 1);
+        parallel_for(norm_rows, &in, t, ROW_GRAIN, threads, 1);
         if (w->kv_slot >= 0)
             attention_mixer(&s, w, keys, &sc);
         else
             gdn_mixer(&s, w, &linear[l], &sc);
         NormJob post = {x, sc.mixed, w->post_norm, sc.total, sc.normed, hidden, hidden, hidden, s.eps,
                         s.zero_centred, bf};
-        rms_norm_on(&post, t, threads, 1);
+        parallel_for(norm_rows, &post, t, ROW_GRAIN, threads, 1);
         layer_linear(&s, &w->gate_up, sc.normed, hidden, sc.gate_up, 2 * s.inter);
         SiluJob act = {sc.gate_up, sc.act, 2 * s.inter, s.inter, bf};
-        silu_mul_on(&act, t, threads, 1);
+        parallel_for(silu_rows, &act, t, ROW_GRAIN, threads, 1);
         layer_linear(&s, &w->down, sc.act, s.inter, sc.down, hidden);
         for (int64_t i = 0; i < t * hidden; i++) store(x, i, load(sc.total, i, bf) + load(sc.down, i, bf), bf);
     }
