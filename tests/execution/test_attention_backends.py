@@ -115,6 +115,31 @@ def test_distinct_keys_count_a_shared_run_once():
     assert attention_backends._distinct_keys(shared) == 100 + 4 * 3
 
 
+@NEEDS_NATIVE
+def test_a_long_shared_run_counts_once_where_the_kernel_groups_its_readers(monkeypatch):
+    """Eight items read one 600-key shared block (8 x 601 reads of 608 distinct keys) over a 1 000-key
+    limit: where the kernel attends it once for its readers (bfloat16 pools, AVX-512 BF16) the limit
+    counts the keys it reads and the native kernel keeps the step; elsewhere it goes to the torch
+    kernels, which read a shared run once."""
+    from types import SimpleNamespace
+
+    from cothink.execution.step import KeyRun, RunKey
+
+    monkeypatch.setattr(attention_backends, "NATIVE_DECODE_MAX_KEYS", 1000)
+    ctx = RunKey(block_id=1, length=600)
+    for dtype in (torch.bfloat16, torch.float32):
+        table = torch.zeros(1, 1, 16, dtype=dtype)
+        plans = [SimpleNamespace(rows=slice(i, i + 1), runs=[
+            KeyRun(torch.arange(600), table, table, False, ctx),
+            KeyRun(torch.tensor([600 + i]), table, table, False, None),
+        ]) for i in range(8)]
+        plan = NativeBackend().decode_plan(plans, torch.zeros(700, 2, 16, dtype=dtype))
+        grouped = dtype == torch.bfloat16 and native.bf16_dot()
+        assert (plan is not None) == grouped
+        if grouped:
+            assert plan.groups == 1 and plan.grouped_reads == 7 * 600
+
+
 def _recording(forward, seen: list[tuple[bool, bool]]):
     def record(backend, layer, q, k, v, metadata):
         assert isinstance(metadata, NativeStep)

@@ -103,6 +103,32 @@ def test_fused_decode_is_the_per_module_path_to_the_bit(
     assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
 
 
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_grouped_shared_runs_keep_the_fused_step_the_per_module_path(tiny_model, fused_calls, monkeypatch,
+                                                                    name):
+    """With every shared run grouped (native.SHARED_MIN_KEYS 1: the conversation's 20-token context is
+    attended once for its three readers in bfloat16), the fused step and the per-module path still give
+    the same bits, and the grouping was used."""
+    monkeypatch.setattr(native, "SHARED_MIN_KEYS", 1)
+    groups: list[int] = []
+    init = native.DecodePlan.__init__
+
+    def spy(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        groups.append(self.groups)
+
+    monkeypatch.setattr(native.DecodePlan, "__init__", spy)
+    fused = tiny_model(name).runner(dtype=torch.bfloat16)
+    modules = tiny_model(name).runner(dtype=torch.bfloat16)
+    modules.fused_decode = None
+    got, got_kv = _conversation(fused)
+    want, want_kv = _conversation(modules)
+    assert fused_calls == [3] * 5 + [1, 1]
+    assert max(groups) == 1  # ctx (three readers; the notes block has one)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
+
+
 def test_fused_decode_runs_only_steps_the_c_kernels_would_run_whole(tiny_model, fused_calls):
     """More rows than the C linear takes, or a prefill item in the step: the module path."""
     from cothink.execution.native_modules import NATIVE_MAX_ROWS

@@ -126,6 +126,49 @@ def test_decode_attention_is_the_merge_of_per_run_attentions(dtype, partial):
     assert out[1].isnan().all()  # rows of other items are left alone
 
 
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_shared_runs_are_attended_once_within_float32_rounding(dtype, partial):
+    """19 items read two shared blocks (A: gathered slots, B: a range) in either order, with runs of
+    their own, each at its own position (its own rotation of the query per run); one block is read by
+    one item only. Grouped (bfloat16 pools: each shared block attended once for all its readers, 16 per
+    task, then merged into each item's softmax) the result is the float64 merge of per-run attentions
+    within float32 rounding, as the per-item path's is."""
+    hq, hkv, d, n = 6, 2, 80, 19
+    rotary = _rotary(d, partial)
+    g = torch.Generator().manual_seed(5)
+    pool_k = torch.randn(400, hkv, d, generator=g).to(dtype)
+    pool_v = torch.randn(400, hkv, d, generator=g).to(dtype)
+    q = torch.randn(n, hq, d, generator=g).to(dtype)
+    a, b, alone = torch.randperm(150, generator=g)[:130], torch.arange(150, 230), torch.arange(230, 240)
+    runs, want = [], []
+    for i in range(n):
+        own = torch.arange(240 + 8 * i, 240 + 8 * i + 1 + i % 8)
+        item = [(a, "A", 140 + i), (own, None, i % 8)]
+        if i % 3 == 0:  # the other order, and a second shared block
+            item = [(own, None, 3), (b, "B", 90 + i), (a, "A", i)]
+        if i == 4:
+            item.append((alone, "C", 12))
+        prepared, outs, lses = [], [], []
+        for slots, key, position in item:
+            cos, sin = rotary.prepared(torch.tensor([position]), dtype)
+            prepared.append((slots, cos, sin, key))
+            rotated = rotary.apply_prepared(q[i : i + 1], cos, sin)
+            o, lse = reference_partial_attention(rotated, pool_k[slots], pool_v[slots], d**-0.5)
+            outs.append(o)
+            lses.append(lse)
+        runs.append(prepared)
+        want.append(reference_merge(outs, lses))
+    grouped = native.DecodePlan(list(range(n)), runs, shared_min_keys=16)
+    assert grouped.groups == 2  # A and B; C has one reader
+    per_item = native.DecodePlan(list(range(n)), runs, shared_min_keys=1000)
+    assert per_item.groups == 0
+    for plan in (grouped, per_item):
+        out = torch.empty(n, hq, d)
+        native.decode_attention(q, plan, pool_k, pool_v, d**-0.5, out)
+        torch.testing.assert_close(out, torch.cat(want), atol=2e-6, rtol=2e-6)
+
+
 _PREFILL = pytest.mark.skipif(
     not native.prefill_attention_fits(*(torch.zeros(2, 2, 16, dtype=torch.bfloat16) for _ in range(3))),
     reason="the prefill attention kernel is built only where the CPU has AVX-512 BF16")

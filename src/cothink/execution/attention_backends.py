@@ -59,6 +59,10 @@ BACKEND_NAMES = ("auto", "torch", "native", "reference")
 # N <= 8 items sharing a context, 2-core AMD EPYC Zen 3): the native step 2.0-4.9x faster than the
 # torch kernels up to 16,416 keys; without the fused step around it, even at 32,832 keys and 0.74-0.78x
 # at 65,664 (the torch path reads a shared run once for all its readers, the kernel once per reader).
+# With bfloat16 pools where the CPU has AVX-512 BF16 the kernel too reads a long shared run once per
+# group of readers (native.DecodePlan, SHARED_MIN_KEYS), and the limits count the keys it reads: on a
+# 2-core AMD EPYC Zen 4 (the same bench) native 1.68x torch at 32 x 2048 keys (68.7 / 115.2 ms a step;
+# reading the run per reader it took 85.7), 1.75x at 16 x 4096, 1.46x at 32 x 4096.
 NATIVE_DECODE_MAX_KEYS = 16384
 # Above that, the native decode attention still runs a step whose keys are read by few items each:
 # reads over distinct keys (a shared run counted once) up to this. The torch kernels' advantage is
@@ -378,11 +382,15 @@ class NativeBackend(TorchBackend):
         of 16, as every released model's)."""
         if pool.dtype not in native.DTYPES or pool.shape[-1] % 16:
             return None
-        keys = sum(run.slots.numel() for p in plans for run in p.runs)
+        # a shared block's runs carry its key: the kernel attends a long one once for all its readers
+        runs = [[(run.slots, run.cos, run.sin, run.shared) for run in p.runs] for p in plans]
+        plan = native.DecodePlan([p.rows.start for p in plans], runs)
+        keys = sum(run.slots.numel() for p in plans for run in p.runs)  # the keys the kernel reads
+        if pool.dtype == torch.bfloat16 and native.bf16_dot():  # where it groups them (native.c shared_tasks)
+            keys -= plan.grouped_reads
         if keys > NATIVE_DECODE_MAX_KEYS and keys > NATIVE_DECODE_MAX_SHARING * _distinct_keys(plans):
             return None
-        runs = [[(run.slots, run.cos, run.sin) for run in p.runs] for p in plans]
-        return native.DecodePlan([p.rows.start for p in plans], runs)
+        return plan
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
             causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

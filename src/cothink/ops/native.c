@@ -31,7 +31,7 @@
 
 /* The version of this library's interface (the ct_* signatures and the tables they read), raised with
  * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
-#define CT_ABI_VERSION 10
+#define CT_ABI_VERSION 11
 
 int ct_abi_version(void) { return CT_ABI_VERSION; }
 
@@ -654,6 +654,19 @@ static inline __attribute__((always_inline)) void attend_chunk(
     }
 }
 
+/* The arguments of ct_decode_attention, for its items split over threads. */
+typedef struct {
+    const void *q;
+    int64_t qs, qh, hq, hkv, d, rot;
+    const int64_t *rows, *run_start, *key_start, *slots;
+    const void *cos, *sin, *pool_k, *pool_v;
+    float scale;
+    float *out;
+    int bf;
+    const int64_t *shared_of; /* per run: its reader index in `partial` where a shared run's was computed, else -1 */
+    const float *partial;     /* per reader: m [hq], l [hq], acc [hq, d] (shared_tasks), or NULL */
+} AttentionJob;
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define ATTEND_BF16_PAIRS 1
@@ -742,6 +755,45 @@ static inline __attribute__((always_inline)) void pv_block(float *o, const float
         for (int u = 0; u < ne; u++) _mm512_storeu_ps(o + j * d + e + 16 * u, y[j][u]);
 }
 
+/* The online softmax of one row's chunk of c scores sj (scaled): in place p = exp(s - max) (0 past c),
+   the row's running max m and sum l updated; returns the rescale of what came before (0 on the
+   first chunk, m = -inf) */
+static inline float softmax_chunk(float *sj, int64_t c, float *m, float *l) {
+    __m512 top16 = _mm512_set1_ps(*m), sum16 = _mm512_setzero_ps();
+    for (int64_t x = 0; x < c; x += 16) {
+        __mmask16 in = lanes_below(c - x);
+        top16 = _mm512_mask_max_ps(top16, in, top16, _mm512_maskz_loadu_ps(in, sj + x));
+    }
+    float top = _mm512_reduce_max_ps(top16);
+    float rescale = fast_exp(*m - top);
+    *m = top;
+    for (int64_t x = 0; x < c; x += 16) {
+        __mmask16 in = lanes_below(c - x);
+        __m512 p = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + x), _mm512_set1_ps(top))));
+        _mm512_storeu_ps(sj + x, p);
+        sum16 = _mm512_add_ps(sum16, p);
+    }
+    *l = *l * rescale + _mm512_reduce_add_ps(sum16);
+    return rescale;
+}
+
+/* o <- o rescale + P V for n rows of o [n, d] (p: row j at p + j * CHUNK, rescale[j]) over a chunk's
+   c values v[x]: up to four rows per widened value */
+static inline void pv_rows(float *o, const float *p, const float *rescale, const char *const *v, int64_t c,
+                           int64_t d, int64_t n) {
+    for (int64_t j0 = 0; j0 < n; j0 += 4) {
+        int64_t nh = n - j0 < 4 ? n - j0 : 4, e = 0;
+#define PV_BLOCK(NH, NE) pv_block(o + j0 * d, p + j0 * CHUNK, rescale + j0, v, c, d, e, NH, NE)
+        for (; e + 64 <= d; e += 64)
+            switch (nh) { case 4: PV_BLOCK(4, 4); break; case 3: PV_BLOCK(3, 4); break;
+                          case 2: PV_BLOCK(2, 4); break; default: PV_BLOCK(1, 4); }
+        for (; e < d; e += 16)
+            switch (nh) { case 4: PV_BLOCK(4, 1); break; case 3: PV_BLOCK(3, 1); break;
+                          case 2: PV_BLOCK(2, 1); break; default: PV_BLOCK(1, 1); }
+#undef PV_BLOCK
+    }
+}
+
 /* attend_chunk for a bfloat16 pool on AVX-512 BF16, in natural channel order: scores by VDPBF16PS
  * (16 keys' lane sums at once), the online softmax on 16 lanes, P V in float32 with each value row
  * widened once for up to four query heads (attend_chunk widens it per head in 8-lane halves, and its
@@ -765,57 +817,169 @@ static inline void attend_chunk_bf16(const bf16 *qb, const char *const *k, const
             dot_pairs(qj, k + x, d, a, 1);
             sj[x] = _mm512_reduce_add_ps((__m512)a[0]) * scale;
         }
-        /* the online softmax on 16 lanes: the chunk's max, p = exp(s - max) (0 past c), their sum */
-        __m512 top16 = _mm512_set1_ps(m[j]), sum16 = _mm512_setzero_ps();
-        for (x = 0; x < c; x += 16) {
-            __mmask16 in = lanes_below(c - x);
-            top16 = _mm512_mask_max_ps(top16, in, top16, _mm512_maskz_loadu_ps(in, sj + x));
-        }
-        float top = _mm512_reduce_max_ps(top16);
-        float rescale = fast_exp(m[j] - top); /* 0 on the first pass (m = -inf) */
-        m[j] = top;
-        for (x = 0; x < c; x += 16) {
-            __mmask16 in = lanes_below(c - x);
-            __m512 p = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + x), _mm512_set1_ps(top))));
-            _mm512_storeu_ps(sj + x, p);
-            sum16 = _mm512_add_ps(sum16, p);
-        }
-        l[j] = l[j] * rescale + _mm512_reduce_add_ps(sum16);
-        scores[CHUNK * g + j] = rescale;
+        scores[CHUNK * g + j] = softmax_chunk(sj, c, m + j, l + j);
     }
-    for (int64_t j0 = 0; j0 < g; j0 += 4) { /* o <- o rescale + P V: up to four heads per widened value */
-        int64_t nh = g - j0 < 4 ? g - j0 : 4, e = 0;
-#define PV_BLOCK(NH, NE) pv_block(acc + j0 * d, scores + j0 * CHUNK, scores + CHUNK * g + j0, v, c, d, e, NH, NE)
-        for (; e + 64 <= d; e += 64)
-            switch (nh) { case 4: PV_BLOCK(4, 4); break; case 3: PV_BLOCK(3, 4); break;
-                          case 2: PV_BLOCK(2, 4); break; default: PV_BLOCK(1, 4); }
-        for (; e < d; e += 16)
-            switch (nh) { case 4: PV_BLOCK(4, 1); break; case 3: PV_BLOCK(3, 1); break;
-                          case 2: PV_BLOCK(2, 1); break; default: PV_BLOCK(1, 1); }
-#undef PV_BLOCK
-    }
+    pv_rows(acc, scores, scores + CHUNK * g, v, c, d, g);
 }
+
+#define CHUNK_VECS (CHUNK / 16) /* a row's scores of a chunk: 16-lane vectors */
+
+/* scores s[i][0 .. CHUNK - 1] of NR (constant after inlining) query rows qr[i] (bfloat16 pairs)
+   against the packed keys kp[p * CHUNK + c] */
+static inline __attribute__((always_inline)) void prefill_scores(const uint32_t *const *qr, const uint32_t *kp,
+                                                                 int64_t pairs, float *s, const int nr) {
+    __m512 acc[6][CHUNK_VECS];
+    for (int i = 0; i < nr; i++)
+        for (int u = 0; u < CHUNK_VECS; u++) acc[i][u] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh kv[CHUNK_VECS];
+        for (int u = 0; u < CHUNK_VECS; u++) kv[u] = (__m512bh)_mm512_loadu_si512(kp + p * CHUNK + 16 * u);
+        for (int i = 0; i < nr; i++) {
+            __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qr[i][p]);
+            for (int u = 0; u < CHUNK_VECS; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], kv[u], qb);
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int u = 0; u < CHUNK_VECS; u++) _mm512_storeu_ps(s + i * CHUNK + 16 * u, acc[i][u]);
+}
+
+/* Shared runs (a block several items of a step read: a shared context): with bfloat16 pools, each
+ * key head of such a run is attended once for all its readers' queries, before the items, rather than
+ * once per reader: the run's keys packed in pairs per chunk (16 keys along the lanes, as the prefill's)
+ * so the scores of six query rows at a time take VDPBF16PS with no horizontal sums, then per row the
+ * items' online softmax and float32 P V (softmax_chunk, pv_rows). Each reader's partial (its running
+ * max, sum and unnormalised output per head) is merged into its item's softmax where the item meets
+ * the run (`merge_partial`): the log-sum-exp merge, within float32 rounding of the per-item order. */
+typedef struct {
+    const AttentionJob *j;
+    const int64_t *group_start, *group_runs, *run_item; /* readers of group G: runs group_runs[group_start[G] ..] */
+    const int64_t (*tasks)[3];                          /* (group, key head, first reader); to the next */
+    float *partial;                                     /* per reader: m [hq], l [hq], acc [hq, d] */
+} SharedJob;
+
+#define SHARED_READERS 16 /* readers per task: their query rows share one packing of the run's keys */
+
+static void shared_tasks(void *ctx, int64_t begin, int64_t end) {
+    const SharedJob *sj = ctx;
+    const AttentionJob *j = sj->j;
+    int64_t hq = j->hq, g = hq / j->hkv, d = j->d, size = 2, most = SHARED_READERS * g;
+    bf16 *qb = malloc((size_t)(most * d) * sizeof(bf16));
+    uint32_t *kp = malloc((size_t)(d / 2 * CHUNK) * sizeof(uint32_t));
+    float *s = malloc((size_t)(most * CHUNK) * sizeof(float)), *acc = malloc((size_t)(most * d) * sizeof(float));
+    float *m = malloc((size_t)most * sizeof(float)), *l = malloc((size_t)most * sizeof(float));
+    float *rescale = malloc((size_t)most * sizeof(float));
+    float *qf = malloc((size_t)d * sizeof(float)), *qr = malloc((size_t)d * sizeof(float));
+    const char *v[CHUNK];
+    for (int64_t t = begin; t < end; t++) {
+        int64_t group = sj->tasks[t][0], kh = sj->tasks[t][1], first = sj->tasks[t][2];
+        int64_t last = first + SHARED_READERS < sj->group_start[group + 1] ? first + SHARED_READERS
+                                                                            : sj->group_start[group + 1];
+        int64_t rows = (last - first) * g, run0 = sj->group_runs[sj->group_start[group]];
+        for (int64_t i = first; i < last; i++) { /* each reader's queries of this key head, rotated for the run */
+            int64_t r = sj->group_runs[i];
+            const char *qrow = (const char *)j->q + j->rows[sj->run_item[r]] * j->qs * size;
+            for (int64_t h = 0; h < g; h++) {
+                load_row(qrow + (kh * g + h) * j->qh * size, d, 1, qf);
+                rotate(qf, d, j->rot, (const char *)j->cos + r * j->rot * size, (const char *)j->sin + r * j->rot * size,
+                       1, qr);
+                for (int64_t e = 0; e < d; e++) qb[((i - first) * g + h) * d + e] = to_bf16(qr[e]); /* exact */
+            }
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            m[r] = -INFINITY;
+            l[r] = 0.0f;
+        }
+        memset(acc, 0, (size_t)(rows * d) * sizeof(float));
+        for (int64_t a = j->key_start[run0]; a < j->key_start[run0 + 1]; a += CHUNK) {
+            int64_t c = j->key_start[run0 + 1] - a < CHUNK ? j->key_start[run0 + 1] - a : CHUNK;
+            for (int64_t x = 0; x < CHUNK; x++) { /* the chunk's keys in pairs, zeros past c */
+                const uint32_t *kr = (const uint32_t *)((const char *)j->pool_k
+                                                        + (j->slots[a + (x < c ? x : 0)] * j->hkv + kh) * d * size);
+                for (int64_t p = 0; p < d / 2; p++) kp[p * CHUNK + x] = x < c ? kr[p] : 0;
+                if (x < c) v[x] = (const char *)j->pool_v + (j->slots[a + x] * j->hkv + kh) * d * size;
+            }
+            for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+                const uint32_t *q6[6];
+                int64_t nr = rows - r0 < 6 ? rows - r0 : 6;
+                for (int64_t i = 0; i < nr; i++) q6[i] = (const uint32_t *)(qb + (r0 + i) * d);
+                switch (nr) {
+                case 6: prefill_scores(q6, kp, d / 2, s + r0 * CHUNK, 6); break;
+                case 5: prefill_scores(q6, kp, d / 2, s + r0 * CHUNK, 5); break;
+                case 4: prefill_scores(q6, kp, d / 2, s + r0 * CHUNK, 4); break;
+                case 3: prefill_scores(q6, kp, d / 2, s + r0 * CHUNK, 3); break;
+                case 2: prefill_scores(q6, kp, d / 2, s + r0 * CHUNK, 2); break;
+                default: prefill_scores(q6, kp, d / 2, s + r0 * CHUNK, 1);
+                }
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                float *sr = s + r * CHUNK;
+                for (int64_t x = 0; x < CHUNK; x += 16)
+                    _mm512_storeu_ps(sr + x, _mm512_mul_ps(_mm512_loadu_ps(sr + x), _mm512_set1_ps(j->scale)));
+                rescale[r] = softmax_chunk(sr, c, m + r, l + r);
+            }
+            pv_rows(acc, s, rescale, v, c, d, rows);
+        }
+        for (int64_t i = first; i < last; i++) { /* the readers' partials, head by head */
+            float *part = sj->partial + i * hq * (d + 2);
+            for (int64_t h = 0; h < g; h++) {
+                int64_t row = (i - first) * g + h, head = kh * g + h;
+                part[head] = m[row];
+                part[hq + head] = l[row];
+                memcpy(part + 2 * hq + head * d, acc + row * d, (size_t)d * sizeof(float));
+            }
+        }
+    }
+    free(qb);
+    free(kp);
+    free(s);
+    free(acc);
+    free(m);
+    free(l);
+    free(rescale);
+    free(qf);
+    free(qr);
+}
+
 #else
 #define ATTEND_BF16_PAIRS 0
 #endif
 
-/* One item's query heads over its runs (the query rotated per run) into out [hq, d]. A pass reads
- * the chunk's keys of every key head, so each slot's rows are read together (adjacent lines). */
-static inline __attribute__((always_inline)) void attend_item(
-    const char *qrow, int64_t qh, int64_t hq, int64_t hkv, int64_t d, int64_t rot, int64_t r0, int64_t r1,
-    const int64_t *key_start, const int64_t *slots, const char *cos, const char *sin, const char *pool_k,
-    const char *pool_v, float scale, float *qf, float *qr, bf16 *qb, float *scores, float *acc, float *m,
-    float *l, float *out, int bf) {
-    int64_t g = hq / hkv, size = bf ? 2 : 4;
+/* a shared run's partial (shared_tasks) merged into an item's online softmax state m, l, acc [hq, d] */
+static void merge_partial(const float *part, int64_t hq, int64_t d, float *m, float *l, float *acc) {
+    for (int64_t h = 0; h < hq; h++) {
+        float pm = part[h], top = m[h] > pm ? m[h] : pm;
+        float a = fast_exp(m[h] - top), b = fast_exp(pm - top); /* a = 0 while the item has seen no key */
+        for (int64_t e = 0; e < d; e++) acc[h * d + e] = acc[h * d + e] * a + part[2 * hq + h * d + e] * b;
+        l[h] = l[h] * a + part[hq + h] * b;
+        m[h] = top;
+    }
+}
+
+/* Item i of an AttentionJob: its query heads over its runs (the query rotated per run) into its row of
+ * out, with the scratch of the thread that runs it; bf a constant. A pass reads the chunk's keys of every
+ * key head, so each slot's rows are read together (adjacent lines). A run whose partial the shared
+ * phase computed (j->shared_of) is merged instead. */
+static inline __attribute__((always_inline)) void attention_item(const AttentionJob *j, int64_t i, float *qf,
+                                                                  float *qr, bf16 *qb, float *scores,
+                                                                  float *acc, float *m, float *l, int bf) {
+    int64_t hq = j->hq, hkv = j->hkv, d = j->d, rot = j->rot, g = hq / hkv, size = bf ? 2 : 4;
     int pairs = bf && ATTEND_BF16_PAIRS; /* natural channel order, the query in bfloat16 (qb) */
+    const char *qrow = (const char *)j->q + j->rows[i] * j->qs * size, *cos = j->cos, *sin = j->sin;
+    const char *pool_k = j->pool_k, *pool_v = j->pool_v;
+    const int64_t *key_start = j->key_start, *slots = j->slots;
+    float *out = j->out + j->rows[i] * hq * d;
     const char *k[CHUNK], *v[CHUNK];
     for (int64_t h = 0; h < hq; h++) {
-        load_row(qrow + h * qh * size, d, bf, qf + h * d);
+        load_row(qrow + h * j->qh * size, d, bf, qf + h * d);
         m[h] = -INFINITY;
         l[h] = 0.0f;
     }
     memset(acc, 0, (size_t)(hq * d) * sizeof(float));
-    for (int64_t r = r0; r < r1; r++) {
+    for (int64_t r = j->run_start[i]; r < j->run_start[i + 1]; r++) {
+        if (j->partial && j->shared_of[r] >= 0) {
+            merge_partial(j->partial + j->shared_of[r] * hq * (d + 2), hq, d, m, l, acc);
+            continue;
+        }
         for (int64_t h = 0; h < hq; h++) {
             rotate(qf + h * d, d, rot, cos + r * rot * size, sin + r * rot * size, bf, qr + h * d);
             if (pairs) /* exact: rotate rounds to bfloat16 */
@@ -833,12 +997,12 @@ static inline __attribute__((always_inline)) void attend_item(
                 }
 #if ATTEND_BF16_PAIRS
                 if (pairs) {
-                    attend_chunk_bf16(qb + kh * g * d, k, v, c, g, d, scale, scores, m + kh * g, l + kh * g,
+                    attend_chunk_bf16(qb + kh * g * d, k, v, c, g, d, j->scale, scores, m + kh * g, l + kh * g,
                                       acc + kh * g * d);
                     continue;
                 }
 #endif
-                attend_chunk(qr + kh * g * d, k, v, c, g, d, scale, scores, m + kh * g, l + kh * g,
+                attend_chunk(qr + kh * g * d, k, v, c, g, d, j->scale, scores, m + kh * g, l + kh * g,
                              acc + kh * g * d, bf);
             }
         }
@@ -847,27 +1011,6 @@ static inline __attribute__((always_inline)) void attend_item(
         if (!pairs) deal(acc + h * d, d, bf, 1);
         for (int64_t e = 0; e < d; e++) out[h * d + e] = acc[h * d + e] / l[h];
     }
-}
-
-/* The arguments of ct_decode_attention, for its items split over threads. */
-typedef struct {
-    const void *q;
-    int64_t qs, qh, hq, hkv, d, rot;
-    const int64_t *rows, *run_start, *key_start, *slots;
-    const void *cos, *sin, *pool_k, *pool_v;
-    float scale;
-    float *out;
-    int bf;
-} AttentionJob;
-
-/* one item of an AttentionJob, with the scratch of the thread that runs it; bf a constant */
-static inline __attribute__((always_inline)) void attention_item(const AttentionJob *j, int64_t i, float *qf,
-                                                                  float *qr, bf16 *qb, float *scores,
-                                                                  float *acc, float *m, float *l, int bf) {
-    int64_t size = bf ? 2 : 4;
-    attend_item((const char *)j->q + j->rows[i] * j->qs * size, j->qh, j->hq, j->hkv, j->d, j->rot,
-                j->run_start[i], j->run_start[i + 1], j->key_start, j->slots, j->cos, j->sin, j->pool_k,
-                j->pool_v, j->scale, qf, qr, qb, scores, acc, m, l, j->out + j->rows[i] * j->hq * j->d, bf);
 }
 
 /* items begin .. end-1 of an AttentionJob */
@@ -907,20 +1050,49 @@ static void attention_items(void *ctx, int64_t begin, int64_t end) {
 static void decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int64_t hkv, int64_t d,
                              int64_t rot, int64_t items, const int64_t *rows, const int64_t *run_start,
                              const int64_t *key_start, const int64_t *slots, const void *cos, const void *sin,
-                             const void *pool_k, const void *pool_v, float scale, float *out, int bf,
-                             int64_t threads, int own) {
+                             int64_t groups, const int64_t *group_start, const int64_t *group_runs,
+                             const int64_t *shared_of, const void *pool_k, const void *pool_v, float scale,
+                             float *out, int bf, int64_t threads, int own) {
     AttentionJob job = {q, qs, qh, hq, hkv, d, rot, rows, run_start, key_start, slots, cos, sin, pool_k,
-                        pool_v, scale, out, bf};
+                        pool_v, scale, out, bf, shared_of, NULL};
+#if ATTEND_BF16_PAIRS
+    if (bf && groups > 0) { /* the shared runs first, once per key head and block of readers */
+        int64_t runs = run_start[items], readers = group_start[groups], count = 0;
+        int64_t *run_item = malloc((size_t)runs * sizeof(int64_t));
+        for (int64_t i = 0; i < items; i++)
+            for (int64_t r = run_start[i]; r < run_start[i + 1]; r++) run_item[r] = i;
+        int64_t (*tasks)[3] = malloc((size_t)(hkv * (readers + groups)) * sizeof *tasks);
+        for (int64_t G = 0; G < groups; G++)
+            for (int64_t kh = 0; kh < hkv; kh++)
+                for (int64_t first = group_start[G]; first < group_start[G + 1]; first += SHARED_READERS) {
+                    tasks[count][0] = G;
+                    tasks[count][1] = kh;
+                    tasks[count++][2] = first;
+                }
+        float *partial = malloc((size_t)(readers * hq * (d + 2)) * sizeof(float));
+        SharedJob shared = {&job, group_start, group_runs, run_item, (const int64_t(*)[3])tasks, partial};
+        parallel_for(shared_tasks, &shared, count, 1, threads, own);
+        job.partial = partial;
+        parallel_for(attention_items, &job, items, 1, threads, own);
+        free(partial);
+        free(tasks);
+        free(run_item);
+        return;
+    }
+#else
+    (void)groups, (void)group_start, (void)group_runs;
+#endif
     parallel_for(attention_items, &job, items, 1, threads, own);
 }
 
 void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int64_t hkv, int64_t d,
                          int64_t rot, int64_t items, const int64_t *rows, const int64_t *run_start,
                          const int64_t *key_start, const int64_t *slots, const void *cos, const void *sin,
-                         const void *pool_k, const void *pool_v, float scale, float *out, int bf,
-                         int64_t threads) {
-    decode_attention(q, qs, qh, hq, hkv, d, rot, items, rows, run_start, key_start, slots, cos, sin, pool_k,
-                     pool_v, scale, out, bf, threads, 0);
+                         int64_t groups, const int64_t *group_start, const int64_t *group_runs,
+                         const int64_t *shared_of, const void *pool_k, const void *pool_v, float scale, float *out,
+                         int bf, int64_t threads) {
+    decode_attention(q, qs, qh, hq, hkv, d, rot, items, rows, run_start, key_start, slots, cos, sin, groups,
+                     group_start, group_runs, shared_of, pool_k, pool_v, scale, out, bf, threads, 0);
 }
 
 /* Rows of a linear layer processed per pass over the weight: their accumulators stay in registers. */
@@ -1890,7 +2062,8 @@ typedef struct { CT_SHAPE_FIELDS(CT_DECLARE) } CtShape;
     X(void *, pool_k) X(void *, pool_v) X(int64_t, pool_layer) X(const int64_t *, store_slots)                \
     X(const void *, key_cos) X(const void *, key_sin) X(int64_t, items) X(const int64_t *, rows)               \
     X(const int64_t *, run_start) X(const int64_t *, key_start) X(const int64_t *, slots) X(const void *, cos) \
-    X(const void *, sin) X(int64_t, rot) X(float, scale)
+    X(const void *, sin) X(int64_t, groups) X(const int64_t *, group_start) X(const int64_t *, group_runs)     \
+    X(const int64_t *, shared_of) X(int64_t, rot) X(float, scale)
 typedef struct { CT_KEYS_FIELDS(CT_DECLARE) } CtStepKeys;
 
 /* One item of a Gated DeltaNet layer in a step: its conv tail [W-1, conv_dim] (row stride
@@ -1990,7 +2163,8 @@ static void attention_mixer(const Step *s, const CtLayer *w, const CtStepKeys *k
     ct_store_kv(k, ks, v, qkv_n, keys->store_slots, t, s->hkv, s->d, s->rot, keys->key_cos, keys->key_sin, layer_k,
                 layer_v, s->bf);
     decode_attention(q, qs, qh, s->hq, s->hkv, s->d, s->rot, s->items, keys->rows, keys->run_start,
-                     keys->key_start, keys->slots, keys->cos, keys->sin, layer_k, layer_v, s->scale, sc->att_f,
+                     keys->key_start, keys->slots, keys->cos, keys->sin, keys->groups, keys->group_start,
+                     keys->group_runs, keys->shared_of, layer_k, layer_v, s->scale, sc->att_f,
                      s->bf, s->threads, 1);
     store_row(sc->att, sc->att_f, t * att_n, s->bf); /* the per-module path's .to(dtype) of the float32 output */
     if (s->gated) ct_sigmoid_gate(sc->att, sc->proj + s->d * size, qkv_n, 2 * s->d, sc->att, t, s->hq, s->d, s->bf);
@@ -2083,7 +2257,7 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const CtLayer *la
  * AVX2 code (~115 GFLOP/s on two Zen 4 cores, where VDPBF16PS runs oneDNN's bfloat16 GEMMs at ~440).
  * A task is one key head and a block of token rows: its G query heads per token (grouped-query
  * attention) are the tile's rows, so each key is packed once for all of them. Per block of
- * PREFILL_KEYS keys: scores by VDPBF16PS over the head dimension's bfloat16 pairs (keys packed so
+ * CHUNK keys: scores by VDPBF16PS over the head dimension's bfloat16 pairs (keys packed so
  * one vector holds 16 keys' pair p), the online softmax in float32, and P V by VDPBF16PS too: P
  * rounded to bfloat16 (as torch's flash kernel rounds it; its sum stays float32) and the values
  * packed in pairs of keys. Float32 P V (four FMAs per query row and key at head size 64) held the
@@ -2095,33 +2269,13 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const CtLayer *la
 #if LINEAR_BF16_PAIRS
 #define PREFILL_ATTENTION 1
 
-#define PREFILL_KEYS 64
-#define PREFILL_VECS (PREFILL_KEYS / 16) /* a row's scores of a block: 16-lane vectors */
 #define PREFILL_TILE 48 /* query rows (tokens x heads of a key head) a task aims for */
 
-/* scores s[i][0 .. PREFILL_KEYS - 1] of NR (constant after inlining) query rows qr[i] (bfloat16 pairs)
-   against the packed keys kp[p * PREFILL_KEYS + c] */
-static inline __attribute__((always_inline)) void prefill_scores(const uint32_t *const *qr, const uint32_t *kp,
-                                                                 int64_t pairs, float *s, const int nr) {
-    __m512 acc[6][PREFILL_VECS];
-    for (int i = 0; i < nr; i++)
-        for (int u = 0; u < PREFILL_VECS; u++) acc[i][u] = _mm512_setzero_ps();
-    for (int64_t p = 0; p < pairs; p++) {
-        __m512bh kv[PREFILL_VECS];
-        for (int u = 0; u < PREFILL_VECS; u++) kv[u] = (__m512bh)_mm512_loadu_si512(kp + p * PREFILL_KEYS + 16 * u);
-        for (int i = 0; i < nr; i++) {
-            __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qr[i][p]);
-            for (int u = 0; u < PREFILL_VECS; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], kv[u], qb);
-        }
-    }
-    for (int i = 0; i < nr; i++)
-        for (int u = 0; u < PREFILL_VECS; u++) _mm512_storeu_ps(s + i * PREFILL_KEYS + 16 * u, acc[i][u]);
-}
 
 /* channels e0 .. e0 + 16 REGS of nr <= 4 rows of o (row stride d): o * rescale + sum_c p[c] v[c] over
    the block's key pairs (p 0 where a row does not see the key): p as bfloat16 pairs pb[i * PAIRS + c2],
    the values as pairs of keys vp[c2 * d + e]; REGS constant after inlining */
-#define PREFILL_PAIRS (PREFILL_KEYS / 2)
+#define PREFILL_PAIRS (CHUNK / 2)
 static inline __attribute__((always_inline)) void prefill_values_regs(float *o, const uint32_t *pb,
                                                                       const float *rescale, const uint32_t *vp,
                                                                       int64_t pairs, int64_t d, int64_t e0,
@@ -2160,8 +2314,8 @@ typedef struct {
     int causal;
     float scale;
     float *out, *lse;
-    /* the run's keys and values, prepared once for every task: per key head and block of PREFILL_KEYS
-       keys, the keys' bfloat16 pairs kp[p * PREFILL_KEYS + c] and the values of key pairs c2 = c / 2,
+    /* the run's keys and values, prepared once for every task: per key head and block of CHUNK
+       keys, the keys' bfloat16 pairs kp[p * CHUNK + c] and the values of key pairs c2 = c / 2,
        vp[c2 * d + e] = (v[2 c2][e], v[2 c2 + 1][e]) */
     uint32_t *kp, *vp;
     int64_t blocks;  /* key blocks per head */
@@ -2173,17 +2327,17 @@ static void prefill_pack(void *ctx, int64_t begin, int64_t end) {
     const PrefillJob *j = ctx;
     int64_t d = j->d, pairs = d / 2;
     for (int64_t b = begin; b < end; b++) {
-        int64_t h = b / j->blocks, k0 = (b % j->blocks) * PREFILL_KEYS;
-        uint32_t *kp = j->kp + b * pairs * PREFILL_KEYS;
+        int64_t h = b / j->blocks, k0 = (b % j->blocks) * CHUNK;
+        uint32_t *kp = j->kp + b * pairs * CHUNK;
         bf16 *vp = (bf16 *)(j->vp + b * PREFILL_PAIRS * d);
-        for (int64_t c = 0; c < PREFILL_KEYS; c++) {
+        for (int64_t c = 0; c < CHUNK; c++) {
             if (k0 + c < j->keys) {
                 const uint32_t *kr = (const uint32_t *)(j->k + (k0 + c) * j->ks + h * d);
                 const bf16 *vr = j->v + (k0 + c) * j->vs + h * d;
-                for (int64_t p = 0; p < pairs; p++) kp[p * PREFILL_KEYS + c] = kr[p];
+                for (int64_t p = 0; p < pairs; p++) kp[p * CHUNK + c] = kr[p];
                 for (int64_t e = 0; e < d; e++) vp[(c / 2 * d + e) * 2 + c % 2] = vr[e];
             } else {
-                for (int64_t p = 0; p < pairs; p++) kp[p * PREFILL_KEYS + c] = 0;
+                for (int64_t p = 0; p < pairs; p++) kp[p * CHUNK + c] = 0;
                 for (int64_t e = 0; e < d; e++) vp[(c / 2 * d + e) * 2 + c % 2] = 0;
             }
         }
@@ -2202,9 +2356,9 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
         l[r] = 0.0f;
         memset(o + r * d, 0, (size_t)d * sizeof(float));
     }
-    for (int64_t k0 = 0; k0 < end; k0 += PREFILL_KEYS) {
-        int64_t n = end - k0 < PREFILL_KEYS ? end - k0 : PREFILL_KEYS, block = h * j->blocks + k0 / PREFILL_KEYS;
-        const uint32_t *kp = j->kp + block * pairs * PREFILL_KEYS;
+    for (int64_t k0 = 0; k0 < end; k0 += CHUNK) {
+        int64_t n = end - k0 < CHUNK ? end - k0 : CHUNK, block = h * j->blocks + k0 / CHUNK;
+        const uint32_t *kp = j->kp + block * pairs * CHUNK;
         const uint32_t *vp = j->vp + block * PREFILL_PAIRS * d;
         for (int64_t r0 = 0; r0 < rows; r0 += 6) { /* scores, six rows per pass over the keys */
             const uint32_t *qr[6];
@@ -2213,26 +2367,26 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
                 qr[i] = (const uint32_t *)(j->q + (t0 + r / g) * j->qs + (h * g + r % g) * d);
             }
             switch (rows - r0 < 6 ? rows - r0 : 6) {
-            case 6: prefill_scores(qr, kp, pairs, s + r0 * PREFILL_KEYS, 6); break;
-            case 5: prefill_scores(qr, kp, pairs, s + r0 * PREFILL_KEYS, 5); break;
-            case 4: prefill_scores(qr, kp, pairs, s + r0 * PREFILL_KEYS, 4); break;
-            case 3: prefill_scores(qr, kp, pairs, s + r0 * PREFILL_KEYS, 3); break;
-            case 2: prefill_scores(qr, kp, pairs, s + r0 * PREFILL_KEYS, 2); break;
-            default: prefill_scores(qr, kp, pairs, s + r0 * PREFILL_KEYS, 1);
+            case 6: prefill_scores(qr, kp, pairs, s + r0 * CHUNK, 6); break;
+            case 5: prefill_scores(qr, kp, pairs, s + r0 * CHUNK, 5); break;
+            case 4: prefill_scores(qr, kp, pairs, s + r0 * CHUNK, 4); break;
+            case 3: prefill_scores(qr, kp, pairs, s + r0 * CHUNK, 3); break;
+            case 2: prefill_scores(qr, kp, pairs, s + r0 * CHUNK, 2); break;
+            default: prefill_scores(qr, kp, pairs, s + r0 * CHUNK, 1);
             }
         }
         for (int64_t r = 0; r < rows; r++) { /* online softmax: s <- p (0 where hidden), scale[r] */
             int64_t visible = j->causal ? shift + t0 + r / g + 1 - k0 : n; /* keys of this block row r sees */
             visible = visible > n ? n : (visible < 0 ? 0 : visible);
-            float *sr = s + r * PREFILL_KEYS;
+            float *sr = s + r * CHUNK;
             if (visible == 0) { /* (a later token's block; row r saw keys before it) */
                 memset(pb + r * PREFILL_PAIRS, 0, PREFILL_PAIRS * sizeof(uint32_t));
                 rescale[r] = 1.0f;
                 continue;
             }
-            __m512 scale = _mm512_set1_ps(j->scale), hidden = _mm512_set1_ps(-INFINITY), x[PREFILL_VECS];
+            __m512 scale = _mm512_set1_ps(j->scale), hidden = _mm512_set1_ps(-INFINITY), x[CHUNK_VECS];
             __m512 most = hidden, total = _mm512_setzero_ps();
-            for (int u = 0; u < PREFILL_VECS; u++) {
+            for (int u = 0; u < CHUNK_VECS; u++) {
                 x[u] = _mm512_mask_mul_ps(hidden, lanes_below(visible - 16 * u), _mm512_loadu_ps(sr + 16 * u), scale);
                 most = _mm512_max_ps(most, x[u]);
             }
@@ -2240,12 +2394,12 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
             top = m[r] > top ? m[r] : top;
             float alpha = fast_exp(m[r] - top);
             __m512 shift_top = _mm512_set1_ps(top);
-            for (int u = 0; u < PREFILL_VECS; u++) {
+            for (int u = 0; u < CHUNK_VECS; u++) {
                 x[u] = exp16(_mm512_sub_ps(x[u], shift_top));
                 total = _mm512_add_ps(total, x[u]);
             }
             /* P rounded to bfloat16 for P V (as torch's flash kernel does); its sum l stays float32 */
-            for (int u = 0; u < PREFILL_VECS; u += 2)
+            for (int u = 0; u < CHUNK_VECS; u += 2)
                 _mm512_storeu_si512(pb + r * PREFILL_PAIRS + 8 * u, (__m512i)_mm512_cvtne2ps_pbh(x[u + 1], x[u]));
             m[r] = top;
             l[r] = l[r] * alpha + _mm512_reduce_add_ps(total);
@@ -2269,7 +2423,7 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
 static void prefill_tasks(void *ctx, int64_t begin, int64_t end) {
     const PrefillJob *j = ctx;
     int64_t rows = j->tokens * (j->hq / j->hkv), d = j->d;
-    float *s = malloc((size_t)(rows * PREFILL_KEYS) * sizeof(float));
+    float *s = malloc((size_t)(rows * CHUNK) * sizeof(float));
     uint32_t *pb = malloc((size_t)(rows * PREFILL_PAIRS) * sizeof(uint32_t));
     float *o = malloc((size_t)(rows * d) * sizeof(float));
     float *m = malloc((size_t)rows * sizeof(float)), *l = malloc((size_t)rows * sizeof(float));
@@ -2299,9 +2453,9 @@ void ct_prefill_attention(const void *q, int64_t qs, const void *k, int64_t ks, 
                           float *out, float *lse, int64_t threads) {
 #if PREFILL_ATTENTION
     int64_t g = hq / hkv, tokens = PREFILL_TILE / g > 0 ? PREFILL_TILE / g : 1;
-    int64_t blocks = (keys + PREFILL_KEYS - 1) / PREFILL_KEYS;
+    int64_t blocks = (keys + CHUNK - 1) / CHUNK;
     PrefillJob job = {q, k, v, qs, ks, vs, t, hq, hkv, d, keys, tokens, causal, scale, out, lse,
-                      malloc((size_t)(hkv * blocks * PREFILL_KEYS * d / 2) * sizeof(uint32_t)),
+                      malloc((size_t)(hkv * blocks * CHUNK * d / 2) * sizeof(uint32_t)),
                       malloc((size_t)(hkv * blocks * PREFILL_PAIRS * d) * sizeof(uint32_t)), blocks};
     parallel_for(prefill_pack, &job, hkv * blocks, 4, threads, 0);
     parallel_for(prefill_tasks, &job, hkv * ((t + tokens - 1) / tokens), 1, threads, 0);

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 from itertools import accumulate
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,7 +52,7 @@ REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
 # COTHINK_BF16_DECODE=0 keeps them on oneDNN (execution/native_modules.py)
 BF16_DECODE = os.environ.get("COTHINK_BF16_DECODE", "1") != "0"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 10
+ABI_VERSION = 11
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales,
@@ -77,8 +78,8 @@ _SIGNATURES = {
     "ct_gated_rms_norm": [_P, _P, _I, _P, _P, _I, _I, _I, _F, ctypes.c_int],
     "ct_gdn_token": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _F, ctypes.c_int],
     "ct_store_kv": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int],
-    "ct_decode_attention": [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _F, _P,
-                            ctypes.c_int, _I],
+    "ct_decode_attention": [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P,
+                            _F, _P, ctypes.c_int, _I],
     "ct_linear": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I],
     "ct_head_rms_norm": [_P, _I, _I, _P, _P, _I, _I, _I, _F, ctypes.c_int, ctypes.c_int],
     "ct_sigmoid_gate": [_P, _P, _I, _I, _P, _I, _I, _I, ctypes.c_int],
@@ -130,7 +131,8 @@ class CtStepKeys(ctypes.Structure):
     _fields_ = [
         ("pool_k", _P), ("pool_v", _P), ("pool_layer", _I), ("store_slots", _P), ("key_cos", _P),
         ("key_sin", _P), ("items", _I), ("rows", _P), ("run_start", _P), ("key_start", _P), ("slots", _P),
-        ("cos", _P), ("sin", _P), ("rot", _I), ("scale", _F),
+        ("cos", _P), ("sin", _P), ("groups", _I), ("group_start", _P), ("group_runs", _P), ("shared_of", _P),
+        ("rot", _I), ("scale", _F),
     ]
 
 
@@ -546,7 +548,8 @@ def decode_attention(
     _library().ct_decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1), hq, pool_k.shape[1], d, plan.cos.shape[-1], plan.items,
         plan.rows.data_ptr(), plan.run_start.data_ptr(), plan.key_start.data_ptr(), plan.slots.data_ptr(),
-        plan.cos.data_ptr(), plan.sin.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), scale,
+        plan.cos.data_ptr(), plan.sin.data_ptr(), plan.groups, plan.group_start.data_ptr(),
+        plan.group_runs.data_ptr(), plan.shared_of.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), scale,
         out.data_ptr(), DTYPES[q.dtype], torch.get_num_threads() if threads is None else threads,
     )
 
@@ -751,7 +754,9 @@ def decode_layers(
         store_slots=store_slots.data_ptr(), key_cos=key_cos.data_ptr(), key_sin=key_sin.data_ptr(),
         items=plan.items, rows=plan.rows.data_ptr(), run_start=plan.run_start.data_ptr(),
         key_start=plan.key_start.data_ptr(), slots=plan.slots.data_ptr(), cos=plan.cos.data_ptr(),
-        sin=plan.sin.data_ptr(), rot=plan.cos.shape[-1], scale=scale,
+        sin=plan.sin.data_ptr(), groups=plan.groups, group_start=plan.group_start.data_ptr(),
+        group_runs=plan.group_runs.data_ptr(), shared_of=plan.shared_of.data_ptr(), rot=plan.cos.shape[-1],
+        scale=scale,
     )
     _library().ct_decode_layers(
         x.data_ptr(), x.shape[0], len(layers), layers, ctypes.byref(shape.struct), ctypes.byref(keys),
@@ -759,22 +764,50 @@ def decode_layers(
     )
 
 
+# Keys from which a run several items read (a shared block) is attended once for all of them (native.c
+# shared_tasks). Measured on a 2-core Zen 4 (32 items, SmolLM2's heads, bfloat16, ms per layer,
+# per item / shared): 256 keys 0.18 / 0.21, 512 0.31 / 0.25, 1024 0.56 / 0.44, 2048 1.13 / 0.94, 4096
+# 2.24 / 1.88; float32 P V, the same in both, is half of the shared path's time.
+SHARED_MIN_KEYS = 512
+
+
 class DecodePlan:
     """The key runs of a step's single-query items in the flat arrays ct_decode_attention reads
     (layer-independent: built once per step). `runs[i]` lists item i's runs as (slots [L], cos, sin)
-    with cos/sin [1, 1, rot] prepared tables in the pool's dtype."""
+    with cos/sin [1, 1, rot] prepared tables in the pool's dtype, or (slots, cos, sin, shared): runs of
+    several items with the same `shared` key (a block they all read, the same slots) and at least
+    `shared_min_keys` keys (default SHARED_MIN_KEYS) form a group that the kernel attends once for all
+    its readers (bfloat16 pools where the CPU has AVX-512 BF16; within float32 rounding of attending it
+    per item)."""
 
-    def __init__(self, rows: list[int], runs: list[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]):
+    def __init__(self, rows: list[int], runs: list[list[tuple[Any, ...]]],
+                 shared_min_keys: int | None = None):
         flat = [run for item in runs for run in item]
-        lengths = [slots.numel() for slots, _, _ in flat]
+        lengths = [run[0].numel() for run in flat]
         self.items = len(rows)
-        # the three index arrays in one tensor (a step's planning pays per tensor built)
+        # the index arrays in one tensor (a step's planning pays per tensor built)
         run_start = [0, *accumulate(len(item) for item in runs)]
-        index = torch.tensor([*rows, *run_start, 0, *accumulate(lengths)], dtype=torch.long)
-        self.rows, self.run_start, self.key_start = index.split([len(rows), len(run_start), len(flat) + 1])
-        self.slots = _joined([slots.to(torch.long) for slots, _, _ in flat])
-        self.cos = _joined([cos.reshape(1, -1) for _, cos, _ in flat])
-        self.sin = _joined([sin.reshape(1, -1) for _, _, sin in flat])
+        least = SHARED_MIN_KEYS if shared_min_keys is None else shared_min_keys
+        readers: dict[Any, list[int]] = {}
+        for r, run in enumerate(flat):
+            if len(run) > 3 and run[3] is not None and run[0].numel() >= least:
+                readers.setdefault(run[3], []).append(r)
+        groups = [group for group in readers.values() if len(group) > 1]
+        shared_of = [-1] * len(flat)
+        for reader, r in enumerate(r for group in groups for r in group):
+            shared_of[r] = reader
+        group_start = [0, *accumulate(len(group) for group in groups)]
+        index = torch.tensor([*rows, *run_start, 0, *accumulate(lengths), *group_start,
+                              *(r for group in groups for r in group), *shared_of], dtype=torch.long)
+        (self.rows, self.run_start, self.key_start, self.group_start, self.group_runs,
+         self.shared_of) = index.split([len(rows), len(run_start), len(flat) + 1, len(group_start),
+                                        group_start[-1], len(flat)])
+        self.groups = len(groups)
+        # key reads the grouping saves: each grouped run read once rather than once per reader
+        self.grouped_reads = sum((len(group) - 1) * lengths[group[0]] for group in groups)
+        self.slots = _joined([run[0].to(torch.long) for run in flat])
+        self.cos = _joined([run[1].reshape(1, -1) for run in flat])
+        self.sin = _joined([run[2].reshape(1, -1) for run in flat])
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
