@@ -826,7 +826,7 @@ static inline void attend_chunk_bf16(const bf16 *qb, const char *const *k, const
 
 /* scores s[i][0 .. CHUNK - 1] of NR (constant after inlining) query rows qr[i] (bfloat16 pairs)
    against the packed keys kp[p * CHUNK + c] */
-static inline __attribute__((always_inline)) void prefill_scores(const uint32_t *const *qr, const uint32_t *kp,
+static inline __attribute__((always_inline)) void score_rows(const uint32_t *const *qr, const uint32_t *kp,
                                                                  int64_t pairs, float *s, const int nr) {
     __m512 acc[6][CHUNK_VECS];
     for (int i = 0; i < nr; i++)
@@ -841,6 +841,23 @@ static inline __attribute__((always_inline)) void prefill_scores(const uint32_t 
     }
     for (int i = 0; i < nr; i++)
         for (int u = 0; u < CHUNK_VECS; u++) _mm512_storeu_ps(s + i * CHUNK + 16 * u, acc[i][u]);
+}
+
+/* scores s[r][0 .. CHUNK - 1] of `rows` query rows q[r] against a chunk's packed keys kp, six rows per
+   pass over the keys (24 accumulators) */
+static void chunk_scores(const uint32_t *const *q, int64_t rows, const uint32_t *kp, int64_t pairs, float *s) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+        const uint32_t *const *qr = q + r0;
+        float *sr = s + r0 * CHUNK;
+        switch (rows - r0 < 6 ? rows - r0 : 6) {
+        case 6: score_rows(qr, kp, pairs, sr, 6); break;
+        case 5: score_rows(qr, kp, pairs, sr, 5); break;
+        case 4: score_rows(qr, kp, pairs, sr, 4); break;
+        case 3: score_rows(qr, kp, pairs, sr, 3); break;
+        case 2: score_rows(qr, kp, pairs, sr, 2); break;
+        default: score_rows(qr, kp, pairs, sr, 1);
+        }
+    }
 }
 
 /* Shared runs (a block several items of a step read: a shared context): with bfloat16 pools, each
@@ -875,13 +892,15 @@ static void shared_tasks(void *ctx, int64_t begin, int64_t end) {
         int64_t last = first + SHARED_READERS < sj->group_start[group + 1] ? first + SHARED_READERS
                                                                             : sj->group_start[group + 1];
         int64_t rows = (last - first) * g, run0 = sj->group_runs[sj->group_start[group]];
+        const uint32_t *qrows[rows];
+        for (int64_t r = 0; r < rows; r++) qrows[r] = (const uint32_t *)(qb + r * d);
         for (int64_t i = first; i < last; i++) { /* each reader's queries of this key head, rotated for the run */
             int64_t r = sj->group_runs[i];
             const char *qrow = (const char *)j->q + j->rows[sj->run_item[r]] * j->qs * size;
             for (int64_t h = 0; h < g; h++) {
                 load_row(qrow + (kh * g + h) * j->qh * size, d, 1, qf);
-                rotate(qf, d, j->rot, (const char *)j->cos + r * j->rot * size, (const char *)j->sin + r * j->rot * size,
-                       1, qr);
+                int64_t at = r * j->rot * size; /* the run's tables */
+                rotate(qf, d, j->rot, (const char *)j->cos + at, (const char *)j->sin + at, 1, qr);
                 for (int64_t e = 0; e < d; e++) qb[((i - first) * g + h) * d + e] = to_bf16(qr[e]); /* exact */
             }
         }
@@ -898,19 +917,7 @@ static void shared_tasks(void *ctx, int64_t begin, int64_t end) {
                 for (int64_t p = 0; p < d / 2; p++) kp[p * CHUNK + x] = x < c ? kr[p] : 0;
                 if (x < c) v[x] = (const char *)j->pool_v + (j->slots[a + x] * j->hkv + kh) * d * size;
             }
-            for (int64_t r0 = 0; r0 < rows; r0 += 6) {
-                const uint32_t *q6[6];
-                int64_t nr = rows - r0 < 6 ? rows - r0 : 6;
-                for (int64_t i = 0; i < nr; i++) q6[i] = (const uint32_t *)(qb + (r0 + i) * d);
-                switch (nr) {
-                case 6: prefill_scores(q6, kp, d / 2, s + r0 * CHUNK, 6); break;
-                case 5: prefill_scores(q6, kp, d / 2, s + r0 * CHUNK, 5); break;
-                case 4: prefill_scores(q6, kp, d / 2, s + r0 * CHUNK, 4); break;
-                case 3: prefill_scores(q6, kp, d / 2, s + r0 * CHUNK, 3); break;
-                case 2: prefill_scores(q6, kp, d / 2, s + r0 * CHUNK, 2); break;
-                default: prefill_scores(q6, kp, d / 2, s + r0 * CHUNK, 1);
-                }
-            }
+            chunk_scores(qrows, rows, kp, d / 2, s);
             for (int64_t r = 0; r < rows; r++) {
                 float *sr = s + r * CHUNK;
                 for (int64_t x = 0; x < CHUNK; x += 16)
@@ -2351,6 +2358,9 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
     int64_t t1 = t0 + j->tokens < j->t ? t0 + j->tokens : j->t, rows = (t1 - t0) * g;
     int64_t shift = j->keys - j->t; /* causal: token t sees keys 0 .. shift + t */
     int64_t end = j->causal ? shift + t1 : j->keys;
+    const uint32_t *qrows[rows]; /* query row r: token t0 + r / g, head h g + r % g */
+    for (int64_t r = 0; r < rows; r++)
+        qrows[r] = (const uint32_t *)(j->q + (t0 + r / g) * j->qs + (h * g + r % g) * d);
     for (int64_t r = 0; r < rows; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -2360,21 +2370,7 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
         int64_t n = end - k0 < CHUNK ? end - k0 : CHUNK, block = h * j->blocks + k0 / CHUNK;
         const uint32_t *kp = j->kp + block * pairs * CHUNK;
         const uint32_t *vp = j->vp + block * PREFILL_PAIRS * d;
-        for (int64_t r0 = 0; r0 < rows; r0 += 6) { /* scores, six rows per pass over the keys */
-            const uint32_t *qr[6];
-            for (int64_t i = 0; i < 6 && r0 + i < rows; i++) {
-                int64_t r = r0 + i;
-                qr[i] = (const uint32_t *)(j->q + (t0 + r / g) * j->qs + (h * g + r % g) * d);
-            }
-            switch (rows - r0 < 6 ? rows - r0 : 6) {
-            case 6: prefill_scores(qr, kp, pairs, s + r0 * CHUNK, 6); break;
-            case 5: prefill_scores(qr, kp, pairs, s + r0 * CHUNK, 5); break;
-            case 4: prefill_scores(qr, kp, pairs, s + r0 * CHUNK, 4); break;
-            case 3: prefill_scores(qr, kp, pairs, s + r0 * CHUNK, 3); break;
-            case 2: prefill_scores(qr, kp, pairs, s + r0 * CHUNK, 2); break;
-            default: prefill_scores(qr, kp, pairs, s + r0 * CHUNK, 1);
-            }
-        }
+        chunk_scores(qrows, rows, kp, pairs, s);
         for (int64_t r = 0; r < rows; r++) { /* online softmax: s <- p (0 where hidden), scale[r] */
             int64_t visible = j->causal ? shift + t0 + r / g + 1 - k0 : n; /* keys of this block row r sees */
             visible = visible > n ? n : (visible < 0 ? 0 : visible);
