@@ -755,21 +755,23 @@ static inline __attribute__((always_inline)) void pv_block(float *o, const float
         for (int u = 0; u < ne; u++) _mm512_storeu_ps(o + j * d + e + 16 * u, y[j][u]);
 }
 
-/* The online softmax of one row's chunk of c scores sj (scaled): in place p = exp(s - max) (0 past c),
-   the row's running max m and sum l updated; returns the rescale of what came before (0 on the
-   first chunk, m = -inf) */
-static inline float softmax_chunk(float *sj, int64_t c, float *m, float *l) {
-    __m512 top16 = _mm512_set1_ps(*m), sum16 = _mm512_setzero_ps();
+/* The online softmax of one row's chunk of CHUNK dot products sj, the first c of them seen (1 <= c): in
+   place p = exp(s scale - max) for those, 0 for the rest of the chunk; the row's running max m and
+   sum l updated; returns the rescale of what came before (0 on the first chunk, m = -inf). The
+   decode attention's per head, the shared runs' and the prefill's per query row. */
+static inline float softmax_chunk(float *sj, int64_t c, float scale, float *m, float *l) {
+    __m512 k = _mm512_set1_ps(scale), top16 = _mm512_set1_ps(*m), sum16 = _mm512_setzero_ps();
     for (int64_t x = 0; x < c; x += 16) {
         __mmask16 in = lanes_below(c - x);
-        top16 = _mm512_mask_max_ps(top16, in, top16, _mm512_maskz_loadu_ps(in, sj + x));
+        top16 = _mm512_mask_max_ps(top16, in, top16, _mm512_mul_ps(_mm512_maskz_loadu_ps(in, sj + x), k));
     }
     float top = _mm512_reduce_max_ps(top16);
     float rescale = fast_exp(*m - top);
     *m = top;
-    for (int64_t x = 0; x < c; x += 16) {
+    for (int64_t x = 0; x < CHUNK; x += 16) {
         __mmask16 in = lanes_below(c - x);
-        __m512 p = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_loadu_ps(sj + x), _mm512_set1_ps(top))));
+        __m512 p = _mm512_maskz_mov_ps(in, exp16(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(sj + x), k),
+                                                               _mm512_set1_ps(top))));
         _mm512_storeu_ps(sj + x, p);
         sum16 = _mm512_add_ps(sum16, p);
     }
@@ -811,13 +813,13 @@ static inline void attend_chunk_bf16(const bf16 *qb, const char *const *k, const
         v16 a[16];
         for (; x + 16 <= c; x += 16) {
             dot_pairs(qj, k + x, d, a, 16);
-            _mm512_storeu_ps(sj + x, _mm512_mul_ps((__m512)sum16x16(a), _mm512_set1_ps(scale)));
+            _mm512_storeu_ps(sj + x, (__m512)sum16x16(a));
         }
         for (; x < c; x++) {
             dot_pairs(qj, k + x, d, a, 1);
-            sj[x] = _mm512_reduce_add_ps((__m512)a[0]) * scale;
+            sj[x] = _mm512_reduce_add_ps((__m512)a[0]);
         }
-        scores[CHUNK * g + j] = softmax_chunk(sj, c, m + j, l + j);
+        scores[CHUNK * g + j] = softmax_chunk(sj, c, scale, m + j, l + j);
     }
     pv_rows(acc, scores, scores + CHUNK * g, v, c, d, g);
 }
@@ -827,7 +829,7 @@ static inline void attend_chunk_bf16(const bf16 *qb, const char *const *k, const
 /* scores s[i][0 .. CHUNK - 1] of NR (constant after inlining) query rows qr[i] (bfloat16 pairs)
    against the packed keys kp[p * CHUNK + c] */
 static inline __attribute__((always_inline)) void score_rows(const uint32_t *const *qr, const uint32_t *kp,
-                                                                 int64_t pairs, float *s, const int nr) {
+                                                             int64_t pairs, float *s, const int nr) {
     __m512 acc[6][CHUNK_VECS];
     for (int i = 0; i < nr; i++)
         for (int u = 0; u < CHUNK_VECS; u++) acc[i][u] = _mm512_setzero_ps();
@@ -918,12 +920,7 @@ static void shared_tasks(void *ctx, int64_t begin, int64_t end) {
                 if (x < c) v[x] = (const char *)j->pool_v + (j->slots[a + x] * j->hkv + kh) * d * size;
             }
             chunk_scores(qrows, rows, kp, d / 2, s);
-            for (int64_t r = 0; r < rows; r++) {
-                float *sr = s + r * CHUNK;
-                for (int64_t x = 0; x < CHUNK; x += 16)
-                    _mm512_storeu_ps(sr + x, _mm512_mul_ps(_mm512_loadu_ps(sr + x), _mm512_set1_ps(j->scale)));
-                rescale[r] = softmax_chunk(sr, c, m + r, l + r);
-            }
+            for (int64_t r = 0; r < rows; r++) rescale[r] = softmax_chunk(s + r * CHUNK, c, j->scale, m + r, l + r);
             pv_rows(acc, s, rescale, v, c, d, rows);
         }
         for (int64_t i = first; i < last; i++) { /* the readers' partials, head by head */
@@ -2380,26 +2377,12 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
                 rescale[r] = 1.0f;
                 continue;
             }
-            __m512 scale = _mm512_set1_ps(j->scale), hidden = _mm512_set1_ps(-INFINITY), x[CHUNK_VECS];
-            __m512 most = hidden, total = _mm512_setzero_ps();
-            for (int u = 0; u < CHUNK_VECS; u++) {
-                x[u] = _mm512_mask_mul_ps(hidden, lanes_below(visible - 16 * u), _mm512_loadu_ps(sr + 16 * u), scale);
-                most = _mm512_max_ps(most, x[u]);
-            }
-            float top = _mm512_reduce_max_ps(most);
-            top = m[r] > top ? m[r] : top;
-            float alpha = fast_exp(m[r] - top);
-            __m512 shift_top = _mm512_set1_ps(top);
-            for (int u = 0; u < CHUNK_VECS; u++) {
-                x[u] = exp16(_mm512_sub_ps(x[u], shift_top));
-                total = _mm512_add_ps(total, x[u]);
-            }
+            rescale[r] = softmax_chunk(sr, visible, j->scale, m + r, l + r);
             /* P rounded to bfloat16 for P V (as torch's flash kernel does); its sum l stays float32 */
-            for (int u = 0; u < CHUNK_VECS; u += 2)
-                _mm512_storeu_si512(pb + r * PREFILL_PAIRS + 8 * u, (__m512i)_mm512_cvtne2ps_pbh(x[u + 1], x[u]));
-            m[r] = top;
-            l[r] = l[r] * alpha + _mm512_reduce_add_ps(total);
-            rescale[r] = alpha;
+            for (int64_t x = 0; x < CHUNK; x += 32) {
+                __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + x + 16), _mm512_loadu_ps(sr + x));
+                _mm512_storeu_si512(pb + r * PREFILL_PAIRS + x / 2, (__m512i)pairs);
+            }
         }
         for (int64_t r0 = 0; r0 < rows; r0 += 4) { /* o <- o alpha + P V, four rows per pass over V */
             int64_t nr = rows - r0 < 4 ? rows - r0 : 4, e0 = 0;
