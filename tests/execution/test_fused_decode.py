@@ -85,9 +85,11 @@ def test_fused_decode_is_the_per_module_path_to_the_bit(
     fused = tiny_model(name).runner(dtype=dtype, quantize=quantize)
     modules = tiny_model(name).runner(dtype=dtype, quantize=quantize)
     assert fused.fused_decode is not None
-    int8 = torch.int16 if native.bf16_pairs() else torch.int8  # int8 in pairs where they run
-    int4 = torch.uint16 if native.bf16_pairs() and dtype == torch.bfloat16 else torch.uint8  # 4-bit pairs
-    storage = {None: dtype, "int8": int8, "int4": int4}[quantize]
+    kind = native.WEIGHT_TYPES
+    int8 = kind[torch.int16 if native.bf16_pairs() else torch.int8]  # int8 in pairs where they run
+    # 4-bit pairs (their scales halves: the quantizer's are) for bfloat16 activations where they run
+    int4 = native.WT_Q4_HALF if native.bf16_pairs() and dtype == torch.bfloat16 else kind[torch.uint8]
+    storage = {None: kind[dtype], "int8": int8, "int4": int4}[quantize]
     assert fused.fused_decode.weights == storage
     modules.fused_decode = None
     before = torch.get_num_threads()
@@ -99,6 +101,36 @@ def test_fused_decode_is_the_per_module_path_to_the_bit(
     finally:
         torch.set_num_threads(before)
     assert len(fused_calls) == 7
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
+
+
+@pytest.mark.skipif(not native.bf16_pairs(), reason="4-bit pairs: AVX-512 BF16, no AMX tiles")
+def test_4bit_scales_that_are_not_halves_keep_float32_pairs(tiny_model, fused_calls, c_linears, monkeypatch):
+    """One 4-bit layer whose scales are not halves (as Q4_K's are not) keeps every layer's pairs on
+    float32 scales (one storage kind for the fused step), and the step is still the per-module path's
+    to the bit."""
+    from cothink.models.quant4 import Int4Weights
+
+    quantize = Int4Weights.quantize.__func__
+    calls = []
+
+    def some_not_halves(cls, weight):
+        w = quantize(cls, weight)
+        calls.append(w)
+        if len(calls) > 1:
+            return w
+        return Int4Weights(w.packed, w.scale * (1 + 2.0**-20))  # a scale between two halves
+
+    monkeypatch.setattr(Int4Weights, "quantize", classmethod(some_not_halves))
+    fused = tiny_model("llama3").runner(dtype=torch.bfloat16, quantize="int4")
+    calls.clear()
+    modules = tiny_model("llama3").runner(dtype=torch.bfloat16, quantize="int4")
+    assert fused.fused_decode.weights == native.WEIGHT_TYPES[torch.uint16]  # float32 scales
+    modules.fused_decode = None
+    got, got_kv = _conversation(fused)
+    want, want_kv = _conversation(modules)
+    assert fused_calls == [3] * 5 + [1, 1]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
 
@@ -205,7 +237,7 @@ def test_packed_bfloat16_linears_take_the_c_kernel_where_it_has_bfloat16_dot_pro
     wider = x[: limit + 1]
     assert torch.equal(lin(wider), packing.PackedLinear.forward(lin, wider))  # oneDNN's product
     assert fused.fused_decode is not None
-    assert fused.fused_decode.weights == (torch.int32 if pairs else torch.bfloat16)
+    assert fused.fused_decode.weights == native.WEIGHT_TYPES[torch.int32 if pairs else torch.bfloat16]
     assert fused.fused_decode.max_rows == limit
     modules.fused_decode = None
     got, got_kv = _conversation(fused)

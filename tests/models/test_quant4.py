@@ -171,6 +171,38 @@ def test_4bit_pairs_stay_within_the_bound_for_any_threads_and_batch():
 
 
 @needs_pairs
+def test_4bit_pairs_with_half_scales_are_the_float32_scales_results():
+    """Scales and offsets that are halves exactly (the quantizer's; GGUF Q4_0 and Q4_1 store them so)
+    kept as halves in the pairs (native.c WT_Q4PH): the same results to the bit as float32 scales, at
+    any row count and thread count; Q4_K's scales (d sc) are not halves and are refused as halves."""
+    torch.manual_seed(4)
+    n, k = 96, 320
+    weights = Int4Weights.quantize(torch.randn(n, k) * 0.05)
+    assert native.halves_exact(weights.scale)
+    pairs, scales = native.pack_q4_pairs(weights.packed, weights.scale)
+    same, halves = native.pack_q4_pairs(weights.packed, weights.scale, half=True)
+    assert torch.equal(same, pairs) and halves.dtype == torch.float16 and torch.equal(halves.float(), scales)
+    bias = torch.randn(n).bfloat16()
+    assert native.linear_fits(pairs, bias, halves) and not native.linear_fits(pairs, bias, halves.bfloat16())
+    x = torch.randn(33, k).bfloat16()
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 3):
+            torch.set_num_threads(threads)
+            for m in (1, 3, 8, 9, 33):
+                for float_out in (False, True):
+                    got = native.linear(x[:m], pairs, bias, scale=halves, float_out=float_out)
+                    want = native.linear(x[:m], pairs, bias, scale=scales, float_out=float_out)
+                    assert torch.equal(got, want)
+    finally:
+        torch.set_num_threads(before)
+    q4k = Int4Weights.from_gguf(_q4k_blocks(n, 512, seed=5), Q.Q4_K, (n, 512))
+    assert not native.halves_exact(q4k.scale)
+    with pytest.raises(ValueError, match="not all halves"):
+        native.pack_q4_pairs(q4k.packed, q4k.scale, half=True)
+
+
+@needs_pairs
 def test_native_4bit_linear_takes_pairs_for_bfloat16_activations():
     """The native module reads the weight in pairs where the model's activations are bfloat16 (given at
     the swap), the packed weight otherwise; rows of the other dtype take the torch path."""

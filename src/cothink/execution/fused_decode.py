@@ -53,12 +53,12 @@ class FusedDecode:
     """Runs a model's decoder layers in one C call (`for_model`; the native backend's `prepare`
     decides per step and builds its `FusedStep`)."""
 
-    def __init__(self, model: CausalLM, weights: torch.dtype, params: list[dict[str, torch.Tensor | None]],
+    def __init__(self, model: CausalLM, weights: int, params: list[dict[str, torch.Tensor | None]],
                  linears: list[dict[str, Operands]]):
         """Each layer's tensors by native.CtLayer field (`_layer_params`, `_layer_linears`): the
         layer table points into them."""
         cfg = model.config
-        self.weights = weights  # the linears' storage: the model dtype or int8
+        self.weights = weights  # the linears' storage kind (`native.weight_kind`)
         g = cfg.gdn
         self.shape = native.LayerShape(
             cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size,
@@ -103,11 +103,11 @@ class FusedDecode:
         if any(not isinstance(m, NativeLinear) or m.native_rows < 1 for m in linears):
             return None
         dtype = layers[0].input_layernorm.weight.dtype  # the activations'
-        storage = {m.operands()[0].dtype for m in linears}
-        # model-dtype, int8, 4-bit (uint8: two codes per byte), bfloat16 pairs (int32), int8 pairs (int16)
-        # or 4-bit pairs (uint16) weights: one kind for every layer
-        kinds = ({dtype}, {torch.int8}, {torch.uint8}, {torch.int32}, {torch.int16}, {torch.uint16})
-        if storage not in kinds or not all(m.takes_dtype(dtype) for m in linears):
+        storage = {native.weight_kind(*m.operands()[:2]) for m in linears}
+        # one kind for every layer: model-dtype, int8, 4-bit (uint8: two codes per byte), bfloat16 pairs
+        # (int32), int8 pairs (int16) or 4-bit pairs (uint16, float32 or half scales) weights
+        other_dtype = {kind for t, kind in native.DTYPES.items() if t != dtype}
+        if len(storage) != 1 or storage & other_dtype or not all(m.takes_dtype(dtype) for m in linears):
             return None
         params = [_layer_params(layer) for layer in layers]
         tensors = [t for p in params for t in p.values() if t is not None]

@@ -15,13 +15,16 @@ rounded to the activations' dtype once. GGUF's Q4_0 (w = d (q - 8)), Q4_1 (w = d
 32-weight sub-block w = (d sc) q - (dmin m)) are all of this form with float32 scale and offset, and
 `Int4Weights.from_gguf` maps them exactly: its dequantized values equal the `gguf` package's
 `dequantize` (to the bit, but for the sign of a zero: Q4_0's d (q - 8) is -0.0 where d < 0 and
-q = 8). Quantizing a float weight (`Int4Weights.quantize`, at load) takes per group offset = min,
-scale = (max - min) / 15, q = round((w - min) / scale) clamped to 0..15: the float32 form of Q4_1 (a
-weight that is a Q4_1 dequantization in float32 is recovered to the bit almost everywhere, tested).
+q = 8). Quantizing a float weight (`Int4Weights.quantize`, at load) takes per group offset = min
+and scale = (max - offset) / 15, each rounded to a half as Q4_1 stores them, and q = round((w - offset)
+/ scale) clamped to 0..15: Q4_1's values (a weight that is a Q4_1 dequantization in float32 is
+recovered to the bit almost everywhere, tested). Q4_0's and Q4_1's scales and offsets, and the
+quantizer's, are halves exactly; Q4_K's products d sc are not.
 GGUF files are read by `load_gguf_int4`, which takes a llama-architecture file's 4-bit tensors as
 they are.
 
-Storage is 6 bits per weight (4 for the code, 2 for the float32 scale and offset); activations, norms,
+Storage is 6 bits per weight (4 for the code, 2 for the float32 scale and offset; the C kernel's copy in
+pairs, below, 5 where every scale and offset of the model is a half); activations, norms,
 attention, the KV pool and the (tied) embedding keep the model's dtype. The lm_head gets its own int8
 copy (models/quantize.py `Int8Linear`), as GGUF's 4-bit files keep the output at 6 bits or more: on
 SmolLM2's fixed text (`bench/int4_quality.py`) its layers quantized at load with an int8 lm_head raise
@@ -42,7 +45,9 @@ output before the rounding to the activations' dtype:
 from it. For a bfloat16 model where `native.bf16_pairs` (AVX-512 BF16 without AMX tiles), the native
 module reads a copy of the weight reordered in tiles of 32 outputs (`native.pack_q4_pairs`, native.c
 WT_Q4P): the same per-group regrouping with each output along a vector lane (no horizontal sums, a
-group's offsets on vectors too), within the same bound, one fixed order per output; the packed weight
+group's offsets on vectors too), within the same bound, one fixed order per output; its scales and
+offsets as halves (WT_Q4PH, the same results) where every 4-bit layer's are halves exactly (GGUF Q4_0 and
+Q4_1, the quantizer; not Q4_K): a sixth fewer bytes for the decode to read; the packed weight
 stays for the wider products, so those 4-bit weights are held twice (SmolLM2 +76 MiB). Wider inputs
 (prefill chunks), and every input without the C kernels, dequantize the weight
 (`native.q4_dequant`, the reference's values to the bit) and run a GEMM. Float32 activations, or a
@@ -131,11 +136,13 @@ class Int4Weights:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor) -> Int4Weights:
-        """Per group of 32: offset = min, scale = (max - min) / 15, q = round((w - min) / scale)."""
+        """Per group of 32: offset = min and scale = (max - offset) / 15, each rounded to a half (as Q4_1
+        stores them; a value beyond the halves' range stays float32), q = round((w - offset) / scale)
+        clamped to 0..15."""
         n, k = weight.shape
         w = weight.detach().float().reshape(n, k // Q4_GROUP, Q4_GROUP)
-        low, high = w.amin(dim=-1), w.amax(dim=-1)
-        scale = (high - low) / 15.0
+        low = _to_half(w.amin(dim=-1))
+        scale = _to_half((w.amax(dim=-1) - low) / 15.0)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant group: every q is 0
         q = torch.round((w - low[..., None]) / safe[..., None]).clamp(0, 15)
         return cls.from_codes(q.to(torch.uint8).view(n, k), scale, low)
@@ -257,6 +264,12 @@ def _int4_or_dense(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module
     if weight.shape[1] % Q4_GROUP == 0:
         return Int4Linear(weight, bias)
     return CpuLinear(weight, bias)
+
+
+def _to_half(x: torch.Tensor) -> torch.Tensor:
+    """float32 x rounded to the nearest half, where that is finite."""
+    half = x.half().float()
+    return torch.where(torch.isfinite(half), half, x)
 
 
 def quantize_int4(model: nn.Module, gguf: Path | None = None) -> nn.Module:

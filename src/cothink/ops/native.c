@@ -31,7 +31,7 @@
 
 /* The version of this library's interface (the ct_* signatures and the tables they read), raised with
  * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
-#define CT_ABI_VERSION 11
+#define CT_ABI_VERSION 12
 
 int ct_abi_version(void) { return CT_ABI_VERSION; }
 
@@ -1112,10 +1112,11 @@ void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int6
 /* Weight storage of ct_linear: the model dtype (x's: float32 or bfloat16), int8 with a bfloat16
  * scale per output row (weight-only quantization, models/quantize.py), 4-bit groups (WT_Q4, below;
  * models/quant4.py), or in pairs (where the CPU has AVX-512 BF16, below): bfloat16 (WT_BF16P), int8
- * (WT_INT8P) or 4-bit (WT_Q4P). */
-enum { WT_F32 = 0, WT_BF16 = 1, WT_INT8 = 2, WT_Q4 = 3, WT_BF16P = 4, WT_INT8P = 5, WT_Q4P = 6 };
+ * (WT_INT8P) or 4-bit (WT_Q4P, or WT_Q4PH: the same with half-precision scales and offsets). */
+enum { WT_F32 = 0, WT_BF16 = 1, WT_INT8 = 2, WT_Q4 = 3, WT_BF16P = 4, WT_INT8P = 5, WT_Q4P = 6, WT_Q4PH = 7 };
+#define WT_Q4_PAIRS(wt) ((wt) == WT_Q4P || (wt) == WT_Q4PH)
 
-/* bytes of one weight row of k elements (WT_BF16P, WT_INT8P, WT_Q4P: of PAIR_TILE rows, per row) */
+/* bytes of one weight row of k elements (WT_BF16P, WT_INT8P, WT_Q4P(H): of PAIR_TILE rows, per row) */
 static inline int64_t weight_row_bytes(int wt, int64_t k) {
     return wt == WT_F32 ? 4 * k
          : (wt == WT_BF16 || wt == WT_BF16P ? 2 * k : (wt == WT_INT8 || wt == WT_INT8P ? k : k / 2));
@@ -1440,7 +1441,11 @@ static inline __attribute__((always_inline)) void pairs_tile(const void *wt, con
  * within the bound models/quant4.py states, one fixed order per output whatever the rows. Where WT_Q4 sums
  * 16 lanes per output and row and adds each group's offset in scalar code, this is a GEMM tile: no
  * horizontal sums. Measured on a 2-core Zen 4 over 30 SmolLM2 layers' products (ms per step of m rows,
- * this / WT_Q4): m = 1 4.9 / 5.5, 8 7.6 / 14.3, 32 24.0 / 54.8 (int8 pairs 6.2, 7.6, 25.5). */
+ * this / WT_Q4): m = 1 4.9 / 5.5, 8 7.6 / 14.3, 32 24.0 / 54.8 (int8 pairs 6.2, 7.6, 25.5).
+ * WT_Q4PH: the same tiles with the scales and offsets as IEEE half (where every one of them is a half
+ * exactly: GGUF's Q4_0 and Q4_1 store them so, and so does models/quant4.py's quantizer), widened to
+ * float32 as read (VCVTPH2PS, exact): the same values and sums, so the same results to the bit, from 5
+ * bits a weight instead of 6. */
 
 /* The codes 0..15 as bfloat16 (exact), a table for VPERMW (entries 16..31 unused) */
 static const uint16_t Q4_BF16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
@@ -1453,12 +1458,19 @@ static inline void widen_pairs_q4(const uint8_t *b, __m512i table, __m512bh *w0,
     *w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(c, 4), table);
 }
 
+/* 16 of a WT_Q4P tile's scales or offsets from element i of sm, as float32: float32, or half (WT_Q4PH) */
+static inline __attribute__((always_inline)) __m512 q4_scales(const void *sm, int64_t i, const int half) {
+    if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)sm + i)));
+    return _mm512_loadu_ps((const float *)sm + i);
+}
+
 /* A WT_Q4P tile's products for NR rows (constant after inlining): the codes widened as read, or (WIDE, a
-   constant) the tile already widened to bfloat16 pairs ([k / 2][PAIR_TILE], `widen_tile`), the same values */
-static inline __attribute__((always_inline)) void q4_pairs_tile(const void *wt, const float *sm, const bf16 *x,
+   constant) the tile already widened to bfloat16 pairs ([k / 2][PAIR_TILE], `widen_tile`), the same values;
+   HALF (a constant): the scales halves (WT_Q4PH) */
+static inline __attribute__((always_inline)) void q4_pairs_tile(const void *wt, const void *sm, const bf16 *x,
                                                                  const float *xsum, int64_t k, const void *bias,
                                                                  void *y, int64_t ys, int y_f32, const int nr,
-                                                                 const int wide) {
+                                                                 const int wide, const int half) {
     const __m512i table = _mm512_loadu_si512(Q4_BF16);
     __m512 a0[LINEAR_GROUP], a1[LINEAR_GROUP], d0[LINEAR_GROUP], d1[LINEAR_GROUP];
     for (int i = 0; i < nr; i++) a0[i] = a1[i] = _mm512_setzero_ps();
@@ -1483,10 +1495,11 @@ static inline __attribute__((always_inline)) void q4_pairs_tile(const void *wt, 
                 d1[i] = _mm512_dpbf16_ps(d1[i], w1, xb);
             }
         }
-        const float *s = sm + g * 2 * PAIR_TILE;
+        int64_t s = g * 2 * PAIR_TILE, bytes = half ? 2 : 4; /* the group's scales: `bytes` cache lines */
         if (!wide)
-            for (int c = 0; c < 4; c++) __builtin_prefetch(s + LINEAR_PREFETCH / 2 + 16 * c);
-        __m512 s0 = _mm512_loadu_ps(s), s1 = _mm512_loadu_ps(s + 16);
+            for (int c = 0; c < bytes; c++)
+                __builtin_prefetch((const char *)sm + s * bytes + LINEAR_PREFETCH / 2 * bytes + 64 * c);
+        __m512 s0 = q4_scales(sm, s, half), s1 = q4_scales(sm, s + 16, half);
         for (int i = 0; i < nr; i++) {
             a0[i] = _mm512_fmadd_ps(d0[i], s0, a0[i]);
             a1[i] = _mm512_fmadd_ps(d1[i], s1, a1[i]);
@@ -1495,7 +1508,7 @@ static inline __attribute__((always_inline)) void q4_pairs_tile(const void *wt, 
     /* the offsets' sums, after (the tile's scales in cache): fewer registers live in the loop above */
     for (int i = 0; i < nr; i++) d0[i] = d1[i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512 f0 = _mm512_loadu_ps(sm + g * 2 * PAIR_TILE + 32), f1 = _mm512_loadu_ps(sm + g * 2 * PAIR_TILE + 48);
+        __m512 f0 = q4_scales(sm, g * 2 * PAIR_TILE + 32, half), f1 = q4_scales(sm, g * 2 * PAIR_TILE + 48, half);
         for (int i = 0; i < nr; i++) {
             __m512 xs = _mm512_set1_ps(xsum[i * groups + g]);
             d0[i] = _mm512_fmadd_ps(f0, xs, d0[i]);
@@ -1517,7 +1530,7 @@ static void widen_tile(const void *wt, int wt_kind, int64_t pairs, uint32_t *out
     const __m512i table = _mm512_loadu_si512(Q4_BF16);
     for (int64_t p = 0; p < pairs; p++) {
         __m512bh w0, w1;
-        if (wt_kind == WT_Q4P) {
+        if (WT_Q4_PAIRS(wt_kind)) {
             widen_pairs_q4((const uint8_t *)wt + p * PAIR_TILE, table, &w0, &w1);
         } else { /* outputs 0-15, then 16-31: 32 bytes each, in order */
             w0 = widen_pairs_i8((const int8_t *)wt + p * 2 * PAIR_TILE);
@@ -1538,7 +1551,7 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const void *w, 
                               int64_t end, int bf, int y_f32) {
     static __thread uint32_t *widened; /* a tile of int8 or 4-bit weights as bfloat16 pairs */
     static __thread int64_t widened_k;
-    int q4 = wt_kind == WT_Q4P;
+    int q4 = WT_Q4_PAIRS(wt_kind), half = wt_kind == WT_Q4PH;
     int64_t size = bf ? 2 : 4, y_size = bf && !y_f32 ? 2 : 4, groups = k / Q4_GROUP;
     int as_read = wt_kind != WT_BF16P && m <= LINEAR_GROUP, scratch = wt_kind != WT_BF16P && !as_read;
     if (scratch && widened_k < k) {
@@ -1552,7 +1565,7 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const void *w, 
             widen_tile(wt, wt_kind, k / 2, widened);
             wt = widened;
         }
-        const void *sc = !scale ? NULL : q4 ? (const void *)((const float *)scale + r * groups * 2)
+        const void *sc = !scale ? NULL : q4 ? (const char *)scale + r * groups * 2 * (half ? 2 : 4)
                                             : (const void *)((const bf16 *)scale + r);
         const void *b = bias ? (const char *)bias + r * size : NULL;
         for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
@@ -1561,10 +1574,14 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const void *w, 
             void *yi = (char *)y + (i0 * ys + r) * y_size;
 #define PAIRS_CASE(M)                                                                    \
     case M:                                                                              \
-        if (q4 && as_read)                                                               \
-            q4_pairs_tile(wt, sc, x, xs, k, b, yi, ys, y_f32, M, 0);                     \
+        if (q4 && as_read && half)                                                       \
+            q4_pairs_tile(wt, sc, x, xs, k, b, yi, ys, y_f32, M, 0, 1);                  \
+        else if (q4 && as_read)                                                          \
+            q4_pairs_tile(wt, sc, x, xs, k, b, yi, ys, y_f32, M, 0, 0);                  \
+        else if (q4 && half)                                                             \
+            q4_pairs_tile(wt, sc, x, xs, k, b, yi, ys, y_f32, M, 1, 1);                  \
         else if (q4)                                                                     \
-            q4_pairs_tile(wt, sc, x, xs, k, b, yi, ys, y_f32, M, 1);                     \
+            q4_pairs_tile(wt, sc, x, xs, k, b, yi, ys, y_f32, M, 1, 0);                  \
         else if (as_read)                                                                \
             pairs_tile(wt, x, k, sc, b, yi, ys, bf, y_f32, M, 1);                        \
         else                                                                             \
@@ -1827,7 +1844,7 @@ int ct_linear_bf16_dot(void) { return LINEAR_BF16_PAIRS; }
 #endif
 /* whether ct_linear hands its kernel the bfloat16 input rows themselves (else float32 ones) */
 #define LINEAR_X_BF16(wt, bf)                                                                          \
-    (LINEAR_BF16_PAIRS && ((wt) == WT_BF16 || (wt) == WT_BF16P || (wt) == WT_INT8P || (wt) == WT_Q4P || \
+    (LINEAR_BF16_PAIRS && ((wt) == WT_BF16 || (wt) == WT_BF16P || (wt) == WT_INT8P || WT_Q4_PAIRS(wt) || \
                            ((wt) == WT_Q4 && (bf))))
 #define LINEAR_CASE(M)                                                                                   \
     case M:                                                                                              \
@@ -1847,7 +1864,7 @@ int ct_linear_bf16_dot(void) { return LINEAR_BF16_PAIRS; }
 typedef struct {
     const void *x;      /* [m, k] float32 in the kernel's order, or the bfloat16 rows (LINEAR_BF16_PAIRS) */
     const void *xp;     /* the bfloat16 rows packed for AMX (`pack_pairs`), or NULL */
-    const float *xsum;  /* [m, k / Q4_GROUP]: the rows' group sums (WT_Q4, WT_Q4P only) */
+    const float *xsum;  /* [m, k / Q4_GROUP]: the rows' group sums (WT_Q4, WT_Q4P(H) only) */
     const void *w, *bias, *scale;
     void *y;
     int64_t ys, m, k;
@@ -1859,7 +1876,7 @@ typedef struct {
 static void linear_rows(void *ctx, int64_t begin, int64_t end) {
     const LinearJob *j = ctx;
 #if LINEAR_BF16_PAIRS
-    if (j->wt == WT_BF16P || j->wt == WT_INT8P || j->wt == WT_Q4P) { /* whole tiles of PAIR_TILE outputs */
+    if (j->wt == WT_BF16P || j->wt == WT_INT8P || WT_Q4_PAIRS(j->wt)) { /* whole tiles of PAIR_TILE outputs */
         linear_rows_pairs(j->x, j->xsum, j->w, j->wt, j->scale, j->bias, j->y, j->ys, j->m, j->k, begin, end, j->bf,
                           j->y_f32);
         return;
@@ -1924,7 +1941,7 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
                 memcpy((bf16 *)xf + i * k, xi, (size_t)k * sizeof(bf16));
             else /* (WT_INT8P of float32 rows: x rounded to bfloat16, as WT_INT8 takes it) */
                 for (int64_t e = 0; e < k; e++) ((bf16 *)xf)[i * k + e] = to_bf16(((const float *)xi)[e]);
-            if (wt == WT_Q4 || wt == WT_Q4P)
+            if (wt == WT_Q4 || WT_Q4_PAIRS(wt))
                 for (int64_t g = 0; g < groups; g++) {
                     float part[Q4_GROUP];
                     load_row((const bf16 *)xi + g * Q4_GROUP, Q4_GROUP, 1, part);

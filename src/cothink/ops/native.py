@@ -52,13 +52,15 @@ REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
 # COTHINK_BF16_DECODE=0 keeps them on oneDNN (execution/native_modules.py)
 BF16_DECODE = os.environ.get("COTHINK_BF16_DECODE", "1") != "0"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 11
+ABI_VERSION = 12
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales,
 # 4-bit groups packed two to a byte (uint8, models/quant4.py) with a scale and offset per group, and
-# bfloat16 or int8 in pairs (int32 or int16, `pack_pairs`), 4-bit in pairs (uint16, `pack_q4_pairs`)
+# bfloat16 or int8 in pairs (int32 or int16, `pack_pairs`), 4-bit in pairs (uint16, `pack_q4_pairs`;
+# with half-precision scales, WT_Q4_HALF: `weight_kind`)
 WEIGHT_TYPES = {**DTYPES, torch.int8: 2, torch.uint8: 3, torch.int32: 4, torch.int16: 5, torch.uint16: 6}
+WT_Q4_HALF = 7
 # a weight's dtype -> the dtype of its pairs (`pack_pairs`)
 PAIRS_OF = {torch.bfloat16: torch.int32, torch.int8: torch.int16}
 # weights per 4-bit group (Q4_GROUP in native.c)
@@ -362,28 +364,48 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     return tiles.view(PAIRS_OF[weight.dtype]).reshape(n, k // 2)
 
 
-def pack_q4_pairs(weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def halves_exact(scale: torch.Tensor) -> bool:
+    """Whether every value of a float32 tensor is an IEEE half exactly (4-bit scales and offsets that
+    `pack_q4_pairs` may store as halves: GGUF's Q4_0 and Q4_1, models/quant4.py's quantizer)."""
+    return bool(torch.equal(scale.half().float(), scale))
+
+
+def pack_q4_pairs(
+    weight: torch.Tensor, scale: torch.Tensor, half: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A 4-bit weight (uint8 [N, K / 2] with float32 scales and offsets [N, K / Q4_GROUP, 2], as `linear`
     takes it; N a multiple of PAIR_TILE) in the layout `linear` reads as pairs (native.c WT_Q4P): uint16
     [N, K / 4] holding, per tile of PAIR_TILE outputs and group of Q4_GROUP inputs, 16 pairs of 32 bytes,
     byte j of pair p holding the code of output j // 2 at input 2p + j % 2 in its low nibble and that of
     output 16 + j // 2 in its high one; and the scales as [N / PAIR_TILE, K / Q4_GROUP, 2, PAIR_TILE] (per
-    tile and group the outputs' scales, then their offsets). The same codes and scales, reordered."""
-    n, half = weight.shape
-    groups = 2 * half // Q4_GROUP
-    if (weight.dtype != torch.uint8 or n % PAIR_TILE or half % (Q4_GROUP // 2)
+    tile and group the outputs' scales, then their offsets). The same codes and scales, reordered.
+    `half`: the scales as float16 (native.c WT_Q4PH: a sixth fewer bytes, the same results), for scales
+    that are halves exactly (`halves_exact`; else ValueError)."""
+    n, half_k = weight.shape
+    groups = 2 * half_k // Q4_GROUP
+    if (weight.dtype != torch.uint8 or n % PAIR_TILE or half_k % (Q4_GROUP // 2)
             or scale.dtype != torch.float32 or scale.shape != (n, groups, 2)):
         raise ValueError(f"pack_q4_pairs: a 4-bit weight [N, K / 2] (N % {PAIR_TILE} == 0) with its scales "
                          f"[N, K / {Q4_GROUP}, 2], not {tuple(weight.shape)} {weight.dtype} and "
                          f"{tuple(scale.shape)} {scale.dtype}")
+    if half and not halves_exact(scale):
+        raise ValueError("pack_q4_pairs: half scales asked of scales or offsets that are not all halves")
     bytes_ = weight.view(n, groups, Q4_GROUP // 2)
     codes = torch.cat([bytes_ & 0x0F, bytes_ >> 4], dim=-1)  # [N, groups, Q4_GROUP], inputs in order
     # [tiles, half of the tile, output, group, pair, input of the pair] -> [tiles, group, pair, half, byte]
     tiles = codes.view(n // PAIR_TILE, 2, PAIR_TILE // 2, groups, Q4_GROUP // 2, 2).permute(0, 3, 4, 1, 2, 5)
     tiles = tiles.reshape(n // PAIR_TILE, groups, Q4_GROUP // 2, 2, PAIR_TILE)
     packed = (tiles[..., 0, :] | (tiles[..., 1, :] << 4)).contiguous()
-    scales = scale.view(n // PAIR_TILE, PAIR_TILE, groups, 2).permute(0, 2, 3, 1).contiguous()
-    return packed.view(torch.uint16).reshape(n, half // 2), scales
+    scales = scale.view(n // PAIR_TILE, PAIR_TILE, groups, 2).permute(0, 2, 3, 1)
+    scales = (scales.half() if half else scales).contiguous()
+    return packed.view(torch.uint16).reshape(n, half_k // 2), scales
+
+
+def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
+    """The storage kind the C kernels read a weight and its scale as (WT_* in native.c)."""
+    if weight.dtype == torch.uint16 and scale is not None and scale.dtype == torch.float16:
+        return WT_Q4_HALF
+    return WEIGHT_TYPES[weight.dtype]
 
 
 def bf16_dot() -> bool:
@@ -606,16 +628,18 @@ def linear(
     dequantized weight within float32 rounding, rounded to x's dtype once, after the bias; or a
     bfloat16 weight in pairs (int32 [N, K / 2] from `pack_pairs`, x bfloat16, where `bf16_pairs`), or an
     int8 one (int16 [N, K / 2], with its scale: the int8 product above, to the bit at any M).
-    A 4-bit weight in pairs (uint16 [N, K / 4] with its scales from `pack_q4_pairs`, x bfloat16, where
-    `bf16_pairs`): the 4-bit product above, to the same bound.
+    A 4-bit weight in pairs (uint16 [N, K / 4] with its float32 or float16 scales from `pack_q4_pairs`, x
+    bfloat16, where `bf16_pairs`): the 4-bit product above, to the same bound (either scales, the same
+    results).
     `float_out`: the result as float32, equal to `linear(...).float()` without the widening pass."""
     m, k = x.shape
     n = weight.shape[0]
     # weights per stored element
     packed = {torch.uint16: 4, torch.uint8: 2, **dict.fromkeys(PAIRS_OF.values(), 2)}.get(weight.dtype, 1)
     if weight.dtype == torch.uint16:
-        kind_fits = (scale is not None and scale.dtype == torch.float32 and x.dtype == torch.bfloat16
-                     and scale.shape == (n // PAIR_TILE, k // Q4_GROUP, 2, PAIR_TILE) and n % PAIR_TILE == 0
+        tiles = (n // PAIR_TILE, k // Q4_GROUP, 2, PAIR_TILE)
+        kind_fits = (scale is not None and scale.dtype in (torch.float32, torch.float16)
+                     and scale.shape == tiles and x.dtype == torch.bfloat16 and n % PAIR_TILE == 0
                      and k % Q4_GROUP == 0 and bf16_pairs())
     elif weight.dtype == torch.int32:
         kind_fits = scale is None and x.dtype == torch.bfloat16 and n % PAIR_TILE == 0 and bf16_pairs()
@@ -638,7 +662,7 @@ def linear(
     _library().ct_linear(
         x.data_ptr(), x.stride(0), weight.data_ptr(), None if scale is None else scale.data_ptr(),
         None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, DTYPES[x.dtype],
-        WEIGHT_TYPES[weight.dtype], int(float_out), torch.get_num_threads(),
+        weight_kind(weight, scale), int(float_out), torch.get_num_threads(),
     )
     return y
 
@@ -648,14 +672,14 @@ def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Te
     bias too), or int8 with a contiguous bfloat16 `scale` per row, or 4-bit (uint8 [N, K / 2]) with
     contiguous float32 group scales and offsets [N, K / 32, 2] (the bias then of a kernel dtype), or a
     weight in pairs (`pack_pairs`, where `bf16_pairs`): bfloat16 (int32; the bias bfloat16) or int8
-    (int16, with its scale as for int8) or 4-bit (uint16 with its scales, `pack_q4_pairs`; the bias
-    bfloat16)."""
+    (int16, with its scale as for int8) or 4-bit (uint16 with its float32 or float16 scales,
+    `pack_q4_pairs`; the bias bfloat16)."""
     if weight.dtype == torch.uint16:
         n, k = weight.shape[0], 4 * weight.shape[1] if weight.dim() == 2 else 0
         return (
             weight.device.type == "cpu" and bf16_pairs() and weight.dim() == 2 and weight.is_contiguous()
             and n % PAIR_TILE == 0 and k % Q4_GROUP == 0 and scale is not None
-            and scale.dtype == torch.float32 and scale.is_contiguous()
+            and scale.dtype in (torch.float32, torch.float16) and scale.is_contiguous()
             and scale.shape == (n // PAIR_TILE, k // Q4_GROUP, 2, PAIR_TILE)
             and (bias is None or (bias.is_contiguous() and bias.dtype == torch.bfloat16))
         )
@@ -737,14 +761,15 @@ class LayerShape:
 def decode_layers(
     x: torch.Tensor, layers: ctypes.Array[CtLayer], shape: LayerShape, pool_k: torch.Tensor,
     pool_v: torch.Tensor, store_slots: torch.Tensor, key_cos: torch.Tensor, key_sin: torch.Tensor,
-    plan: DecodePlan, scale: float, weights: torch.dtype, linear_io: ctypes.Array[CtLinearIO] | None = None,
+    plan: DecodePlan, scale: float, weights: int, linear_io: ctypes.Array[CtLinearIO] | None = None,
 ) -> None:
     """Every decoder layer of a decode step in one call, x [T, hidden] (contiguous) updated in place:
     per layer the calls of the per-module path (norm, mixer, norm with the residual, gate/up `linear`,
     `silu_mul`, down `linear`, residual; the mixer an attention of `linear`, `head_rms_norm`,
     `store_kv`, `decode_attention`, `sigmoid_gate`, or a Gated DeltaNet of `linear`, `gdn_gates`,
     `gdn_token`, `gated_rms_norm`), so results are those of that path to the bit. `layers` holds each
-    layer's tensors (its linears' weights of storage `weights`: x's dtype, int8 or 4-bit uint8); an
+    layer's tensors (its linears' weights of storage kind `weights`, `weight_kind`: x's dtype's, int8,
+    4-bit, or in pairs); an
     attention layer's keys are pool_k[kv_slot], pool_v[kv_slot] [S, Hkv, D], this step's go to
     `store_slots` rotated by key_cos/key_sin and the items attend as `plan`; a Gated DeltaNet layer
     reads and writes the buffers of its entry of `linear_io`. Every tensor they point to must outlive
@@ -760,7 +785,7 @@ def decode_layers(
     )
     _library().ct_decode_layers(
         x.data_ptr(), x.shape[0], len(layers), layers, ctypes.byref(shape.struct), ctypes.byref(keys),
-        linear_io, DTYPES[x.dtype], WEIGHT_TYPES[weights], torch.get_num_threads(),
+        linear_io, DTYPES[x.dtype], weights, torch.get_num_threads(),
     )
 
 
