@@ -25,8 +25,10 @@ the float32 dequantization of its shipped Q4_1 GGUF):
   cothink          the checkpoint, bfloat16 activations; --precision int4: `quantize="int4"` (for
                    SmolLM2 the layers are its GGUF's Q4_1 tensors as they are, models/quant4.py;
                    the lm_head int8); int8: `quantize="int8"`; bfloat16: dense
-  llama.cpp        the embedded model's shipped GGUF (Q4_1 layers, Q8_0 output; --precision is not
-                   applied), or --gguf FILE
+  llama.cpp        the embedded model's shipped GGUF (Q4_1 layers, Q8_0 output) for int4; for int8
+                   and bfloat16 its weight tensors re-encoded as Q8_0 or BF16 from their float32
+                   dequantization (the weights the checkpoint holds: the same model at that
+                   precision); or --gguf FILE, as it is
   ctranslate2      ctranslate2's TransformersConverter of the checkpoint (int4: int8, CTranslate2 has
                    no 4-bit CPU type; int8: int8; bfloat16: bfloat16)
   onnxruntime-genai  onnxruntime_genai.models.builder of the checkpoint (int4: its int4, block 32;
@@ -114,7 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-seqs", type=int, default=None, help="default 32")
     p.add_argument("--batch-context", type=int, default=None, help="default 256")
     p.add_argument("--batch-new", type=int, default=None, help="default 64")
-    p.add_argument("--gguf", type=Path, default=None, help="GGUF for llama.cpp (default: the shipped one)")
+    p.add_argument("--gguf", type=Path, default=None,
+                   help="GGUF for llama.cpp, run as it is (default: the shipped one, re-encoded for int8 "
+                        "and bfloat16)")
     p.add_argument("--models-dir", type=Path, default=Path.home() / ".cache" / "cothink" / "peers")
     p.add_argument("--out", type=Path, default=ROOT / "results")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds one engine process may take")
@@ -453,6 +457,46 @@ def _model_dir(args: argparse.Namespace, engine: str) -> Path:
     return Path(args.models_dir) / Path(str(args.model)).name / f"{engine}-{args.precision}"
 
 
+# llama.cpp's type for the shipped GGUF's weights at each --precision but int4 (the file as shipped)
+LLAMA_CPP_TYPES = {"int8": "Q8_0", "bfloat16": "BF16"}
+
+
+def reencoded_gguf(src: Path, out: Path, qtype: str) -> Path:
+    """`src` with each quantized tensor re-encoded as `qtype` (a gguf.GGMLQuantizationType name) from
+    its float32 dequantization, the float32 ones (norms) as they are, and src's metadata but for
+    general.file_type; written to `out` once (a file already there is taken as made)."""
+    import gguf
+    import numpy as np
+
+    if out.exists():
+        return out
+    target = gguf.GGMLQuantizationType[qtype]
+    reader = gguf.GGUFReader(str(src))
+    arch = str(reader.fields["general.architecture"].contents())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    part = out.with_suffix(".part")
+    writer = gguf.GGUFWriter(str(part), arch)
+    for key in reader.fields.values():
+        if key.name.startswith("GGUF.") or key.name in ("general.architecture", "general.file_type"):
+            continue
+        kind = gguf.GGUFValueType(key.types[0])
+        sub = gguf.GGUFValueType(key.types[-1]) if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key.name, key.contents(), kind, sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{qtype}"])
+    for tensor in reader.tensors:
+        if tensor.tensor_type == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
+            continue
+        weights = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        writer.add_tensor(tensor.name, gguf.quants.quantize(weights, target), raw_dtype=target)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    part.rename(out)
+    return out
+
+
 class LlamaCppRunner(Runner):
     def __init__(self, args: argparse.Namespace, folder: Path):
         from llama_cpp import Llama
@@ -460,7 +504,11 @@ class LlamaCppRunner(Runner):
         path = Path(args.gguf) if args.gguf else _embedded_gguf(args.model)
         if path is None:
             raise FileNotFoundError("no GGUF for this model: pass --gguf FILE")
+        qtype = None if args.gguf else LLAMA_CPP_TYPES.get(args.precision)
         self.weights = f"{path.name} (as shipped)"
+        if qtype is not None:
+            path = reencoded_gguf(path, _model_dir(args, "llama.cpp") / f"{path.stem}.{qtype}.gguf", qtype)
+            self.weights = f"{path.name} (the shipped GGUF's tensors re-encoded)"
         self.llm = Llama(model_path=str(path), n_ctx=4096, n_batch=512, n_threads=int(args.threads),
                          n_threads_batch=int(args.threads), verbose=False)
 

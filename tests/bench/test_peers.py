@@ -60,3 +60,47 @@ def test_peers_quick_reports_cothink_and_a_missing_engine(peers, tiny_folder, tm
     assert len(best["decode_ids"]) == 5 and cothink["agreement"] == 5
     assert llama["status"] == "missing" and llama["best"] is None and llama["rounds"] == []
     assert (tmp_path / "peers.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "BF16"])
+def test_reencoded_gguf_keeps_the_metadata_and_the_weights(peers, tmp_path, qtype):
+    """llama.cpp's int8 and bfloat16 files: every quantized tensor re-encoded from its float32
+    dequantization (BF16: exactly the bfloat16 rounding of those values, which cothink loads), float32
+    tensors and the metadata as they were, general.file_type the new type's."""
+    import gguf
+    import numpy as np
+    import torch
+
+    rng = np.random.default_rng(0)
+    src = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(src), "llama")
+    writer.add_block_count(1)
+    writer.add_token_list(["a", "b", "c"])
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_1)
+    weight = rng.standard_normal((8, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.ffn_up.weight", gguf.quants.quantize(weight, gguf.GGMLQuantizationType.Q4_1),
+                      raw_dtype=gguf.GGMLQuantizationType.Q4_1)
+    writer.add_tensor("blk.0.attn_norm.weight", rng.standard_normal(64).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    out = peers.reencoded_gguf(src, tmp_path / "made" / f"tiny.{qtype}.gguf", qtype)
+    before, after = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(out))
+    assert after.fields["general.file_type"].contents() == gguf.LlamaFileType[f"MOSTLY_{qtype}"]
+    assert after.fields["tokenizer.ggml.tokens"].contents() == ["a", "b", "c"]
+    assert after.fields["llama.block_count"].contents() == 1
+    old, new = ({t.name: t for t in r.tensors} for r in (before, after))
+    norm = "blk.0.attn_norm.weight"
+    assert new[norm].tensor_type == gguf.GGMLQuantizationType.F32
+    assert np.array_equal(np.asarray(new[norm].data), np.asarray(old[norm].data))
+    up = new["blk.0.ffn_up.weight"]
+    assert up.tensor_type == gguf.GGMLQuantizationType[qtype] and tuple(up.shape) == (64, 8)
+    dequantized = gguf.quants.dequantize(old["blk.0.ffn_up.weight"].data, gguf.GGMLQuantizationType.Q4_1)
+    got = gguf.quants.dequantize(up.data, up.tensor_type)
+    if qtype == "BF16":
+        assert np.array_equal(got, torch.from_numpy(dequantized).bfloat16().float().numpy())
+    else:
+        assert np.abs(got - dequantized).max() <= np.abs(dequantized).max() / 127
+    assert peers.reencoded_gguf(src, out, qtype) == out  # made once
