@@ -1918,8 +1918,18 @@ static void linear_rows(void *ctx, int64_t begin, int64_t end) {
     }
 }
 
-/* Weight rows a thread claims at a time (~36-96 KiB of a SmolLM2-sized layer) */
+/* Weight rows a thread claims at a time: LINEAR_GRAIN (a tile of pairs, ~36-96 KiB of a SmolLM2-sized
+ * layer), or up to LINEAR_GRAINS of them while every thread still gets about four claims (`linear_grain`) */
 #define LINEAR_GRAIN 32
+#define LINEAR_GRAINS 4
+
+/* Longer runs of weight rows per claim: fewer restarts of the memory streams (and of the claims' shared
+ * counter). Measured on two Zen 4 cores, 30 SmolLM2 layers and the lm_head at one row, 32 -> 128 rows a
+ * claim: bfloat16 12.2-12.9 -> 9.4-10.7 ms, 4-bit 6.8-7.9 -> 4.5-5.3 ms. */
+static int64_t linear_grain(int64_t n, int64_t threads) {
+    int64_t per = n / (LINEAR_GRAIN * 4 * (threads > 1 ? threads : 1));
+    return LINEAR_GRAIN * (per < 1 ? 1 : per > LINEAR_GRAINS ? LINEAR_GRAINS : per);
+}
 
 /* y = x w^T (+ bias) for x [m, k] (row stride xs), w [n, k] and y [m, n] (row stride ys); x, y and
  * the bias of the model dtype bf (or y float32 holding the rounded values, y_f32: the logits without
@@ -1963,7 +1973,7 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
     }
 #endif
     LinearJob job = {xf, xp, xsum, w, bias, scale, y, ys, m, k, bf, wt, y_f32};
-    parallel_for(linear_rows, &job, n, LINEAR_GRAIN, threads, 1);
+    parallel_for(linear_rows, &job, n, linear_grain(n, threads), threads, 1);
     free(xf);
     free(xp);
     free(xsum);
