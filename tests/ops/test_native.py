@@ -394,9 +394,10 @@ def torch_threads():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_results_do_not_depend_on_the_thread_count(dtype, torch_threads):
-    """Weight rows (products), items (decode attention) and rows (norms, SiLU x up, 4-bit
-    dequantization, on OpenMP's team) split over threads: each task is computed whole by one thread in
-    a fixed order, so 1, 2 and 3 threads give the same bits; the helpers do take part."""
+    """Weight rows (products), items (decode attention; an item's key heads where the items are fewer
+    than the threads) and rows (norms, SiLU x up, 4-bit dequantization, on OpenMP's team) split over
+    threads: each task is computed whole by one thread in a fixed order, so 1, 2 and 3 threads give
+    the same bits; the helpers do take part."""
     g = torch.Generator().manual_seed(9)
     w = torch.randn(4096, 64, generator=g).to(dtype)  # 128 grains of weight rows
     x = torch.randn(3, 64, generator=g).to(dtype)
@@ -406,6 +407,8 @@ def test_results_do_not_depend_on_the_thread_count(dtype, torch_threads):
     runs = [[(torch.randperm(64, generator=g)[: 10 + i], *rotary.prepared(torch.tensor([i]), dtype))]
             for i in range(24)]
     plan = native.DecodePlan(list(range(24)), runs)
+    # fewer items than threads (one at 2 and 3 threads, two at 3): a task per item and key head
+    few = [native.DecodePlan(list(range(n)), runs[:n]) for n in (1, 2)]
     rows, residual = (torch.randn(100, 64, generator=g).to(dtype) for _ in range(2))  # 7 grains of rows
     norm_weight = torch.randn(64, generator=g).to(dtype)
     gate_up = torch.randn(100, 128, generator=g).to(dtype)
@@ -418,6 +421,10 @@ def test_results_do_not_depend_on_the_thread_count(dtype, torch_threads):
             y = native.linear(x, w, None)
             out = torch.empty(24, 4, 32)
             native.decode_attention(q, plan, pool_k, pool_v, 32**-0.5, out)
+            few_out = [torch.empty(24, 4, 32) for _ in few]
+            for p, o in zip(few, few_out):
+                native.decode_attention(q, p, pool_k, pool_v, 32**-0.5, o)
+        assert torch.equal(few_out[0][:1], out[:1]) and torch.equal(few_out[1][:2], out[:2])
         dequantized = torch.empty(300, 64, dtype=dtype)
         native.q4_dequant(four_bit.packed, four_bit.scale, slice(0, 300), dequantized)
         results[threads] = (y, out, *native.rms_norm(rows, norm_weight, 1e-6, False, residual),
