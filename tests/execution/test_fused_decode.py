@@ -53,6 +53,16 @@ def _conversation(runner) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     return out, [runner.store.pool.k[:, slots], runner.store.pool.v[:, slots], *records]
 
 
+def _same_conversation(fused, modules, fused_calls: list[int]) -> None:
+    """`_conversation` on the fused runner, its decode steps fused, gives the per-module runner's bits."""
+    modules.fused_decode = None
+    got, got_kv = _conversation(fused)
+    want, want_kv = _conversation(modules)
+    assert fused_calls == [3] * 5 + [1, 1]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize(
     ("name", "dtype", "quantize"),
@@ -127,12 +137,7 @@ def test_4bit_scales_that_are_not_halves_keep_float32_pairs(tiny_model, fused_ca
     calls.clear()
     modules = tiny_model("llama3").runner(dtype=torch.bfloat16, quantize="int4")
     assert fused.fused_decode.weights == native.WEIGHT_TYPES[torch.uint16]  # float32 scales
-    modules.fused_decode = None
-    got, got_kv = _conversation(fused)
-    want, want_kv = _conversation(modules)
-    assert fused_calls == [3] * 5 + [1, 1]
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
+    _same_conversation(fused, modules, fused_calls)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
@@ -239,12 +244,7 @@ def test_packed_bfloat16_linears_take_the_c_kernel_where_it_has_bfloat16_dot_pro
     assert fused.fused_decode is not None
     assert fused.fused_decode.weights == native.WEIGHT_TYPES[torch.int32 if pairs else torch.bfloat16]
     assert fused.fused_decode.max_rows == limit
-    modules.fused_decode = None
-    got, got_kv = _conversation(fused)
-    want, want_kv = _conversation(modules)
-    assert fused_calls == [3] * 5 + [1, 1]
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
-    assert all(torch.equal(a, b) for a, b in zip(got_kv, want_kv))
+    _same_conversation(fused, modules, fused_calls)
     fused_calls.clear()  # a decode step wider than the C products: the per-module path, oneDNN's
     blocks = [fused.new_block() for _ in range(limit + 1)]
     fused.step([StepItem(b, ids(2, seed=i)) for i, b in enumerate(blocks)])
