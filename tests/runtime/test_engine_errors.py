@@ -27,7 +27,7 @@ from cothink.errors import (
 )
 from cothink.execution.step import StepItem
 from cothink.scheduler.policy import Priority, PriorityClass
-from support import VOCAB, ids, load_runner, make_engine, snapshot
+from support import VOCAB, ids, load_runner, make_engine, snapshot, until
 
 LIMITS = dict(max_input_tokens=100, max_context=512)
 BYSTANDER_TOKENS = 30
@@ -277,3 +277,23 @@ def test_runner_bad_steps_change_nothing():
     with pytest.raises(InputTooLongError):
         small.extend(full, [1])
     assert len(full) == 12 and small.store.pool.free_pages == 16 - 3
+
+
+async def test_stop_while_waiting_for_memory_ends_at_once():
+    """An engine whose step loop waits for memory stops: its stop wakes the loop (cancelling the
+    waiting generation) and cancels it in the same turn, and neither may swallow the other. Python
+    3.11's asyncio.wait_for returned the wake there and the loop slept on forever."""
+    engine = make_engine("llama", kv_tokens=32, page_size=16, on_pool_full="wait", pool_wait_s=30)
+    await engine.start()
+    a = engine.block("a")
+    await engine.extend(a, token_ids=ids(16, 1))
+    out = engine.block("out")
+    gen = engine.generate([a, out], max_tokens=40, name="g")
+    await until(lambda: len(out) == 16)
+    await asyncio.sleep(0.1)
+    for _ in range(5):  # the loop has planned nothing again and sleeps until woken or its next try
+        await asyncio.sleep(0)
+    stop = asyncio.create_task(engine.stop())
+    done, _ = await asyncio.wait({stop}, timeout=10)  # (not wait_for: its timeout would cancel the loop)
+    assert stop in done and not engine.running
+    assert (await asyncio.wait_for(gen.collect(), 10)).finish_reason == "cancelled"

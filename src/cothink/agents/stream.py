@@ -241,8 +241,9 @@ class _StreamRun:
             if c.unsaid:
                 timeout = max(0.0, c.last_said + self.agent.max_silence_s - time.perf_counter())
             try:
-                await asyncio.wait_for(self.arrived.wait(), timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):  # not wait_for: it can swallow a cancel (3.11)
+                    await self.arrived.wait()
+            except TimeoutError:
                 await self.speak(c.seen - 1, forced=True)  # too long silent with news unsaid
         return self.pending.popleft()
 

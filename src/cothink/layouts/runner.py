@@ -310,8 +310,9 @@ class LayoutRunner(Agent):
                 await asyncio.sleep(0.01)
 
         try:
-            await asyncio.wait_for(drive(), timeout=max_seconds)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(max_seconds):
+                await drive()
+        except TimeoutError:
             pass
         finally:
             self._closing = True

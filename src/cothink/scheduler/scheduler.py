@@ -240,8 +240,11 @@ class Scheduler:
     async def _sleep(self, timeout: float | None) -> None:
         assert self._wake is not None
         self._wake.clear()
+        # asyncio.timeout, not wait_for: on Python 3.11, wait_for returns the wake when a cancel comes
+        # in the same loop turn (Engine.stop wakes the loop, then cancels it), and the loop sleeps on.
         try:
-            await asyncio.wait_for(self._wake.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._wake.wait()
         except TimeoutError:
             pass
 

@@ -303,7 +303,8 @@ class EventHub:
             last_ping = time.monotonic()
             while not self.state.draining:
                 try:
-                    event = await asyncio.wait_for(sub.queue.get(), TICK_S)
+                    async with asyncio.timeout(TICK_S):  # not wait_for: it can swallow a cancel (3.11)
+                        event = await sub.queue.get()
                 except TimeoutError:
                     pass  # nothing new: look at the sessions, maybe ping
                 else:
