@@ -400,3 +400,20 @@ async def test_work_started_by_tasks_a_step_woke_joins_the_next_step():
             done = await asyncio.gather(probe(2 * seed), probe(2 * seed + 1))
             assert done == [woke_at + 1] * 2  # one step each, the step right after the wake-up
         background.cancel()
+
+
+def test_sampling_reads_a_steps_consecutive_logits_rows_in_place():
+    """The batched sampling stage takes consecutive rows of one step's logits as a view of them (no
+    copy), and any other rows (another order, another tensor) as a stacked copy: the same values."""
+    import torch
+
+    from cothink.scheduler.scheduler import _stacked
+
+    step = torch.randn(5, 7)
+    rows = [step[i] for i in range(1, 4)]
+    view = _stacked(rows)
+    assert view.data_ptr() == step[1].data_ptr() and torch.equal(view, step[1:4])
+    other = torch.randn(2, 7)
+    for mixed in ([step[2], step[1]], [step[0], step[2]], [step[4], other[0]], [step[0, :6], step[1, :6]]):
+        copy = _stacked(mixed)
+        assert torch.equal(copy, torch.stack(mixed)) and copy.data_ptr() != mixed[0].data_ptr()
