@@ -8,7 +8,10 @@ Variants, all with bfloat16 activations: "bfloat16"; "int4", `quantize="int4"` (
 weights: for the embedded SmolLM2 the shipped GGUF's Q4_1 tensors as they are, the weights llama.cpp
 runs from that file; the lm_head int8); and, where the model has such a GGUF, "int4_requantized": every
 layer quantized at load from the bfloat16 weights instead (models/quant4.py `Int4Weights.quantize`).
-Perplexity and greedy agreement as bench/int8_quality.py computes them (its text and prompts). Writes
+Perplexity and greedy agreement as bench/int8_quality.py computes them (its text and prompts), and the
+perplexity of the text fed 32 tokens a step ("stepped"): the whole text in one step takes the wide
+products (4-bit: the dequantized weight in a GEMM, bfloat16 activations), 32-token steps the products a
+decode takes (4-bit: the C kernel in pairs with 8-bit activations, models/quant4.py). Writes
 int4_quality.json to --out.
 """
 
@@ -24,7 +27,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
-from int8_quality import PROMPTS, measure  # noqa: E402
+from int8_quality import PROMPTS, TEXT, measure  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +54,13 @@ def requantized_runner(model: str) -> Any:
         return load_model(model, dtype=torch.bfloat16, quantize="int4", kv_tokens=4096)
 
 
+def stepped_perplexity(runner: Any, ids: list[int], rows: int = 32) -> float:
+    """Perplexity of `ids` extended `rows` tokens a step (NATIVE_MAX_ROWS: the C kernel's products)."""
+    block = runner.new_block()
+    logits = torch.cat([runner.extend(block, ids[i : i + rows]).float() for i in range(0, len(ids), rows)])
+    return float(torch.exp(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))))
+
+
 def main(argv: list[str] | None = None) -> int:
     from cothink.execution.runner import load_model
 
@@ -74,6 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     change["bfloat16"] = ""
     console.print(f"perplexity on a fixed {results['text_tokens']}-token text: "
                   + ", ".join(f"{name} {value:.3f}{change[name]}" for name, value in ppl.items()))
+    text_ids = next(iter(runners.values())).tokenizer(TEXT)["input_ids"]
+    stepped = {name: stepped_perplexity(runner, text_ids) for name, runner in runners.items()}
+    results["perplexity_stepped"] = stepped
+    console.print("perplexity, the text in 32-token steps (the decode's products): " + ", ".join(
+        f"{name} {value:.3f} ({100 * (value / stepped['bfloat16'] - 1):+.2f}%)"
+        for name, value in stepped.items()))
     for row in results["greedy"]:
         console.print(f"  {row['prompt']!r}: agreement with bfloat16 (first difference at, of "
                       f"{args.new_tokens}): " + ", ".join(

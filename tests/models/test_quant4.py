@@ -1,7 +1,8 @@
 """Weight-only 4-bit weights (models/quant4.py): GGUF's Q4_0 / Q4_1 / Q4_K tensors dequantize exactly as
-the gguf package does, the C kernel (and its layout in pairs) stays within the documented float32 bound of the
-reference product (independent of the thread count and of the batch), and a tiny model stays close to
-bfloat16."""
+the gguf package does, the C kernel stays within the documented float32 bound of the reference product
+and its layout in pairs (8-bit activations) within the documented bound that adds the activations'
+rounding, its quantizer to the bit (both independent of the thread count and of the batch), and a tiny
+model stays close to bfloat16."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from cothink.models.packing import CpuLinear
 from cothink.models.quant4 import (
     Int4Linear,
     Int4Weights,
+    activation_bound,
     checkpoint_gguf,
     load_gguf_int4,
+    quantize_activations,
     reference_linear,
 )
 from cothink.models.quantize import Int8Linear
@@ -132,8 +135,9 @@ needs_pairs = pytest.mark.skipif(not native.bf16_pairs(), reason="AVX-512 BF16, 
 @needs_pairs
 def test_4bit_pairs_stay_within_the_bound_for_any_threads_and_batch():
     """A 4-bit weight in pairs (`pack_q4_pairs`: the same codes and scales, in tiles of PAIR_TILE outputs)
-    under bfloat16 rows: within the documented bound of the reference, each row's result the same in any
-    batch (up to 8 rows the codes widen as read, beyond through a widened tile) and on any thread count."""
+    under bfloat16 rows taken as 8-bit codes: the exact product of those codes (`quantize_activations`)
+    within float32 rounding, so within the documented bound of the reference (`activation_bound` added),
+    each row's result the same in any batch and on any thread count."""
     torch.manual_seed(1)
     n, k = 96, 320
     weights = Int4Weights.quantize(torch.randn(n, k))
@@ -149,9 +153,21 @@ def test_4bit_pairs_stay_within_the_bound_for_any_threads_and_batch():
     assert not native.linear_fits(pairs, bias.float(), scales)  # C reads the bias in x's dtype: bfloat16
     assert not native.linear_fits(pairs, bias, weights.scale)
     x = torch.randn(33, k).bfloat16()
+    x[3, 64:96] = 0  # a group of zeros: scale 0, codes 0
     exact = torch.nn.functional.linear(x.float(), weights.dequantize(), bias.float())
     got = native.linear(x, pairs, bias, scale=scales, float_out=True)
-    assert ((got - exact).abs() <= _bound(x, weights) + exact.abs() * 2.0**-8).all()
+    rounding = _bound(x, weights) + exact.abs() * 2.0**-8  # float32 sums, the bfloat16 result
+    assert ((got - exact).abs() <= activation_bound(x, weights) + rounding).all()
+    assert ((got - exact).abs() > rounding).any()  # the 8-bit x is not the bfloat16 x
+    codes, d = quantize_activations(x)
+    assert codes.abs().max() == 127 and torch.equal(codes[3, 64:96], torch.zeros(32, dtype=torch.int8))
+    groups = k // 32
+    q = weights.codes().double().view(n, groups, 32)
+    dot = torch.einsum("mgj,ngj->mng", codes.double().view(33, groups, 32), q)  # exact integer sums
+    scale, offset = weights.scale[..., 0].double(), weights.scale[..., 1].double()
+    xsum = x.double().view(33, groups, 32).sum(-1)
+    of_codes = (dot * d.double()[:, None, :] * scale[None]).sum(-1) + xsum @ offset.T + bias.double()
+    assert ((got - of_codes).abs() <= rounding).all()  # one code off would move an output far past this
     for m in (1, 5, 8, 9, 32, 33):
         rows = [native.linear(x[i : i + 1], pairs, bias, scale=scales) for i in range(m)]
         assert torch.equal(torch.cat(rows), native.linear(x[:m], pairs, bias, scale=scales))
@@ -214,7 +230,8 @@ def test_native_4bit_linear_takes_pairs_for_bfloat16_activations():
     assert not pairs.takes_dtype(torch.float32) and pairs.weight_packed is plain.weight_packed
     x = torch.randn(5, 96)
     ref = reference_linear(x.bfloat16(), plain.weights, None).float()
-    assert ((pairs(x.bfloat16()).float() - ref).abs() <= ref.abs() * 2.0**-7).all()
+    bound = activation_bound(x.bfloat16(), plain.weights) + ref.abs() * 2.0**-7
+    assert ((pairs(x.bfloat16()).float() - ref).abs() <= bound).all()
     torch.testing.assert_close(pairs(x), packed(x), rtol=1e-5, atol=1e-5)  # float32: the torch path
 
 

@@ -42,13 +42,22 @@ output before the rounding to the activations' dtype:
     |y - y_ref| <= 2^-18 sum_g sum_j |x_j| (|scale_g| q_j + |offset_g|)
 
 (about a fortieth of it on random data), so a bfloat16 result is the reference's or one bfloat16 step
-from it. For a bfloat16 model where `native.bf16_pairs` (AVX-512 BF16 without AMX tiles), the native
-module reads a copy of the weight reordered in tiles of 32 outputs (`native.pack_q4_pairs`, native.c
-WT_Q4P): the same per-group regrouping with each output along a vector lane (no horizontal sums, a
-group's offsets on vectors too), within the same bound, one fixed order per output; its scales and
+from it. For a bfloat16 model where `native.bf16_pairs` (AVX-512 BF16 and VNNI, without AMX tiles), the
+native module reads a copy of the weight reordered in tiles of 32 outputs (`native.pack_q4_pairs`,
+native.c WT_Q4P) and takes x as 8-bit codes, as GGUF's Q4 x Q8 dot products (llama.cpp) and OpenVINO's
+dynamically quantized activations take it: per group of 32 inputs a scale d = max |x| / 127 and codes
+x / d rounded (`quantize_activations`, to the bit), then per group scale (d xq . q) + offset sum(x) with
+xq . q in exact integer sums (VPDPBUSD: twice the multiply-adds a cycle of bfloat16's) and sum(x) the
+exact sum of x; each output along a vector lane, one fixed order per output. Its distance from the
+reference adds half a code step of x per input to the bound above (`activation_bound`):
+
+    |y - y_ref| <= sum_g (d_g / 2) |scale_g| sum_j q_j + 2^-18 sum_g sum_j |x_j| (|scale_g| q_j + |offset_g|)
+
+On SmolLM2's fixed text fed 32 tokens a step (`bench/int4_quality.py`, docs/benchmarks.md) perplexity
+is 2.9% over bfloat16's where bfloat16 activations (VDPBF16PS on the codes) gave 0.8%. Its scales and
 offsets as halves (WT_Q4PH, the same results) where every 4-bit layer's are halves exactly (GGUF Q4_0 and
 Q4_1, the quantizer; not Q4_K): a sixth fewer bytes for the decode to read; the packed weight
-stays for the wider products, so those 4-bit weights are held twice (SmolLM2 +76 MiB). Wider inputs
+stays for the wider products, so those 4-bit weights are held twice (SmolLM2 +63 MiB). Wider inputs
 (prefill chunks), and every input without the C kernels, dequantize the weight
 (`native.q4_dequant`, the reference's values to the bit) and run a GEMM. Float32 activations, or a
 CPU without bfloat16 arithmetic: float32 slabs and float32 GEMMs (models/packing.py
@@ -204,6 +213,28 @@ def reference_linear(x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor |
     float32, plus the bias, rounded to x's dtype once."""
     y = F.linear(x.float(), weights.dequantize(), None if bias is None else bias.float())
     return y.to(x.dtype)
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x [M, K] (K a multiple of Q4_GROUP) as the C kernel's 4-bit products in pairs take them
+    (native.c `quantize_groups`, to the bit): per group of Q4_GROUP inputs a float32 scale d = max |x| / 127
+    and int8 codes x (1 / d) rounded to nearest (even), all 0 where d is 0. Returns (codes [M, K] int8,
+    scales [M, K / Q4_GROUP] float32)."""
+    m, k = x.shape
+    groups = x.float().view(m, k // Q4_GROUP, Q4_GROUP)
+    d = groups.abs().amax(-1) / 127
+    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
+    codes = torch.round(groups * inverse[..., None]).to(torch.int8)
+    return codes.view(m, k), d
+
+
+def activation_bound(x: torch.Tensor, weights: Int4Weights) -> torch.Tensor:
+    """How far the 8-bit x moves the C kernel's product in pairs from `reference_linear` before float32
+    rounding (module doc): per group half a code step of x (d / 2) times |scale_g| sum_j q_j. [M, N]"""
+    n, k = weights.shape
+    _, d = quantize_activations(x)
+    codes = weights.codes().float().view(n, k // Q4_GROUP, Q4_GROUP).sum(-1)  # [N, groups]
+    return (d.double() / 2) @ (weights.scale[..., 0].abs().double() * codes.double()).T
 
 
 class Int4Linear(FastLinear):

@@ -1317,7 +1317,7 @@ static inline __attribute__((always_inline)) void linear_group_wide(const float 
     }
 }
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) /* (every CPU with the first has the second) */
 #define LINEAR_BF16_PAIRS 1
 /* 32 bfloat16 from p (n < 32: the first n, zeros after) */
 static inline __m512bh ld32h(const bf16 *p, int64_t n) {
@@ -1451,15 +1451,18 @@ static inline __attribute__((always_inline)) void pairs_tile(const void *wt, con
 /* WT_Q4P: 4-bit weights (WT_Q4's codes, scales and offsets, below) in tiles of PAIR_TILE outputs, for
  * bfloat16 x (native.py `pack_q4_pairs`). Tile t holds per group g of Q4_GROUP inputs 16 pairs of 32
  * bytes: byte j of pair p holds in its low nibble the code of output j / 2 at input Q4_GROUP g + 2p + j % 2
- * and in its high nibble that of output 16 + j / 2, so that one byte-to-word widening, a mask and a
- * shift give two vectors of code pairs along the lanes, and VPERMW on Q4_BF16 makes them bfloat16 pairs
- * (exact). The tile's scales are [k / Q4_GROUP][2][PAIR_TILE]: per group the outputs' scales, then their
- * offsets. Per group d = x_g . q_g by VDPBF16PS (exact products, float32 sums in pair order), then per
- * output acc += d scale_g and, apart, off += offset_g sum(x_g); the result acc + off: WT_Q4's regrouping,
- * within the bound models/quant4.py states, one fixed order per output whatever the rows. Where WT_Q4 sums
- * 16 lanes per output and row and adds each group's offset in scalar code, this is a GEMM tile: no
- * horizontal sums. Measured on a 2-core Zen 4 over 30 SmolLM2 layers' products (ms per step of m rows,
- * this / WT_Q4): m = 1 4.9 / 5.5, 8 7.6 / 14.3, 32 24.0 / 54.8 (int8 pairs 6.2, 7.6, 25.5).
+ * and in its high nibble that of output 16 + j / 2; two pairs (64 bytes), one VPERMW (Q4_QUADS), a mask
+ * and a shift give each output's four codes in a lane, for VPDPBUSD. The tile's scales are
+ * [k / Q4_GROUP][2][PAIR_TILE]: per group the outputs' scales, then their offsets. x is taken as 8-bit
+ * codes per group of Q4_GROUP inputs (`quantize_groups`, as GGUF's Q4 x Q8 dot products take it): per
+ * group d = xq_g . q_g in exact int32 sums, then per output acc += d (scale_g xd_g) and, apart, off +=
+ * offset_g sum(x_g) (the bfloat16 x's exact sum); the result acc + off, one fixed order per output
+ * whatever the rows, within the bound models/quant4.py states (the 8-bit x's rounding and float32
+ * sums). VPDPBUSD multiplies 64 byte pairs an instruction where VDPBF16PS multiplies 32 bfloat16 pairs
+ * (both one a cycle on Zen 4), and the codes need no widening to bfloat16. Measured on a 2-core Zen 4
+ * over 30 SmolLM2 layers' products and an int8 lm_head (ms per step of m rows, 8-bit x / bfloat16 x by
+ * VDPBF16PS, the codes widened by a table): m = 1 4.1-4.9 / 4.2-5.0, 8 7.0-7.5 / 7.9, 32 21.8-22.2 /
+ * 30.3-30.6.
  * WT_Q4PH: the same tiles with the scales and offsets as IEEE half (where every one of them is a half
  * exactly: GGUF's Q4_0 and Q4_1 store them so, and so does models/quant4.py's quantizer), widened to
  * float32 as read (VCVTPH2PS, exact): the same values and sums, so the same results to the bit, from 5
@@ -1469,109 +1472,133 @@ static inline __attribute__((always_inline)) void pairs_tile(const void *wt, con
 static const uint16_t Q4_BF16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
                                      0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
 
-/* one pair of a WT_Q4P tile (32 bytes) as outputs 0-15 and 16-31's bfloat16 code pairs */
-static inline void widen_pairs_q4(const uint8_t *b, __m512i table, __m512bh *w0, __m512bh *w1) {
-    __m512i c = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)b));
-    *w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x0f)), table);
-    *w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(c, 4), table);
-}
-
 /* 16 of a WT_Q4P tile's scales or offsets from element i of sm, as float32: float32, or half (WT_Q4PH) */
 static inline __attribute__((always_inline)) __m512 q4_scales(const void *sm, int64_t i, const int half) {
     if (half) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)sm + i)));
     return _mm512_loadu_ps((const float *)sm + i);
 }
 
-/* A WT_Q4P tile's products for NR rows (constant after inlining): the codes widened as read, or (WIDE, a
-   constant) the tile already widened to bfloat16 pairs ([k / 2][PAIR_TILE], `widen_tile`), the same values;
-   HALF (a constant): the scales halves (WT_Q4PH) */
-static inline __attribute__((always_inline)) void q4_pairs_tile(const void *wt, const void *sm, const bf16 *x,
-                                                                 const float *xsum, int64_t k, const void *bias,
-                                                                 void *y, int64_t ys, int y_f32, const int nr,
-                                                                 const int wide, const int half) {
-    const __m512i table = _mm512_loadu_si512(Q4_BF16);
-    __m512 a0[LINEAR_GROUP], a1[LINEAR_GROUP], d0[LINEAR_GROUP], d1[LINEAR_GROUP];
+/* A bfloat16 row x [k] (k a multiple of Q4_GROUP) as 8-bit codes per group of Q4_GROUP inputs, as the
+   4-bit products in pairs read it: the group's scale d = max |x| / 127 and its codes x (1 / d) rounded
+   to nearest (even), all 0 where d is 0 (models/quant4.py `quantize_activations`, to the bit) */
+static void quantize_groups(const bf16 *x, int64_t k, int8_t *q, float *d) {
+    for (int64_t g = 0; g < k / Q4_GROUP; g++) {
+        __m512 lo = widen16(x + g * Q4_GROUP), hi = widen16(x + g * Q4_GROUP + 16);
+        float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        float dg = top / 127.0f;
+        __m512 inv = _mm512_set1_ps(dg != 0.0f ? 1.0f / dg : 0.0f);
+        _mm_storeu_si128((__m128i *)(q + g * Q4_GROUP), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv))));
+        _mm_storeu_si128((__m128i *)(q + g * Q4_GROUP + 16),
+                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv))));
+        d[g] = dg;
+    }
+}
+
+/* VPERMW order of two WT_Q4P pairs (64 bytes: pair p's 16 words, then pair p + 1's) that puts output j's
+   four codes (inputs 2p .. 2p + 3) in lane j: word j of pair p, then word j of pair p + 1 */
+static const uint16_t Q4_QUADS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+
+/* A WT_Q4P tile's products for NR rows (constant after inlining) of 8-bit x (`quantize_groups`: per
+   group of Q4_GROUP inputs the codes xq and their scale xd; xsum the bfloat16 x's exact group sums): per
+   group d = xq_g . q_g by VPDPBUSD (the 4-bit codes unsigned against the signed 8-bit x, exact int32
+   sums), then per output acc += d (scale_g xd_g) and, apart, off += offset_g xsum_g; the result acc +
+   off. HALF (a constant): the scales halves (WT_Q4PH) */
+static inline __attribute__((always_inline)) void q4_quads_rows(const void *wt, const void *sm, const int8_t *xq,
+                                                                  const float *xd, const float *xsum, int64_t k,
+                                                                  const void *bias, void *y, int64_t ys, int y_f32,
+                                                                  const int nr, const int half) {
+    const __m512i order = _mm512_loadu_si512(Q4_QUADS), low = _mm512_set1_epi8(0x0f);
+    __m512 a0[LINEAR_GROUP], a1[LINEAR_GROUP];
+    __m512i d0[LINEAR_GROUP], d1[LINEAR_GROUP];
     for (int i = 0; i < nr; i++) a0[i] = a1[i] = _mm512_setzero_ps();
-    const uint32_t *xr = (const uint32_t *)x;
-    int64_t pairs = k / 2, groups = k / Q4_GROUP;
+    int64_t groups = k / Q4_GROUP;
     for (int64_t g = 0; g < groups; g++) {
-        for (int i = 0; i < nr; i++) d0[i] = d1[i] = _mm512_setzero_ps();
-        for (int64_t p = g * (Q4_GROUP / 2); p < (g + 1) * (Q4_GROUP / 2); p++) {
-            __m512bh w0, w1;
-            if (wide) {
-                const uint32_t *b = (const uint32_t *)wt + p * PAIR_TILE;
-                w0 = (__m512bh)_mm512_loadu_si512(b);
-                w1 = (__m512bh)_mm512_loadu_si512(b + 16);
-            } else {
-                const uint8_t *b = (const uint8_t *)wt + p * PAIR_TILE;
-                if (p % 2 == 0) __builtin_prefetch(b + LINEAR_PREFETCH);
-                widen_pairs_q4(b, table, &w0, &w1);
-            }
+        for (int i = 0; i < nr; i++) d0[i] = d1[i] = _mm512_setzero_si512();
+        for (int64_t u = 0; u < Q4_GROUP / 4; u++) { /* inputs 4u .. 4u + 3 of the group: pairs 2u, 2u + 1 */
+            const uint8_t *b = (const uint8_t *)wt + (g * (Q4_GROUP / 2) + 2 * u) * PAIR_TILE;
+            __builtin_prefetch(b + LINEAR_PREFETCH);
+            __m512i c = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(b));
+            __m512i w0 = _mm512_and_si512(c, low), w1 = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
             for (int i = 0; i < nr; i++) {
-                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[i * pairs + p]);
-                d0[i] = _mm512_dpbf16_ps(d0[i], w0, xb);
-                d1[i] = _mm512_dpbf16_ps(d1[i], w1, xb);
+                int32_t four;
+                memcpy(&four, xq + i * k + g * Q4_GROUP + 4 * u, sizeof four);
+                __m512i xb = _mm512_set1_epi32(four);
+                d0[i] = _mm512_dpbusd_epi32(d0[i], w0, xb);
+                d1[i] = _mm512_dpbusd_epi32(d1[i], w1, xb);
             }
         }
         int64_t s = g * 2 * PAIR_TILE, bytes = half ? 2 : 4; /* the group's scales: `bytes` cache lines */
-        if (!wide)
-            for (int c = 0; c < bytes; c++)
-                __builtin_prefetch((const char *)sm + s * bytes + LINEAR_PREFETCH / 2 * bytes + 64 * c);
+        for (int c = 0; c < bytes; c++)
+            __builtin_prefetch((const char *)sm + s * bytes + LINEAR_PREFETCH / 2 * bytes + 64 * c);
         __m512 s0 = q4_scales(sm, s, half), s1 = q4_scales(sm, s + 16, half);
         for (int i = 0; i < nr; i++) {
-            a0[i] = _mm512_fmadd_ps(d0[i], s0, a0[i]);
-            a1[i] = _mm512_fmadd_ps(d1[i], s1, a1[i]);
+            __m512 dx = _mm512_set1_ps(xd[i * groups + g]);
+            a0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0[i]), _mm512_mul_ps(s0, dx), a0[i]);
+            a1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1[i]), _mm512_mul_ps(s1, dx), a1[i]);
         }
     }
     /* the offsets' sums, after (the tile's scales in cache): fewer registers live in the loop above */
-    for (int i = 0; i < nr; i++) d0[i] = d1[i] = _mm512_setzero_ps();
+    __m512 f[2][LINEAR_GROUP];
+    for (int i = 0; i < nr; i++) f[0][i] = f[1][i] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         __m512 f0 = q4_scales(sm, g * 2 * PAIR_TILE + 32, half), f1 = q4_scales(sm, g * 2 * PAIR_TILE + 48, half);
         for (int i = 0; i < nr; i++) {
             __m512 xs = _mm512_set1_ps(xsum[i * groups + g]);
-            d0[i] = _mm512_fmadd_ps(f0, xs, d0[i]);
-            d1[i] = _mm512_fmadd_ps(f1, xs, d1[i]);
+            f[0][i] = _mm512_fmadd_ps(f0, xs, f[0][i]);
+            f[1][i] = _mm512_fmadd_ps(f1, xs, f[1][i]);
         }
     }
     int64_t y_size = y_f32 ? 4 : 2;
     for (int i = 0; i < nr; i++) {
         char *yi = (char *)y + i * ys * y_size;
-        tile_out(_mm512_add_ps(a0[i], d0[i]), NULL, bias, yi, 1, y_f32);
-        tile_out(_mm512_add_ps(a1[i], d1[i]), NULL, bias ? (const bf16 *)bias + 16 : NULL, yi + 16 * y_size, 1,
+        tile_out(_mm512_add_ps(a0[i], f[0][i]), NULL, bias, yi, 1, y_f32);
+        tile_out(_mm512_add_ps(a1[i], f[1][i]), NULL, bias ? (const bf16 *)bias + 16 : NULL, yi + 16 * y_size, 1,
                  y_f32);
     }
 }
 
-/* A WT_INT8P or WT_Q4P tile widened to bfloat16 pairs, [pairs][PAIR_TILE]: the values the products widen
-   as they read */
-static void widen_tile(const void *wt, int wt_kind, int64_t pairs, uint32_t *out) {
-    const __m512i table = _mm512_loadu_si512(Q4_BF16);
-    for (int64_t p = 0; p < pairs; p++) {
-        __m512bh w0, w1;
-        if (WT_Q4_PAIRS(wt_kind)) {
-            widen_pairs_q4((const uint8_t *)wt + p * PAIR_TILE, table, &w0, &w1);
-        } else { /* outputs 0-15, then 16-31: 32 bytes each, in order */
-            w0 = widen_pairs_i8((const int8_t *)wt + p * 2 * PAIR_TILE);
-            w1 = widen_pairs_i8((const int8_t *)wt + p * 2 * PAIR_TILE + 32);
-        }
-        _mm512_storeu_si512(out + p * PAIR_TILE, (__m512i)w0);
-        _mm512_storeu_si512(out + p * PAIR_TILE + 16, (__m512i)w1);
+/* Rows a pass of q4_quads_rows takes: four rows' 16 accumulators stay in registers (eight spilled:
+ * 30 SmolLM2 layers at 32 rows 24.6-28.6 -> 21.8-22.2 ms) */
+#define Q4_QUAD_ROWS 4
+static inline __attribute__((always_inline)) void q4_quads_tile(const void *wt, const void *sm, const int8_t *xq,
+                                                                  const float *xd, const float *xsum, int64_t k,
+                                                                  const void *bias, void *y, int64_t ys, int y_f32,
+                                                                  const int nr, const int half) {
+    int64_t groups = k / Q4_GROUP, y_size = y_f32 ? 4 : 2;
+    if (nr > Q4_QUAD_ROWS) {
+        q4_quads_rows(wt, sm, xq, xd, xsum, k, bias, y, ys, y_f32, Q4_QUAD_ROWS, half);
+        q4_quads_rows(wt, sm, xq + Q4_QUAD_ROWS * k, xd + Q4_QUAD_ROWS * groups, xsum + Q4_QUAD_ROWS * groups, k,
+                      bias, (char *)y + Q4_QUAD_ROWS * ys * y_size, ys, y_f32, nr - Q4_QUAD_ROWS, half);
+    } else {
+        q4_quads_rows(wt, sm, xq, xd, xsum, k, bias, y, ys, y_f32, nr, half);
+    }
+}
+
+/* A WT_INT8P tile widened to bfloat16 pairs, [pairs][PAIR_TILE]: the values the products widen as they
+   read */
+static void widen_tile(const void *wt, int64_t pairs, uint32_t *out) {
+    for (int64_t p = 0; p < pairs; p++) { /* outputs 0-15, then 16-31: 32 bytes each, in order */
+        _mm512_storeu_si512(out + p * PAIR_TILE, (__m512i)widen_pairs_i8((const int8_t *)wt + p * 2 * PAIR_TILE));
+        _mm512_storeu_si512(out + p * PAIR_TILE + 16,
+                            (__m512i)widen_pairs_i8((const int8_t *)wt + p * 2 * PAIR_TILE + 32));
     }
 }
 
 /* tiles of outputs begin .. end-1 (multiples of PAIR_TILE) of a WT_BF16P, WT_INT8P or WT_Q4P weight (with
    its scale; 4-bit: and xsum, the rows' group sums) for every group of rows of xb [m, k] bfloat16; y and
-   the bias of the model dtype bf (y_f32: y float32 holding the rounded values). int8 and 4-bit: a step
-   of one group of rows widens the pairs as it reads them; a wider one widens each tile once into a
-   scratch for all its groups (the same values). */
-static void linear_rows_pairs(const bf16 *xb, const float *xsum, const void *w, int wt_kind, const void *scale,
+   the bias of the model dtype bf (y_f32: y float32 holding the rounded values); 4-bit: and xq, xd,
+   the rows' 8-bit codes and scales. int8: a step of one group of rows widens the pairs as it reads them;
+   a wider one widens each tile once into a scratch for all its groups (the same values). */
+static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *xq, const float *xd, const void *w,
+                              int wt_kind, const void *scale,
                               const void *bias, void *y, int64_t ys, int64_t m, int64_t k, int64_t begin,
                               int64_t end, int bf, int y_f32) {
     static __thread uint32_t *widened; /* a tile of int8 or 4-bit weights as bfloat16 pairs */
     static __thread int64_t widened_k;
     int q4 = WT_Q4_PAIRS(wt_kind), half = wt_kind == WT_Q4PH;
     int64_t size = bf ? 2 : 4, y_size = bf && !y_f32 ? 2 : 4, groups = k / Q4_GROUP;
-    int as_read = wt_kind != WT_BF16P && m <= LINEAR_GROUP, scratch = wt_kind != WT_BF16P && !as_read;
+    int as_read = wt_kind != WT_BF16P && m <= LINEAR_GROUP, scratch = wt_kind == WT_INT8P && !as_read;
     if (scratch && widened_k < k) {
         free(widened);
         widened = malloc((size_t)(k / 2 * PAIR_TILE) * sizeof(uint32_t));
@@ -1580,7 +1607,7 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const void *w, 
     for (int64_t r = begin; r < end; r += PAIR_TILE) {
         const void *wt = (const char *)w + r * weight_row_bytes(wt_kind, k);
         if (scratch) {
-            widen_tile(wt, wt_kind, k / 2, widened);
+            widen_tile(wt, k / 2, widened);
             wt = widened;
         }
         const void *sc = !scale ? NULL : q4 ? (const char *)scale + r * groups * 2 * (half ? 2 : 4)
@@ -1588,18 +1615,15 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const void *w, 
         const void *b = bias ? (const char *)bias + r * size : NULL;
         for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
             const bf16 *x = xb + i0 * k;
-            const float *xs = q4 ? xsum + i0 * groups : NULL;
+            const float *xs = q4 ? xsum + i0 * groups : NULL, *xdi = q4 ? xd + i0 * groups : NULL;
+            const int8_t *xqi = q4 ? xq + i0 * k : NULL;
             void *yi = (char *)y + (i0 * ys + r) * y_size;
 #define PAIRS_CASE(M)                                                                    \
     case M:                                                                              \
-        if (q4 && as_read && half)                                                       \
-            q4_pairs_tile(wt, sc, x, xs, k, b, yi, ys, y_f32, M, 0, 1);                  \
-        else if (q4 && as_read)                                                          \
-            q4_pairs_tile(wt, sc, x, xs, k, b, yi, ys, y_f32, M, 0, 0);                  \
-        else if (q4 && half)                                                             \
-            q4_pairs_tile(wt, sc, x, xs, k, b, yi, ys, y_f32, M, 1, 1);                  \
+        if (q4 && half)                                                                  \
+            q4_quads_tile(wt, sc, xqi, xdi, xs, k, b, yi, ys, y_f32, M, 1);              \
         else if (q4)                                                                     \
-            q4_pairs_tile(wt, sc, x, xs, k, b, yi, ys, y_f32, M, 1, 0);                  \
+            q4_quads_tile(wt, sc, xqi, xdi, xs, k, b, yi, ys, y_f32, M, 0);              \
         else if (as_read)                                                                \
             pairs_tile(wt, x, k, sc, b, yi, ys, bf, y_f32, M, 1);                        \
         else                                                                             \
@@ -1883,6 +1907,8 @@ typedef struct {
     const void *x;      /* [m, k] float32 in the kernel's order, or the bfloat16 rows (LINEAR_BF16_PAIRS) */
     const void *xp;     /* the bfloat16 rows packed for AMX (`pack_pairs`), or NULL */
     const float *xsum;  /* [m, k / Q4_GROUP]: the rows' group sums (WT_Q4, WT_Q4P(H) only) */
+    const int8_t *xq;   /* [m, k]: the rows' 8-bit codes, and xd [m, k / Q4_GROUP] their scales (WT_Q4P(H)) */
+    const float *xd;
     const void *w, *bias, *scale;
     void *y;
     int64_t ys, m, k;
@@ -1895,8 +1921,8 @@ static void linear_rows(void *ctx, int64_t begin, int64_t end) {
     const LinearJob *j = ctx;
 #if LINEAR_BF16_PAIRS
     if (j->wt == WT_BF16P || j->wt == WT_INT8P || WT_Q4_PAIRS(j->wt)) { /* whole tiles of PAIR_TILE outputs */
-        linear_rows_pairs(j->x, j->xsum, j->w, j->wt, j->scale, j->bias, j->y, j->ys, j->m, j->k, begin, end, j->bf,
-                          j->y_f32);
+        linear_rows_pairs(j->x, j->xsum, j->xq, j->xd, j->w, j->wt, j->scale, j->bias, j->y, j->ys, j->m, j->k,
+                          begin, end, j->bf, j->y_f32);
         return;
     }
 #endif
@@ -1953,7 +1979,8 @@ static int64_t linear_grain(int64_t n, int64_t threads) {
  * the bias of the model dtype bf (or y float32 holding the rounded values, y_f32: the logits without
  * a widening pass), w of storage wt (int8: with `scale` [n], and x rounded to bfloat16 first, as
  * torch's int8 kernel takes it; 4-bit: `scale` the groups' [n, k / Q4_GROUP, 2] scales and offsets, x
- * as it is; 4-bit in pairs: [n / PAIR_TILE, k / Q4_GROUP, 2, PAIR_TILE], x bfloat16); k a multiple of 16,
+ * as it is; 4-bit in pairs: [n / PAIR_TILE, k / Q4_GROUP, 2, PAIR_TILE], x bfloat16 taken as 8-bit codes,
+ * `quantize_groups`); k a multiple of 16,
  * of Q4_GROUP for 4-bit (Python checks). Float32 sums in a fixed order per output, so a row's result
  * does not depend on the others nor on `threads`; bfloat16 results
  * rounded once, after the bias. A decode-sized product is bound by reading the weight: it is read
@@ -1990,11 +2017,22 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
         pack_pairs((const bf16 *)xf, m, k, xp);
     }
 #endif
-    LinearJob job = {xf, xp, xsum, w, bias, scale, y, ys, m, k, bf, wt, y_f32};
+    int8_t *xq = NULL;
+    float *xd = NULL;
+#if LINEAR_BF16_PAIRS
+    if (WT_Q4_PAIRS(wt)) { /* the rows as 8-bit codes for the 4-bit products in pairs */
+        xq = malloc((size_t)(m * k));
+        xd = malloc((size_t)(m * groups) * sizeof(float));
+        for (int64_t i = 0; i < m; i++) quantize_groups((const bf16 *)xf + i * k, k, xq + i * k, xd + i * groups);
+    }
+#endif
+    LinearJob job = {xf, xp, xsum, xq, xd, w, bias, scale, y, ys, m, k, bf, wt, y_f32};
     parallel_for(linear_rows, &job, n, linear_grain(n, threads), threads, 1);
     free(xf);
     free(xp);
     free(xsum);
+    free(xq);
+    free(xd);
 }
 
 /* Eight float32 rounded to bfloat16 as to_bf16 rounds each (nearest even, NaN quiet) and stored. */

@@ -337,8 +337,9 @@ def bf16_tiles() -> bool:
 
 
 def bf16_pairs() -> bool:
-    """Whether `linear` takes bfloat16 weights in pairs (`pack_pairs`): AVX-512 BF16 without AMX tiles
-    (where tiles run the plain layout, it stays on them)."""
+    """Whether `linear` takes bfloat16 weights in pairs (`pack_pairs`): AVX-512 BF16 and VNNI (every CPU
+    with the first has the second; the 4-bit products in pairs use it) without AMX tiles (where tiles
+    run the plain layout, it stays on them)."""
     return bf16_dot() and not bf16_tiles()
 
 
@@ -629,8 +630,9 @@ def linear(
     bfloat16 weight in pairs (int32 [N, K / 2] from `pack_pairs`, x bfloat16, where `bf16_pairs`), or an
     int8 one (int16 [N, K / 2], with its scale: the int8 product above, to the bit at any M).
     A 4-bit weight in pairs (uint16 [N, K / 4] with its float32 or float16 scales from `pack_q4_pairs`, x
-    bfloat16, where `bf16_pairs`): the 4-bit product above, to the same bound (either scales, the same
-    results).
+    bfloat16, where `bf16_pairs`): x taken as 8-bit codes per group of 32 (models/quant4.py
+    `quantize_activations`, to the bit), the 4-bit product above within that bound plus
+    `activation_bound` (either scales, the same results).
     `float_out`: the result as float32, equal to `linear(...).float()` without the widening pass."""
     m, k = x.shape
     n = weight.shape[0]
