@@ -16,7 +16,7 @@ from reference import random_ids
 
 import cothink
 from cothink.errors import UnsupportedModelError
-from cothink.execution.native_modules import NativeCpuLinear, NativeInt4Linear
+from cothink.execution.native_modules import NATIVE_MAX_ROWS, NativeCpuLinear, NativeInt4Linear
 from cothink.models.packing import CpuLinear
 from cothink.models.quant4 import (
     Int4Linear,
@@ -165,7 +165,7 @@ def test_4bit_pairs_stay_within_the_bound_for_any_threads_and_batch():
     q = weights.codes().double().view(n, groups, 32)
     dot = torch.einsum("mgj,ngj->mng", codes.double().view(33, groups, 32), q)  # exact integer sums
     scale, offset = weights.scale[..., 0].double(), weights.scale[..., 1].double()
-    xsum = x.double().view(33, groups, 32).sum(-1)
+    xsum = d.double() * codes.double().view(33, groups, 32).sum(-1)  # the 8-bit x's group sums
     of_codes = (dot * d.double()[:, None, :] * scale[None]).sum(-1) + xsum @ offset.T + bias.double()
     assert ((got - of_codes).abs() <= rounding).all()  # one code off would move an output far past this
     for m in (1, 5, 8, 9, 32, 33):
@@ -232,6 +232,11 @@ def test_native_4bit_linear_takes_pairs_for_bfloat16_activations():
     ref = reference_linear(x.bfloat16(), plain.weights, None).float()
     bound = activation_bound(x.bfloat16(), plain.weights) + ref.abs() * 2.0**-7
     assert ((pairs(x.bfloat16()).float() - ref).abs() <= bound).all()
+    # pairs take every product in C, a prefill chunk's too: each row as alone, a row's result the decode's
+    assert pairs.native_rows > NATIVE_MAX_ROWS and packed.native_rows == NATIVE_MAX_ROWS
+    wide = torch.randn(2, 35, 96).bfloat16()
+    alone = torch.stack([torch.cat([pairs(wide[b, t : t + 1]) for t in range(35)]) for b in range(2)])
+    assert torch.equal(pairs(wide), alone)
     torch.testing.assert_close(pairs(x), packed(x), rtol=1e-5, atol=1e-5)  # float32: the torch path
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cothink.execution.native_modules import NativeLinear, token_shape
+from cothink.execution.native_modules import NATIVE_MAX_ROWS, NativeLinear, token_shape
 from cothink.execution.step import LinearDecode
 from cothink.models.transformer import CausalLM, DecoderLayers, ForwardContext, GatedDeltaNet
 from cothink.ops import native
@@ -78,9 +78,9 @@ class FusedDecode:
             for i in range(len(layers))
         ])
         self.linear_mixers = {i: layers[i].linear_attn for i in cfg.linear_layers}
-        # rows up to which every linear takes the C kernel: the widest step this runs (the native
-        # backend's `prepare` checks it)
-        self.max_rows = min(m.native_rows for layer in layers for m in _linears(layer))
+        # rows up to which every linear takes the C kernel, NATIVE_MAX_ROWS at most (4-bit weights in
+        # pairs take any rows): the widest step this runs (the native backend's `prepare` checks it)
+        self.max_rows = min(NATIVE_MAX_ROWS, *(m.native_rows for layer in layers for m in _linears(layer)))
 
     @classmethod
     def for_model(cls, model: CausalLM) -> FusedDecode | None:

@@ -46,15 +46,18 @@ from it. For a bfloat16 model where `native.bf16_pairs` (AVX-512 BF16 and VNNI, 
 native module reads a copy of the weight reordered in tiles of 32 outputs (`native.pack_q4_pairs`,
 native.c WT_Q4P) and takes x as 8-bit codes, as GGUF's Q4 x Q8 dot products (llama.cpp) and OpenVINO's
 dynamically quantized activations take it: per group of 32 inputs a scale d = max |x| / 127 and codes
-x / d rounded (`quantize_activations`, to the bit), then per group scale (d xq . q) + offset sum(x) with
-xq . q in exact integer sums (VPDPBUSD: twice the multiply-adds a cycle of bfloat16's) and sum(x) the
-exact sum of x; each output along a vector lane, one fixed order per output. Its distance from the
-reference adds half a code step of x per input to the bound above (`activation_bound`):
+xq = x / d rounded (`quantize_activations`, to the bit), then per group d (scale xq . q + offset sum(xq))
+with xq . q in exact integer sums (VPDPBUSD: twice the multiply-adds a cycle of bfloat16's): the
+product with the 8-bit x in both terms (x's exact sum in the offsets' term left the codes' rounding
+times the all-positive 4-bit codes uncancelled: perplexity +2.8% rather than +0.6%); each output along
+a vector lane, one fixed order per output. Its distance from the reference adds half a code step of x
+per input to the bound above (`activation_bound`; w_j the dequantized weight):
 
-    |y - y_ref| <= sum_g (d_g / 2) |scale_g| sum_j q_j + 2^-18 sum_g sum_j |x_j| (|scale_g| q_j + |offset_g|)
+    |y - y_ref| <= sum_g (d_g / 2) sum_j |w_j| + 2^-18 sum_g sum_j |x_j| (|scale_g| q_j + |offset_g|)
 
-On SmolLM2's fixed text fed 32 tokens a step (`bench/int4_quality.py`, docs/benchmarks.md) perplexity
-is 2.9% over bfloat16's where bfloat16 activations (VDPBF16PS on the codes) gave 0.8%. Its scales and
+On SmolLM2's fixed text (`bench/int4_quality.py`, docs/benchmarks.md) perplexity is 0.6% over
+bfloat16's fed 32 tokens a step (0.8% with bfloat16 activations, VDPBF16PS on the codes) and level
+fed whole; llama.cpp's Q4_1 file (Q4 x Q8 products) is 0.5-0.8% over its BF16 re-encoding. Its scales and
 offsets as halves (WT_Q4PH, the same results) where every 4-bit layer's are halves exactly (GGUF Q4_0 and
 Q4_1, the quantizer; not Q4_K): a sixth fewer bytes for the decode to read; the packed weight
 stays for the wider products, so those 4-bit weights are held twice (SmolLM2 +63 MiB). Wider inputs
@@ -230,11 +233,11 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def activation_bound(x: torch.Tensor, weights: Int4Weights) -> torch.Tensor:
     """How far the 8-bit x moves the C kernel's product in pairs from `reference_linear` before float32
-    rounding (module doc): per group half a code step of x (d / 2) times |scale_g| sum_j q_j. [M, N]"""
+    rounding (module doc): per group half a code step of x (d / 2) times sum_j |w_j|. [M, N]"""
     n, k = weights.shape
     _, d = quantize_activations(x)
-    codes = weights.codes().float().view(n, k // Q4_GROUP, Q4_GROUP).sum(-1)  # [N, groups]
-    return (d.double() / 2) @ (weights.scale[..., 0].abs().double() * codes.double()).T
+    magnitude = weights.dequantize().abs().double().view(n, k // Q4_GROUP, Q4_GROUP).sum(-1)  # [N, groups]
+    return (d.double() / 2) @ magnitude.T
 
 
 class Int4Linear(FastLinear):

@@ -509,11 +509,11 @@ int64_t ct_helper_grains(void) { return atomic_load(&team.helped); }
  * prefill chunk's split (one row is ~1-3 us; these took ~11% of a 2048-token prefill on one thread) */
 #define ROW_GRAIN 16
 
-/* Rows up to which a norm or SiLU x up called between ops runs on the helper team rather than OpenMP's:
- * a decode-sized step's (the C products before and after it run there). On OpenMP's team its idle
- * thread spun on after the call, on the core the next product's helper needed: 32 coroutines'
- * lm_head after the final norm 9.0 -> 5.9 ms (2-core Zen 4, SmolLM2 int8). A prefill chunk's rows, between
- * torch's ops, stay on OpenMP's. */
+/* Rows up to which a product, norm or SiLU x up called between ops runs on the helper team rather than
+ * OpenMP's: a decode-sized step's (its C calls all run there). Mixing teams leaves one's idle thread
+ * spinning on the core the other's thread needs: a norm on OpenMP's before the lm_head's product on the
+ * helpers took 32 coroutines' head 9.0 -> 5.9 ms (2-core Zen 4, SmolLM2 int8). A prefill chunk's, between
+ * torch's ops (OpenMP's), stay on OpenMP's. */
 #define HELPER_TEAM_ROWS 32
 
 /* The norm (norm_rows) of rows over up to `threads` threads (a call between other ops: the team as
@@ -1456,9 +1456,9 @@ static inline __attribute__((always_inline)) void pairs_tile(const void *wt, con
  * [k / Q4_GROUP][2][PAIR_TILE]: per group the outputs' scales, then their offsets. x is taken as 8-bit
  * codes per group of Q4_GROUP inputs (`quantize_groups`, as GGUF's Q4 x Q8 dot products take it): per
  * group d = xq_g . q_g in exact int32 sums, then per output acc += d (scale_g xd_g) and, apart, off +=
- * offset_g sum(x_g) (the bfloat16 x's exact sum); the result acc + off, one fixed order per output
- * whatever the rows, within the bound models/quant4.py states (the 8-bit x's rounding and float32
- * sums). VPDPBUSD multiplies 64 byte pairs an instruction where VDPBF16PS multiplies 32 bfloat16 pairs
+ * offset_g sum(x_g) (the 8-bit x's sum, xd_g times its codes'); the result acc + off: the product with
+ * the 8-bit x, one fixed order per output whatever the rows, within the bound models/quant4.py states
+ * (the 8-bit x's rounding and float32 sums). VPDPBUSD multiplies 64 byte pairs an instruction where VDPBF16PS multiplies 32 bfloat16 pairs
  * (both one a cycle on Zen 4), and the codes need no widening to bfloat16. Measured on a 2-core Zen 4
  * over 30 SmolLM2 layers' products and an int8 lm_head (ms per step of m rows, 8-bit x / bfloat16 x by
  * VDPBF16PS, the codes widened by a table): m = 1 4.1-4.9 / 4.2-5.0, 8 7.0-7.5 / 7.9, 32 21.8-22.2 /
@@ -1479,18 +1479,23 @@ static inline __attribute__((always_inline)) __m512 q4_scales(const void *sm, in
 }
 
 /* A bfloat16 row x [k] (k a multiple of Q4_GROUP) as 8-bit codes per group of Q4_GROUP inputs, as the
-   4-bit products in pairs read it: the group's scale d = max |x| / 127 and its codes x (1 / d) rounded
-   to nearest (even), all 0 where d is 0 (models/quant4.py `quantize_activations`, to the bit) */
-static void quantize_groups(const bf16 *x, int64_t k, int8_t *q, float *d) {
+   4-bit products in pairs read it: the group's scale d = max |x| / 127, its codes x (1 / d) rounded to
+   nearest (even), all 0 where d is 0, and the sum of the values they stand for, d (sum of codes): the
+   offsets' term takes that sum, so that the product is the one with the 8-bit x in both terms (with x's
+   exact sum there, the codes' rounding times the group's all-positive 4-bit codes goes uncancelled:
+   SmolLM2 perplexity +2.8% over bfloat16 rather than +0.8%) (models/quant4.py `quantize_activations`,
+   to the bit) */
+static void quantize_groups(const bf16 *x, int64_t k, int8_t *q, float *d, float *s) {
     for (int64_t g = 0; g < k / Q4_GROUP; g++) {
         __m512 lo = widen16(x + g * Q4_GROUP), hi = widen16(x + g * Q4_GROUP + 16);
         float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         float dg = top / 127.0f;
         __m512 inv = _mm512_set1_ps(dg != 0.0f ? 1.0f / dg : 0.0f);
-        _mm_storeu_si128((__m128i *)(q + g * Q4_GROUP), _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv))));
-        _mm_storeu_si128((__m128i *)(q + g * Q4_GROUP + 16),
-                         _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv))));
+        __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+        _mm_storeu_si128((__m128i *)(q + g * Q4_GROUP), _mm512_cvtepi32_epi8(c0));
+        _mm_storeu_si128((__m128i *)(q + g * Q4_GROUP + 16), _mm512_cvtepi32_epi8(c1));
         d[g] = dg;
+        s[g] = dg * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
     }
 }
 
@@ -1502,8 +1507,8 @@ static const uint16_t Q4_QUADS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 
 /* A WT_Q4P tile's products for NR rows (constant after inlining) of 8-bit x (`quantize_groups`: per
    group of Q4_GROUP inputs the codes xq and their scale xd; xsum the bfloat16 x's exact group sums): per
    group d = xq_g . q_g by VPDPBUSD (the 4-bit codes unsigned against the signed 8-bit x, exact int32
-   sums), then per output acc += d (scale_g xd_g) and, apart, off += offset_g xsum_g; the result acc +
-   off. HALF (a constant): the scales halves (WT_Q4PH) */
+   sums), then per output acc += d (scale_g xd_g) and, apart, off += offset_g xsum_g (xsum: the 8-bit x's
+   group sums); the result acc + off. HALF (a constant): the scales halves (WT_Q4PH) */
 static inline __attribute__((always_inline)) void q4_quads_rows(const void *wt, const void *sm, const int8_t *xq,
                                                                   const float *xd, const float *xsum, int64_t k,
                                                                   const void *bias, void *y, int64_t ys, int y_f32,
@@ -1985,54 +1990,75 @@ static int64_t linear_grain(int64_t n, int64_t threads) {
  * does not depend on the others nor on `threads`; bfloat16 results
  * rounded once, after the bias. A decode-sized product is bound by reading the weight: it is read
  * once, whatever m, its rows split over up to `threads` threads. */
-void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, const void *bias, void *y,
-               int64_t ys, int64_t m, int64_t n, int64_t k, int bf, int wt, int y_f32, int64_t threads) {
-    int64_t size = bf ? 2 : 4, groups = k / Q4_GROUP;
-    float *xf = malloc((size_t)(m * k) * sizeof(float)), *xsum = malloc((size_t)(m * groups + 1) * sizeof(float));
-    for (int64_t i = 0; i < m; i++) {
-        const char *xi = (const char *)x + i * xs * size;
-        if (LINEAR_X_BF16(wt, bf)) { /* the bfloat16 input itself, rows packed (4-bit: and its group sums) */
-            if (bf)
+/* ct_linear's inputs made ready: x's rows in the kernel's form (below), each row whole on one thread */
+typedef struct {
+    const void *x;
+    int64_t xs, k;
+    int bf, wt;
+    float *xf, *xsum, *xd;
+    int8_t *xq;
+} LinearPrep;
+
+static void prepare_rows(void *ctx, int64_t begin, int64_t end) {
+    const LinearPrep *p = ctx;
+    int64_t k = p->k, groups = k / Q4_GROUP, size = p->bf ? 2 : 4;
+    int wt = p->wt;
+    float *xf = p->xf, *xsum = p->xsum;
+    for (int64_t i = begin; i < end; i++) {
+        const char *xi = (const char *)p->x + i * p->xs * size;
+        if (LINEAR_X_BF16(wt, p->bf)) { /* the bfloat16 input itself, rows packed (4-bit: and its group sums) */
+            if (p->bf)
                 memcpy((bf16 *)xf + i * k, xi, (size_t)k * sizeof(bf16));
             else /* (WT_INT8P of float32 rows: x rounded to bfloat16, as WT_INT8 takes it) */
                 for (int64_t e = 0; e < k; e++) ((bf16 *)xf)[i * k + e] = to_bf16(((const float *)xi)[e]);
-            if (wt == WT_Q4 || WT_Q4_PAIRS(wt))
+            if (wt == WT_Q4)
                 for (int64_t g = 0; g < groups; g++) {
                     float part[Q4_GROUP];
                     load_row((const bf16 *)xi + g * Q4_GROUP, Q4_GROUP, 1, part);
                     xsum[i * groups + g] = sum(part, Q4_GROUP);
                 }
+#if LINEAR_BF16_PAIRS
+            if (WT_Q4_PAIRS(wt)) /* the row as 8-bit codes for the 4-bit products in pairs */
+                quantize_groups((const bf16 *)xf + i * k, k, p->xq + i * k, p->xd + i * groups, xsum + i * groups);
+#endif
             continue;
         }
-        load_row(xi, k, bf, xf + i * k);
+        load_row(xi, k, p->bf, xf + i * k);
         if (wt == WT_INT8) round_row(xf + i * k, k, 1);
         if (!LINEAR_WIDE) deal(xf + i * k, k, wt == WT_BF16, 0);
         if (wt == WT_Q4)
             for (int64_t g = 0; g < groups; g++) xsum[i * groups + g] = sum(xf + i * k + g * Q4_GROUP, Q4_GROUP);
     }
+}
+
+/* Rows of x a thread of ct_linear's preparation claims at a time (a decode step's few stay on one) */
+#define PREP_GRAIN 16
+
+void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, const void *bias, void *y,
+               int64_t ys, int64_t m, int64_t n, int64_t k, int bf, int wt, int y_f32, int64_t threads) {
+    int64_t groups = k / Q4_GROUP;
+    int own = m <= HELPER_TEAM_ROWS; /* a decode-sized product on the helpers, a prefill chunk's on OpenMP's */
+    LinearPrep prep = {x, xs, k, bf, wt, malloc((size_t)(m * k) * sizeof(float)),
+                       malloc((size_t)(m * groups + 1) * sizeof(float)), NULL, NULL};
+    if (WT_Q4_PAIRS(wt)) {
+        prep.xq = malloc((size_t)(m * k));
+        prep.xd = malloc((size_t)(m * groups) * sizeof(float));
+    }
+    parallel_for(prepare_rows, &prep, m, PREP_GRAIN, threads, own);
     void *xp = NULL;
 #if LINEAR_AMX
     if (wt == WT_BF16 && k % 32 == 0 && n >= 16 && amx_ready()) {
         xp = malloc((size_t)(((m + 15) / 16) * k * 16) * sizeof(bf16));
-        pack_pairs((const bf16 *)xf, m, k, xp);
+        pack_pairs((const bf16 *)prep.xf, m, k, xp);
     }
 #endif
-    int8_t *xq = NULL;
-    float *xd = NULL;
-#if LINEAR_BF16_PAIRS
-    if (WT_Q4_PAIRS(wt)) { /* the rows as 8-bit codes for the 4-bit products in pairs */
-        xq = malloc((size_t)(m * k));
-        xd = malloc((size_t)(m * groups) * sizeof(float));
-        for (int64_t i = 0; i < m; i++) quantize_groups((const bf16 *)xf + i * k, k, xq + i * k, xd + i * groups);
-    }
-#endif
-    LinearJob job = {xf, xp, xsum, xq, xd, w, bias, scale, y, ys, m, k, bf, wt, y_f32};
-    parallel_for(linear_rows, &job, n, linear_grain(n, threads), threads, 1);
-    free(xf);
+    LinearJob job = {prep.xf, xp, prep.xsum, prep.xq, prep.xd, w, bias, scale, y, ys, m, k, bf, wt, y_f32};
+    parallel_for(linear_rows, &job, n, linear_grain(n, threads), threads, own);
+    free(prep.xf);
     free(xp);
-    free(xsum);
-    free(xq);
-    free(xd);
+    free(prep.xsum);
+    free(prep.xq);
+    free(prep.xd);
 }
 
 /* Eight float32 rounded to bfloat16 as to_bf16 rounds each (nearest even, NaN quiet) and stored. */
