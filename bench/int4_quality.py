@@ -11,7 +11,9 @@ layer quantized at load from the bfloat16 weights instead (models/quant4.py `Int
 Perplexity and greedy agreement as bench/int8_quality.py computes them (its text and prompts), and the
 perplexity of the text fed 32 tokens a step ("stepped"): the whole text in one step takes the wide
 products (4-bit: the dequantized weight in a GEMM, bfloat16 activations), 32-token steps the products a
-decode takes (4-bit: the C kernel in pairs with 8-bit activations, models/quant4.py). Writes
+decode takes (4-bit: the C kernel in pairs with 8-bit activations, models/quant4.py). With
+--llama-cpp (the `peers` extra), llama.cpp's perplexity of the same text from the model's shipped GGUF
+and from its BF16 re-encoding (bench/peers.py `reencoded_gguf`, made once into --out). Writes
 int4_quality.json to --out.
 """
 
@@ -34,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     C.add_common_args(p)
     p.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per prompt (default 48)")
+    p.add_argument("--llama-cpp", action="store_true",
+                   help="also llama.cpp's perplexity of the shipped GGUF and of its BF16 re-encoding")
     args = p.parse_args(argv)
     args.new_tokens = args.new_tokens or (16 if args.quick else 48)
     return args
@@ -59,6 +63,32 @@ def stepped_perplexity(runner: Any, ids: list[int], rows: int = 32) -> float:
     block = runner.new_block()
     logits = torch.cat([runner.extend(block, ids[i : i + rows]).float() for i in range(0, len(ids), rows)])
     return float(torch.exp(torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))))
+
+
+def llama_cpp_perplexity(gguf: Path, ids: list[int], threads: int) -> float:
+    """llama.cpp's perplexity of `ids` (one batch, every position's logits) with the weights of `gguf`."""
+    import llama_cpp
+    import numpy as np
+
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=max(512, len(ids)), n_batch=max(512, len(ids)),
+                          n_threads=threads, logits_all=True, verbose=False)
+    llm.eval(ids)
+    logits = np.asarray(llm.scores[: len(ids)], dtype=np.float64)
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    return float(np.exp(-logp[np.arange(len(ids) - 1), ids[1:]].mean()))
+
+
+def llama_cpp_perplexities(model: str, ids: list[int], out: Path, threads: int) -> dict[str, float]:
+    """llama.cpp's perplexity from the model's shipped GGUF and its BF16 re-encoding ({} without one)."""
+    from peers import _embedded_gguf, reencoded_gguf
+
+    shipped = _embedded_gguf(model)
+    if shipped is None:
+        return {}
+    bf16 = reencoded_gguf(shipped, out / "llama.cpp" / f"{shipped.stem}.BF16.gguf", "BF16")
+    return {shipped.name: llama_cpp_perplexity(shipped, ids, threads),
+            bf16.name: llama_cpp_perplexity(bf16, ids, threads)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     console.print("perplexity, the text in 32-token steps (the decode's products): " + ", ".join(
         f"{name} {value:.3f} ({100 * (value / stepped['bfloat16'] - 1):+.2f}%)"
         for name, value in stepped.items()))
+    if args.llama_cpp:
+        theirs = results["llama_cpp_perplexity"] = llama_cpp_perplexities(
+            args.model, text_ids, args.out, torch.get_num_threads())
+        console.print("llama.cpp perplexity, the whole text: " + ", ".join(
+            f"{name} {value:.3f}" for name, value in theirs.items()))
     for row in results["greedy"]:
         console.print(f"  {row['prompt']!r}: agreement with bfloat16 (first difference at, of "
                       f"{args.new_tokens}): " + ", ".join(

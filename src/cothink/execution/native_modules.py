@@ -14,7 +14,8 @@ products: within float32 rounding, models/quant4.py).
 `use_torch_modules` puts the plain modules back. The eager modules (`fast=False`) are never replaced.
 
 NATIVE_MAX_ROWS: rows up to which the C linear runs a product (and a decode step can take the fused
-decode step, execution/fused_decode.py). Measured on a 2-core AMD EPYC Zen 3 with AVX2
+decode step, execution/fused_decode.py); a 4-bit weight in pairs takes any rows (Q4_PAIRS_MAX_ROWS).
+Measured on a 2-core AMD EPYC Zen 3 with AVX2
 (`bench/linears.py`): each weight element is read once per 8 rows, bfloat16 widened in registers,
 float32 sums in a fixed order per output (a row's result is the same to the bit in any batch up to
 this size); against `F.linear`, bfloat16 1.1x at one row and 2.0-3.7x at 2-8 rows, float32 1.7x and

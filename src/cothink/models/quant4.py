@@ -59,9 +59,11 @@ On SmolLM2's fixed text (`bench/int4_quality.py`, docs/benchmarks.md) perplexity
 bfloat16's fed 32 tokens a step (0.8% with bfloat16 activations, VDPBF16PS on the codes) and level
 fed whole; llama.cpp's Q4_1 file (Q4 x Q8 products) is 0.5-0.8% over its BF16 re-encoding. Its scales and
 offsets as halves (WT_Q4PH, the same results) where every 4-bit layer's are halves exactly (GGUF Q4_0 and
-Q4_1, the quantizer; not Q4_K): a sixth fewer bytes for the decode to read; the packed weight
-stays for the wider products, so those 4-bit weights are held twice (SmolLM2 +63 MiB). Wider inputs
-(prefill chunks), and every input without the C kernels, dequantize the weight
+Q4_1, the quantizer; not Q4_K): a sixth fewer bytes for the decode to read. That copy takes every
+product, prefill chunks too (30 SmolLM2 layers at 512 rows 1.3x the GEMM below); the packed weight
+stays for inputs it does not take (float32 rows), so those 4-bit weights are held twice (SmolLM2 +63
+MiB). Inputs of more than 32 rows on the packed weight (no copy in pairs: float32 models, CPUs
+without AVX-512 BF16), and every input without the C kernels, dequantize the weight
 (`native.q4_dequant`, the reference's values to the bit) and run a GEMM. Float32 activations, or a
 CPU without bfloat16 arithmetic: float32 slabs and float32 GEMMs (models/packing.py
 `widened_matmul`), the reference's product up to the order of float32 sums. Bfloat16 activations on
