@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from cothink.models.quant4 import Int4Weights
+from cothink.models.quantize import int8_activation_bound, quantize_activations
 from cothink.ops import native
 from cothink.ops.attention import reference_merge, reference_partial_attention
 from cothink.ops.rope import Rotary
@@ -278,12 +279,14 @@ def test_bfloat16_pairs_are_the_float32_product_rounded_once(k):
         native.pack_pairs(w[:40])  # not whole tiles
 
 
-def _assert_int8_product(x, weight, q, scale, bias) -> None:
+def _assert_int8_product(x, weight, q, scale, bias, taken=None) -> None:
     """`native.linear` of `weight` (q itself, or q in pairs) is the int8 product's definition: x rounded
-    to bfloat16, the float32 sum times the scale rounded to bfloat16, then the bias in x's dtype
-    (within float32 summation and one rounding); the last row alone the same to the bit."""
+    to bfloat16 (or `taken`, the x the kernel takes), the float32 sum times the scale rounded to
+    bfloat16, then the bias in x's dtype (within float32 summation and one rounding); the last row alone
+    the same to the bit."""
     got = native.linear(x, weight, bias, scale=scale)
-    prod = F.linear(x.to(torch.bfloat16).double(), q.double()) * scale.double()
+    taken = x.to(torch.bfloat16).double() if taken is None else taken
+    prod = F.linear(taken, q.double()) * scale.double()
     ref = prod.to(torch.bfloat16).to(x.dtype).double() + (0 if bias is None else bias.double())
     assert got.dtype == x.dtype
     assert ((got.double() - ref).abs() <= prod.abs() * 2**-7 + ref.abs() * 2**-8 + 1e-5).all()
@@ -314,13 +317,14 @@ def test_int8_linear_is_the_scaled_product_of_the_rounded_input(dtype, k):
 
 @pytest.mark.skipif(not native.bf16_pairs(), reason="int8 pairs: CPUs with AVX-512 BF16 and no AMX tiles")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_pairs_are_the_int8_product(dtype):
-    """An int8 weight in pairs (`pack_pairs`: int16, the same bytes in tiles of PAIR_TILE outputs,
-    widened to bfloat16 pairs per tile in C): the int8 product's definition (x rounded to bfloat16,
-    the float32 sum times the scale rounded to bfloat16, the bias) within its bounds, at row counts
-    up to and past NATIVE_MAX_ROWS; every row the same to the bit alone as in the batch."""
+def test_int8_pairs_are_the_int8_product_of_the_8bit_input(dtype):
+    """An int8 weight in pairs (`pack_pairs`: int16, the same bytes in tiles of PAIR_TILE outputs; K a
+    multiple of 32) takes x as 8-bit codes per group of 32 (models/quant4.py `quantize_activations`):
+    the int8 product's definition (the float32 sum times the scale rounded to bfloat16, the bias) of
+    those codes times their scales, at row counts up to and past NATIVE_MAX_ROWS, every row the same to
+    the bit alone as in the batch, and within models/quantize.py's bound of the product of x itself."""
     g = torch.Generator().manual_seed(9)
-    k = 144
+    k = 160
     q = torch.randint(-127, 128, (2 * native.PAIR_TILE, k), generator=g, dtype=torch.int8)
     scale = (torch.rand(q.shape[0], generator=g) / 50).to(torch.bfloat16)
     b = torch.randn(q.shape[0], generator=g).to(dtype)
@@ -329,10 +333,18 @@ def test_int8_pairs_are_the_int8_product(dtype):
     assert torch.equal(pairs.view(torch.int8).reshape(2, k // 2, native.PAIR_TILE, 2)[1, 3, 5],
                        q[native.PAIR_TILE + 5, 6:8])
     assert native.linear_fits(pairs, b, scale) and not native.linear_fits(pairs, b, None)
-    for rows in (1, 9, 32, 33):
+    assert native.takes_pairs(q) and not native.takes_pairs(q[:, :144].contiguous())  # K % 32
+    for rows in (1, 9, 32, 33, 70):
         x = torch.randn(rows, k, generator=g).to(dtype)
+        x[0, 32:64] = 0  # a group of zeros: scale 0, codes 0
+        codes, d = quantize_activations(x.to(torch.bfloat16))
+        taken = (codes.double().view(rows, -1, 32) * d.double()[..., None]).view(rows, k)
         for bias in (None, b):
-            _assert_int8_product(x, pairs, q, scale, bias)
+            _assert_int8_product(x, pairs, q, scale, bias, taken)
+        got = native.linear(x, pairs, None, scale=scale).double()
+        exact = F.linear(x.to(torch.bfloat16).double(), q.double()) * scale.double()
+        bound = int8_activation_bound(x, q, scale) + exact.abs() * 2**-7 + 1e-5
+        assert ((got - exact).abs() <= bound).all()
     with pytest.raises(ValueError, match="does not fit"):
         native.linear(x, pairs, None)  # int8 pairs without their scales
 

@@ -14,8 +14,8 @@ products: within float32 rounding, models/quant4.py).
 `use_torch_modules` puts the plain modules back. The eager modules (`fast=False`) are never replaced.
 
 NATIVE_MAX_ROWS: rows up to which the C linear runs a product (and a decode step can take the fused
-decode step, execution/fused_decode.py); a 4-bit weight in pairs takes any rows (Q4_PAIRS_MAX_ROWS).
-Measured on a 2-core AMD EPYC Zen 3 with AVX2
+decode step, execution/fused_decode.py); an int8 or 4-bit weight in pairs takes any rows
+(PAIRS_8BIT_MAX_ROWS). Measured on a 2-core AMD EPYC Zen 3 with AVX2
 (`bench/linears.py`): each weight element is read once per 8 rows, bfloat16 widened in registers,
 float32 sums in a fixed order per output (a row's result is the same to the bit in any batch up to
 this size); against `F.linear`, bfloat16 1.1x at one row and 2.0-3.7x at 2-8 rows, float32 1.7x and
@@ -55,11 +55,11 @@ NATIVE_MAX_ROWS = 32
 # the kernel wins the dispatch back. A weight in pairs (`native.pack_pairs`) takes NATIVE_MAX_ROWS:
 # 30 layers' products of 8 / 32 rows 7.5 / 19.9 ms against oneDNN's 10.6 / 22.1 (native.c WT_BF16P).
 PACKED_NATIVE_MAX_ROWS = 4
-# A 4-bit weight in pairs (8-bit activations on VNNI: native.c WT_Q4P) takes every product in C, prefill
-# chunks too: 30 SmolLM2 layers' products at 512 rows 212 ms against 277 for the dequantized weight in
-# oneDNN's bfloat16 GEMM, at 64 rows 30 against 61 (2-core Zen 4); and the same 8-bit activations as
-# the decode.
-Q4_PAIRS_MAX_ROWS = 1 << 62
+# An int8 or 4-bit weight in pairs (8-bit activations on VNNI: native.c WT_INT8P, WT_Q4P) takes every
+# product in C, prefill chunks too, with the same 8-bit activations as the decode: 30 SmolLM2 4-bit
+# layers' products at 512 rows 212 ms against 277 for the dequantized weight in oneDNN's bfloat16 GEMM,
+# at 64 rows 30 against 61 (2-core Zen 4).
+PAIRS_8BIT_MAX_ROWS = 1 << 62
 
 
 class NativeRMSNorm(RMSNorm):
@@ -258,7 +258,8 @@ class NativePackedLinear(NativeLinear, PackedLinear):
 
 class NativeInt8Linear(NativeLinear, Int8Linear):
     """Int8Linear with its products of up to NATIVE_MAX_ROWS rows in the C kernel (input rounded to
-    bfloat16, each output's sum times its scale rounded as torch's int8 kernel does, bias included)."""
+    bfloat16, each output's sum times its scale rounded as torch's int8 kernel does, bias included); in
+    pairs, with 8-bit activations, every product (models/quantize.py)."""
 
     _pairs: torch.Tensor | None = None
 
@@ -273,13 +274,16 @@ class NativeInt8Linear(NativeLinear, Int8Linear):
         return layer
 
     def _fit(self) -> None:
-        """Where `native.bf16_pairs`, the C kernel reads a copy of the weight in pairs (`pack_pairs`:
-        the same sums, each tile widened to bfloat16 pairs once for all the step's rows: 32
-        coroutines about twice as fast as on the plain int8 kernel, which reads the inputs once per
-        output), the int8 weight itself staying for torch's wider products (the int8 weights twice)."""
+        """Where `native.takes_pairs` (AVX-512 BF16 and VNNI; K a multiple of 32), the C kernel reads a
+        copy of the weight in pairs (`pack_pairs`) and takes x as 8-bit codes per group of 32, every
+        product, prefill chunks too (32 coroutines ~1.3x), the int8 weight itself staying for the other
+        inputs (the int8 weights twice); else the int8 weight, up to NATIVE_MAX_ROWS rows."""
+        bias_dtype = None if self.bias is None else self.bias.dtype  # C reads the bias in x's dtype
         if native.takes_pairs(self.weight_int8):
             self._pairs = native.pack_pairs(self.weight_int8)
-        self._fit_native(None if self.bias is None else self.bias.dtype)  # C reads the bias in x's dtype
+            self._fit_native(bias_dtype, PAIRS_8BIT_MAX_ROWS)
+        else:
+            self._fit_native(bias_dtype)
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         return self.weight_int8 if self._pairs is None else self._pairs, self.scale, self.bias
@@ -321,7 +325,7 @@ class NativeInt4Linear(NativeLinear, Int4Linear):
         if activations == torch.bfloat16 and native.takes_pairs(self.weight_packed) and (
                 self.bias is None or self.bias.dtype == torch.bfloat16):
             self._pairs = native.pack_q4_pairs(self.weight_packed, self.weight_scale, half_scales)
-            self._fit_native(torch.bfloat16, Q4_PAIRS_MAX_ROWS)
+            self._fit_native(torch.bfloat16, PAIRS_8BIT_MAX_ROWS)
         else:  # the C kernel reads the bias in x's dtype
             self._fit_native(None if self.bias is None else self.bias.dtype)
 

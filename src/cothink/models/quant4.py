@@ -99,7 +99,7 @@ from cothink.models.packing import (
     replace_linears,
     widened_matmul,
 )
-from cothink.models.quantize import Int8Linear
+from cothink.models.quantize import Int8Linear, quantize_activations
 from cothink.ops import native
 
 Q4_GROUP = native.Q4_GROUP  # weights per group (one scale and offset)
@@ -218,19 +218,6 @@ def reference_linear(x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor |
     float32, plus the bias, rounded to x's dtype once."""
     y = F.linear(x.float(), weights.dequantize(), None if bias is None else bias.float())
     return y.to(x.dtype)
-
-
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows x [M, K] (K a multiple of Q4_GROUP) as the C kernel's 4-bit products in pairs take them
-    (native.c `quantize_groups`, to the bit): per group of Q4_GROUP inputs a float32 scale d = max |x| / 127
-    and int8 codes x (1 / d) rounded to nearest (even), all 0 where d is 0. Returns (codes [M, K] int8,
-    scales [M, K / Q4_GROUP] float32)."""
-    m, k = x.shape
-    groups = x.float().view(m, k // Q4_GROUP, Q4_GROUP)
-    d = groups.abs().amax(-1) / 127
-    inverse = torch.where(d != 0, 1 / d, torch.zeros_like(d))
-    codes = torch.round(groups * inverse[..., None]).to(torch.int8)
-    return codes.view(m, k), d
 
 
 def activation_bound(x: torch.Tensor, weights: Int4Weights) -> torch.Tensor:

@@ -1395,59 +1395,43 @@ static inline void tile_out(__m512 v, const bf16 *scale, const void *bias, void 
         _mm256_storeu_si256((__m256i *)y, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
 
-/* 16 outputs' int8 pairs (32 bytes, in order) widened to bfloat16 pairs (exact: |q| <= 127) */
-static inline __m512bh widen_pairs_i8(const int8_t *b) {
-    __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)b)));
-    __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16))));
-    return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
-/* A tile's products for NR rows (constant after inlining): weights wt in bfloat16 pairs, or (I8, a
-   constant) int8 pairs widened here, the same values */
+/* A WT_BF16P tile's products for NR rows (constant after inlining) of bfloat16 x; y and the bias bfloat16 */
 static inline __attribute__((always_inline)) void pairs_tile(const void *wt, const bf16 *x, int64_t k,
-                                                              const bf16 *scale, const void *bias, void *y,
-                                                              int64_t ys, int bf, int y_f32, const int nr,
-                                                              const int i8) {
+                                                              const void *bias, void *y, int64_t ys, int y_f32,
+                                                              const int nr) {
     __m512 a0[LINEAR_GROUP], a1[LINEAR_GROUP];
     for (int i = 0; i < nr; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     const uint32_t *xr = (const uint32_t *)x;
     int64_t pairs = k / 2;
     for (int64_t p = 0; p < pairs; p++) {
-        __m512bh w0, w1;
-        if (i8) {
-            const int8_t *b = (const int8_t *)wt + p * 2 * PAIR_TILE;
-            __builtin_prefetch(b + LINEAR_PREFETCH);
-            w0 = widen_pairs_i8(b);
-            w1 = widen_pairs_i8(b + 32);
-        } else {
-            const uint32_t *b = (const uint32_t *)wt + p * PAIR_TILE;
-            __builtin_prefetch((const char *)b + LINEAR_PREFETCH);
-            __builtin_prefetch((const char *)b + LINEAR_PREFETCH + 64);
-            w0 = (__m512bh)_mm512_loadu_si512(b);
-            w1 = (__m512bh)_mm512_loadu_si512(b + 16);
-        }
+        const uint32_t *b = (const uint32_t *)wt + p * PAIR_TILE;
+        __builtin_prefetch((const char *)b + LINEAR_PREFETCH);
+        __builtin_prefetch((const char *)b + LINEAR_PREFETCH + 64);
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(b), w1 = (__m512bh)_mm512_loadu_si512(b + 16);
         for (int i = 0; i < nr; i++) {
             __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[i * pairs + p]);
             a0[i] = _mm512_dpbf16_ps(a0[i], w0, xb);
             a1[i] = _mm512_dpbf16_ps(a1[i], w1, xb);
         }
     }
-    int64_t size = bf ? 2 : 4, y_size = bf && !y_f32 ? 2 : 4;
+    int64_t y_size = y_f32 ? 4 : 2;
     for (int i = 0; i < nr; i++) {
         char *yi = (char *)y + i * ys * y_size;
-        tile_out(a0[i], scale, bias, yi, bf, y_f32);
-        tile_out(a1[i], scale ? scale + 16 : NULL, bias ? (const char *)bias + 16 * size : NULL, yi + 16 * y_size,
-                  bf, y_f32);
+        tile_out(a0[i], NULL, bias, yi, 1, y_f32);
+        tile_out(a1[i], NULL, bias ? (const bf16 *)bias + 16 : NULL, yi + 16 * y_size, 1, y_f32);
     }
 }
 
 /* WT_INT8P: int8 weights in the tiles of WT_BF16P (tile t: [k / 2][PAIR_TILE] pairs of int8, 2 bytes
- * each), with a bfloat16 scale per output, multiplied as WT_BF16P's once widened to bfloat16 pairs
- * (exact), with x rounded to bfloat16 (as torch's int8 kernel takes it): the products exact, the same
- * float32 sums at any m; each sum times its scale rounded to bfloat16, then the bias, as WT_INT8. A
- * step of one group of rows widens the pairs as it reads them; a wider one widens the tile once into
- * a scratch for all its groups (the same values): measured on a 2-core Zen 4, SmolLM2 int8, 32
- * coroutines 208-292 -> 509-562 tokens/s against the plain int8 kernel. */
+ * each), with a bfloat16 scale per output, for k a multiple of Q4_GROUP. x is taken as 8-bit codes per
+ * group of Q4_GROUP inputs (`quantize_groups`, as GGUF's Q8_0 x Q8 dot products take it): two pairs
+ * (128 bytes), two VPERMT2W (I8_QUADS) and a sign flip give each output's four weights plus 128 in a
+ * lane, VPDPBUSD their int32 dot product with the codes, less 128 times the codes' sum; per output acc
+ * += d xd_g, and the result acc times its scale rounded to bfloat16, then the bias, as WT_INT8 applies
+ * them: the int8 product of the 8-bit x, one fixed order per output whatever the rows
+ * (models/quantize.py states its distance from WT_INT8's). Measured on a 2-core Zen 4, 30 SmolLM2 layers'
+ * products and the lm_head (ms per step of m rows, 8-bit x / bfloat16 x with the weights widened to
+ * bfloat16 pairs): m = 1 5.4-6.7 / 5.8-6.0 (three alternations: level within the noise), 32 21.1 / 30.1. */
 /* WT_Q4P: 4-bit weights (WT_Q4's codes, scales and offsets, below) in tiles of PAIR_TILE outputs, for
  * bfloat16 x (native.py `pack_q4_pairs`). Tile t holds per group g of Q4_GROUP inputs 16 pairs of 32
  * bytes: byte j of pair p holds in its low nibble the code of output j / 2 at input Q4_GROUP g + 2p + j % 2
@@ -1480,12 +1464,13 @@ static inline __attribute__((always_inline)) __m512 q4_scales(const void *sm, in
 
 /* A bfloat16 row x [k] (k a multiple of Q4_GROUP) as 8-bit codes per group of Q4_GROUP inputs, as the
    4-bit products in pairs read it: the group's scale d = max |x| / 127, its codes x (1 / d) rounded to
-   nearest (even), all 0 where d is 0, and the sum of the values they stand for, d (sum of codes): the
+   nearest (even), all 0 where d is 0, and (s) the sum of the values they stand for, d (sum of codes): the
    offsets' term takes that sum, so that the product is the one with the 8-bit x in both terms (with x's
    exact sum there, the codes' rounding times the group's all-positive 4-bit codes goes uncancelled:
-   SmolLM2 perplexity +2.8% over bfloat16 rather than +0.8%) (models/quant4.py `quantize_activations`,
-   to the bit) */
-static void quantize_groups(const bf16 *x, int64_t k, int8_t *q, float *d, float *s) {
+   SmolLM2 perplexity +2.8% over bfloat16 rather than +0.8%), or (c) 128 (sum of codes), what int8
+   weights stored plus 128 add to the group's dot product (models/quant4.py `quantize_activations`, to
+   the bit) */
+static void quantize_groups(const bf16 *x, int64_t k, int8_t *q, float *d, float *s, int32_t *c) {
     for (int64_t g = 0; g < k / Q4_GROUP; g++) {
         __m512 lo = widen16(x + g * Q4_GROUP), hi = widen16(x + g * Q4_GROUP + 16);
         float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
@@ -1494,8 +1479,10 @@ static void quantize_groups(const bf16 *x, int64_t k, int8_t *q, float *d, float
         __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
         _mm_storeu_si128((__m128i *)(q + g * Q4_GROUP), _mm512_cvtepi32_epi8(c0));
         _mm_storeu_si128((__m128i *)(q + g * Q4_GROUP + 16), _mm512_cvtepi32_epi8(c1));
+        int32_t codes = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
         d[g] = dg;
-        s[g] = dg * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+        if (s) s[g] = dg * (float)codes;
+        if (c) c[g] = 128 * codes;
     }
 }
 
@@ -1504,16 +1491,29 @@ static void quantize_groups(const bf16 *x, int64_t k, int8_t *q, float *d, float
 static const uint16_t Q4_QUADS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
-/* A WT_Q4P tile's products for NR rows (constant after inlining) of 8-bit x (`quantize_groups`: per
-   group of Q4_GROUP inputs the codes xq and their scale xd; xsum the bfloat16 x's exact group sums): per
-   group d = xq_g . q_g by VPDPBUSD (the 4-bit codes unsigned against the signed 8-bit x, exact int32
-   sums), then per output acc += d (scale_g xd_g) and, apart, off += offset_g xsum_g (xsum: the 8-bit x's
-   group sums); the result acc + off. HALF (a constant): the scales halves (WT_Q4PH) */
-static inline __attribute__((always_inline)) void q4_quads_rows(const void *wt, const void *sm, const int8_t *xq,
-                                                                  const float *xd, const float *xsum, int64_t k,
-                                                                  const void *bias, void *y, int64_t ys, int y_f32,
-                                                                  const int nr, const int half) {
+/* VPERMT2W orders of two WT_INT8P pairs (pair p's 32 words, then pair p + 1's) that put output j's four
+   weights (inputs 2p .. 2p + 3) in lane j: outputs 0-15, then 16-31 */
+static const uint16_t I8_QUADS[2][32] = {
+    {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39, 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47},
+    {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+     24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
+
+/* A WT_Q4P or WT_INT8P tile's products for NR rows (constant after inlining) of 8-bit x
+   (`quantize_groups`: per group of Q4_GROUP inputs the codes xq and their scale xd): per group d = xq_g
+   . w_g by VPDPBUSD (exact int32 sums; the weights the unsigned side: 4-bit codes as they are, int8 ones
+   plus 128, whose 128 sum(xq_g) xc takes off), then per output acc += d xd_g (4-bit: times scale_g, and
+   apart off += offset_g xsum_g, xsum the 8-bit x's group sums). KIND (a constant): WT_Q4P (sm the tile's
+   float32 scales and offsets), WT_Q4PH (halves) or WT_INT8P (sm the outputs' bfloat16 scales, applied
+   as WT_INT8 applies them) */
+static inline __attribute__((always_inline)) void quads_rows(const void *wt, const void *sm, const int8_t *xq,
+                                                               const float *xd, const float *xsum,
+                                                               const int32_t *xc, int64_t k, const void *bias,
+                                                               void *y, int64_t ys, int bf, int y_f32,
+                                                               const int nr, const int kind) {
+    const int i8 = kind == WT_INT8P, half = kind == WT_Q4PH;
     const __m512i order = _mm512_loadu_si512(Q4_QUADS), low = _mm512_set1_epi8(0x0f);
+    const __m512i lo16 = _mm512_loadu_si512(I8_QUADS[0]), hi16 = _mm512_loadu_si512(I8_QUADS[1]);
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
     __m512 a0[LINEAR_GROUP], a1[LINEAR_GROUP];
     __m512i d0[LINEAR_GROUP], d1[LINEAR_GROUP];
     for (int i = 0; i < nr; i++) a0[i] = a1[i] = _mm512_setzero_ps();
@@ -1521,10 +1521,21 @@ static inline __attribute__((always_inline)) void q4_quads_rows(const void *wt, 
     for (int64_t g = 0; g < groups; g++) {
         for (int i = 0; i < nr; i++) d0[i] = d1[i] = _mm512_setzero_si512();
         for (int64_t u = 0; u < Q4_GROUP / 4; u++) { /* inputs 4u .. 4u + 3 of the group: pairs 2u, 2u + 1 */
-            const uint8_t *b = (const uint8_t *)wt + (g * (Q4_GROUP / 2) + 2 * u) * PAIR_TILE;
-            __builtin_prefetch(b + LINEAR_PREFETCH);
-            __m512i c = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(b));
-            __m512i w0 = _mm512_and_si512(c, low), w1 = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+            __m512i w0, w1;
+            if (i8) {
+                const int8_t *b = (const int8_t *)wt + (g * (Q4_GROUP / 2) + 2 * u) * 2 * PAIR_TILE;
+                __builtin_prefetch(b + LINEAR_PREFETCH);
+                __builtin_prefetch(b + LINEAR_PREFETCH + 64);
+                __m512i p0 = _mm512_loadu_si512(b), p1 = _mm512_loadu_si512(b + 2 * PAIR_TILE);
+                w0 = _mm512_xor_si512(_mm512_permutex2var_epi16(p0, lo16, p1), sign);
+                w1 = _mm512_xor_si512(_mm512_permutex2var_epi16(p0, hi16, p1), sign);
+            } else {
+                const uint8_t *b = (const uint8_t *)wt + (g * (Q4_GROUP / 2) + 2 * u) * PAIR_TILE;
+                __builtin_prefetch(b + LINEAR_PREFETCH);
+                __m512i c = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(b));
+                w0 = _mm512_and_si512(c, low);
+                w1 = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
+            }
             for (int i = 0; i < nr; i++) {
                 int32_t four;
                 memcpy(&four, xq + i * k + g * Q4_GROUP + 4 * u, sizeof four);
@@ -1532,6 +1543,15 @@ static inline __attribute__((always_inline)) void q4_quads_rows(const void *wt, 
                 d0[i] = _mm512_dpbusd_epi32(d0[i], w0, xb);
                 d1[i] = _mm512_dpbusd_epi32(d1[i], w1, xb);
             }
+        }
+        if (i8) {
+            for (int i = 0; i < nr; i++) {
+                __m512i c = _mm512_set1_epi32(xc[i * groups + g]);
+                __m512 dx = _mm512_set1_ps(xd[i * groups + g]);
+                a0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d0[i], c)), dx, a0[i]);
+                a1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d1[i], c)), dx, a1[i]);
+            }
+            continue;
         }
         int64_t s = g * 2 * PAIR_TILE, bytes = half ? 2 : 4; /* the group's scales: `bytes` cache lines */
         for (int c = 0; c < bytes; c++)
@@ -1542,6 +1562,16 @@ static inline __attribute__((always_inline)) void q4_quads_rows(const void *wt, 
             a0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0[i]), _mm512_mul_ps(s0, dx), a0[i]);
             a1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1[i]), _mm512_mul_ps(s1, dx), a1[i]);
         }
+    }
+    int64_t size = bf ? 2 : 4, y_size = bf && !y_f32 ? 2 : 4;
+    if (i8) {
+        for (int i = 0; i < nr; i++) {
+            char *yi = (char *)y + i * ys * y_size;
+            tile_out(a0[i], sm, bias, yi, bf, y_f32);
+            tile_out(a1[i], (const bf16 *)sm + 16, bias ? (const char *)bias + 16 * size : NULL, yi + 16 * y_size,
+                     bf, y_f32);
+        }
+        return;
     }
     /* the offsets' sums, after (the tile's scales in cache): fewer registers live in the loop above */
     __m512 f[2][LINEAR_GROUP];
@@ -1554,7 +1584,6 @@ static inline __attribute__((always_inline)) void q4_quads_rows(const void *wt, 
             f[1][i] = _mm512_fmadd_ps(f1, xs, f[1][i]);
         }
     }
-    int64_t y_size = y_f32 ? 4 : 2;
     for (int i = 0; i < nr; i++) {
         char *yi = (char *)y + i * ys * y_size;
         tile_out(_mm512_add_ps(a0[i], f[0][i]), NULL, bias, yi, 1, y_f32);
@@ -1563,76 +1592,56 @@ static inline __attribute__((always_inline)) void q4_quads_rows(const void *wt, 
     }
 }
 
-/* Rows a pass of q4_quads_rows takes: four rows' 16 accumulators stay in registers (eight spilled:
- * 30 SmolLM2 layers at 32 rows 24.6-28.6 -> 21.8-22.2 ms) */
-#define Q4_QUAD_ROWS 4
-static inline __attribute__((always_inline)) void q4_quads_tile(const void *wt, const void *sm, const int8_t *xq,
-                                                                  const float *xd, const float *xsum, int64_t k,
-                                                                  const void *bias, void *y, int64_t ys, int y_f32,
-                                                                  const int nr, const int half) {
-    int64_t groups = k / Q4_GROUP, y_size = y_f32 ? 4 : 2;
-    if (nr > Q4_QUAD_ROWS) {
-        q4_quads_rows(wt, sm, xq, xd, xsum, k, bias, y, ys, y_f32, Q4_QUAD_ROWS, half);
-        q4_quads_rows(wt, sm, xq + Q4_QUAD_ROWS * k, xd + Q4_QUAD_ROWS * groups, xsum + Q4_QUAD_ROWS * groups, k,
-                      bias, (char *)y + Q4_QUAD_ROWS * ys * y_size, ys, y_f32, nr - Q4_QUAD_ROWS, half);
+/* Rows a pass of quads_rows takes: four rows' 16 accumulators stay in registers (eight spilled: 30
+ * SmolLM2 4-bit layers at 32 rows 24.6-28.6 -> 21.8-22.2 ms) */
+#define QUAD_ROWS 4
+static inline __attribute__((always_inline)) void quads_tile(const void *wt, const void *sm, const int8_t *xq,
+                                                               const float *xd, const float *xsum,
+                                                               const int32_t *xc, int64_t k, const void *bias,
+                                                               void *y, int64_t ys, int bf, int y_f32,
+                                                               const int nr, const int kind) {
+    int64_t groups = k / Q4_GROUP, y_size = bf && !y_f32 ? 2 : 4;
+    if (nr > QUAD_ROWS) {
+        quads_rows(wt, sm, xq, xd, xsum, xc, k, bias, y, ys, bf, y_f32, QUAD_ROWS, kind);
+        quads_rows(wt, sm, xq + QUAD_ROWS * k, xd + QUAD_ROWS * groups, xsum ? xsum + QUAD_ROWS * groups : NULL,
+                   xc ? xc + QUAD_ROWS * groups : NULL, k, bias, (char *)y + QUAD_ROWS * ys * y_size, ys, bf, y_f32,
+                   nr - QUAD_ROWS, kind);
     } else {
-        q4_quads_rows(wt, sm, xq, xd, xsum, k, bias, y, ys, y_f32, nr, half);
-    }
-}
-
-/* A WT_INT8P tile widened to bfloat16 pairs, [pairs][PAIR_TILE]: the values the products widen as they
-   read */
-static void widen_tile(const void *wt, int64_t pairs, uint32_t *out) {
-    for (int64_t p = 0; p < pairs; p++) { /* outputs 0-15, then 16-31: 32 bytes each, in order */
-        _mm512_storeu_si512(out + p * PAIR_TILE, (__m512i)widen_pairs_i8((const int8_t *)wt + p * 2 * PAIR_TILE));
-        _mm512_storeu_si512(out + p * PAIR_TILE + 16,
-                            (__m512i)widen_pairs_i8((const int8_t *)wt + p * 2 * PAIR_TILE + 32));
+        quads_rows(wt, sm, xq, xd, xsum, xc, k, bias, y, ys, bf, y_f32, nr, kind);
     }
 }
 
 /* tiles of outputs begin .. end-1 (multiples of PAIR_TILE) of a WT_BF16P, WT_INT8P or WT_Q4P weight (with
-   its scale; 4-bit: and xsum, the rows' group sums) for every group of rows of xb [m, k] bfloat16; y and
-   the bias of the model dtype bf (y_f32: y float32 holding the rounded values); 4-bit: and xq, xd,
-   the rows' 8-bit codes and scales. int8: a step of one group of rows widens the pairs as it reads them;
-   a wider one widens each tile once into a scratch for all its groups (the same values). */
-static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *xq, const float *xd, const void *w,
-                              int wt_kind, const void *scale,
-                              const void *bias, void *y, int64_t ys, int64_t m, int64_t k, int64_t begin,
-                              int64_t end, int bf, int y_f32) {
-    static __thread uint32_t *widened; /* a tile of int8 or 4-bit weights as bfloat16 pairs */
-    static __thread int64_t widened_k;
-    int q4 = WT_Q4_PAIRS(wt_kind), half = wt_kind == WT_Q4PH;
+   its scale) for every group of rows of xb [m, k] bfloat16; y and the bias of the model dtype bf (y_f32:
+   y float32 holding the rounded values); int8 and 4-bit: xq, xd, the rows' 8-bit codes and scales, and
+   4-bit xsum, int8 xc, what `quads_rows` takes of their group sums. */
+static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *xq, const float *xd,
+                              const int32_t *xc, const void *w, int wt_kind, const void *scale, const void *bias,
+                              void *y, int64_t ys, int64_t m, int64_t k, int64_t begin, int64_t end, int bf,
+                              int y_f32) {
+    int q4 = WT_Q4_PAIRS(wt_kind), quads = q4 || wt_kind == WT_INT8P;
     int64_t size = bf ? 2 : 4, y_size = bf && !y_f32 ? 2 : 4, groups = k / Q4_GROUP;
-    int as_read = wt_kind != WT_BF16P && m <= LINEAR_GROUP, scratch = wt_kind == WT_INT8P && !as_read;
-    if (scratch && widened_k < k) {
-        free(widened);
-        widened = malloc((size_t)(k / 2 * PAIR_TILE) * sizeof(uint32_t));
-        widened_k = k;
-    }
     for (int64_t r = begin; r < end; r += PAIR_TILE) {
         const void *wt = (const char *)w + r * weight_row_bytes(wt_kind, k);
-        if (scratch) {
-            widen_tile(wt, k / 2, widened);
-            wt = widened;
-        }
-        const void *sc = !scale ? NULL : q4 ? (const char *)scale + r * groups * 2 * (half ? 2 : 4)
+        const void *sc = !scale ? NULL : q4 ? (const char *)scale + r * groups * 2 * (wt_kind == WT_Q4PH ? 2 : 4)
                                             : (const void *)((const bf16 *)scale + r);
         const void *b = bias ? (const char *)bias + r * size : NULL;
         for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
             const bf16 *x = xb + i0 * k;
-            const float *xs = q4 ? xsum + i0 * groups : NULL, *xdi = q4 ? xd + i0 * groups : NULL;
-            const int8_t *xqi = q4 ? xq + i0 * k : NULL;
+            const float *xs = q4 ? xsum + i0 * groups : NULL, *xdi = quads ? xd + i0 * groups : NULL;
+            const int8_t *xqi = quads ? xq + i0 * k : NULL;
+            const int32_t *xci = q4 || !quads ? NULL : xc + i0 * groups;
             void *yi = (char *)y + (i0 * ys + r) * y_size;
 #define PAIRS_CASE(M)                                                                    \
     case M:                                                                              \
-        if (q4 && half)                                                                  \
-            q4_quads_tile(wt, sc, xqi, xdi, xs, k, b, yi, ys, y_f32, M, 1);              \
-        else if (q4)                                                                     \
-            q4_quads_tile(wt, sc, xqi, xdi, xs, k, b, yi, ys, y_f32, M, 0);              \
-        else if (as_read)                                                                \
-            pairs_tile(wt, x, k, sc, b, yi, ys, bf, y_f32, M, 1);                        \
+        if (wt_kind == WT_Q4PH)                                                          \
+            quads_tile(wt, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4PH);    \
+        else if (wt_kind == WT_Q4P)                                                      \
+            quads_tile(wt, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4P);     \
+        else if (wt_kind == WT_INT8P)                                                    \
+            quads_tile(wt, sc, xqi, xdi, xs, xci, k, b, yi, ys, bf, y_f32, M, WT_INT8P);  \
         else                                                                             \
-            pairs_tile(wt, x, k, sc, b, yi, ys, bf, y_f32, M, 0);                        \
+            pairs_tile(wt, x, k, b, yi, ys, y_f32, M);                                   \
         break;
             switch (m - i0 < LINEAR_GROUP ? m - i0 : LINEAR_GROUP) {
                 PAIRS_CASE(8) PAIRS_CASE(7) PAIRS_CASE(6) PAIRS_CASE(5)
@@ -1912,8 +1921,9 @@ typedef struct {
     const void *x;      /* [m, k] float32 in the kernel's order, or the bfloat16 rows (LINEAR_BF16_PAIRS) */
     const void *xp;     /* the bfloat16 rows packed for AMX (`pack_pairs`), or NULL */
     const float *xsum;  /* [m, k / Q4_GROUP]: the rows' group sums (WT_Q4, WT_Q4P(H) only) */
-    const int8_t *xq;   /* [m, k]: the rows' 8-bit codes, and xd [m, k / Q4_GROUP] their scales (WT_Q4P(H)) */
-    const float *xd;
+    const int8_t *xq;   /* [m, k]: the rows' 8-bit codes, and xd [m, k / Q4_GROUP] their scales (WT_Q4P(H), */
+    const float *xd;    /* WT_INT8P), xc [m, k / Q4_GROUP] 128 times their group sums (WT_INT8P) */
+    const int32_t *xc;
     const void *w, *bias, *scale;
     void *y;
     int64_t ys, m, k;
@@ -1926,8 +1936,8 @@ static void linear_rows(void *ctx, int64_t begin, int64_t end) {
     const LinearJob *j = ctx;
 #if LINEAR_BF16_PAIRS
     if (j->wt == WT_BF16P || j->wt == WT_INT8P || WT_Q4_PAIRS(j->wt)) { /* whole tiles of PAIR_TILE outputs */
-        linear_rows_pairs(j->x, j->xsum, j->xq, j->xd, j->w, j->wt, j->scale, j->bias, j->y, j->ys, j->m, j->k,
-                          begin, end, j->bf, j->y_f32);
+        linear_rows_pairs(j->x, j->xsum, j->xq, j->xd, j->xc, j->w, j->wt, j->scale, j->bias, j->y, j->ys, j->m,
+                          j->k, begin, end, j->bf, j->y_f32);
         return;
     }
 #endif
@@ -1997,6 +2007,7 @@ typedef struct {
     int bf, wt;
     float *xf, *xsum, *xd;
     int8_t *xq;
+    int32_t *xc;
 } LinearPrep;
 
 static void prepare_rows(void *ctx, int64_t begin, int64_t end) {
@@ -2018,8 +2029,9 @@ static void prepare_rows(void *ctx, int64_t begin, int64_t end) {
                     xsum[i * groups + g] = sum(part, Q4_GROUP);
                 }
 #if LINEAR_BF16_PAIRS
-            if (WT_Q4_PAIRS(wt)) /* the row as 8-bit codes for the 4-bit products in pairs */
-                quantize_groups((const bf16 *)xf + i * k, k, p->xq + i * k, p->xd + i * groups, xsum + i * groups);
+            if (WT_Q4_PAIRS(wt) || wt == WT_INT8P) /* the row as 8-bit codes for the 4-bit and int8 pairs */
+                quantize_groups((const bf16 *)xf + i * k, k, p->xq + i * k, p->xd + i * groups,
+                                wt == WT_INT8P ? NULL : xsum + i * groups, wt == WT_INT8P ? p->xc + i * groups : NULL);
 #endif
             continue;
         }
@@ -2039,10 +2051,11 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
     int64_t groups = k / Q4_GROUP;
     int own = m <= HELPER_TEAM_ROWS; /* a decode-sized product on the helpers, a prefill chunk's on OpenMP's */
     LinearPrep prep = {x, xs, k, bf, wt, malloc((size_t)(m * k) * sizeof(float)),
-                       malloc((size_t)(m * groups + 1) * sizeof(float)), NULL, NULL};
-    if (WT_Q4_PAIRS(wt)) {
+                       malloc((size_t)(m * groups + 1) * sizeof(float)), NULL, NULL, NULL};
+    if (WT_Q4_PAIRS(wt) || wt == WT_INT8P) {
         prep.xq = malloc((size_t)(m * k));
         prep.xd = malloc((size_t)(m * groups) * sizeof(float));
+        prep.xc = malloc((size_t)(m * groups) * sizeof(int32_t));
     }
     parallel_for(prepare_rows, &prep, m, PREP_GRAIN, threads, own);
     void *xp = NULL;
@@ -2052,13 +2065,14 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
         pack_pairs((const bf16 *)prep.xf, m, k, xp);
     }
 #endif
-    LinearJob job = {prep.xf, xp, prep.xsum, prep.xq, prep.xd, w, bias, scale, y, ys, m, k, bf, wt, y_f32};
+    LinearJob job = {prep.xf, xp, prep.xsum, prep.xq, prep.xd, prep.xc, w, bias, scale, y, ys, m, k, bf, wt, y_f32};
     parallel_for(linear_rows, &job, n, linear_grain(n, threads), threads, own);
     free(prep.xf);
     free(xp);
     free(prep.xsum);
     free(prep.xq);
     free(prep.xd);
+    free(prep.xc);
 }
 
 /* Eight float32 rounded to bfloat16 as to_bf16 rounds each (nearest even, NaN quiet) and stored. */

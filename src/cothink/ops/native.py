@@ -344,11 +344,13 @@ def bf16_pairs() -> bool:
 
 
 def takes_pairs(weight: torch.Tensor) -> bool:
-    """Whether `linear` runs this weight in pairs here: `bf16_pairs`, and a bfloat16 or int8 [N, K]
-    weight that `pack_pairs` takes (N a multiple of PAIR_TILE, K of 16), or a 4-bit one (uint8
-    [N, K / 2]) that `pack_q4_pairs` takes (N a multiple of PAIR_TILE, K of Q4_GROUP)."""
+    """Whether `linear` runs this weight in pairs here: `bf16_pairs`, and a bfloat16 [N, K] weight that
+    `pack_pairs` takes (N a multiple of PAIR_TILE, K of 16), an int8 one with K a multiple of Q4_GROUP
+    (its products take x in 8-bit groups), or a 4-bit one (uint8 [N, K / 2]) that `pack_q4_pairs` takes
+    (N a multiple of PAIR_TILE, K of Q4_GROUP)."""
     return (bf16_pairs() and weight.dtype in (*PAIRS_OF, torch.uint8) and weight.dim() == 2
-            and weight.shape[0] % PAIR_TILE == 0 and weight.shape[1] % 16 == 0)
+            and weight.shape[0] % PAIR_TILE == 0
+            and weight.shape[1] % (Q4_GROUP if weight.dtype == torch.int8 else 16) == 0)
 
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
@@ -628,7 +630,9 @@ def linear(
     with float32 `scale` [N, K / 32, 2] (models/quant4.py `Int4Weights`): the product with the
     dequantized weight within float32 rounding, rounded to x's dtype once, after the bias; or a
     bfloat16 weight in pairs (int32 [N, K / 2] from `pack_pairs`, x bfloat16, where `bf16_pairs`), or an
-    int8 one (int16 [N, K / 2], with its scale: the int8 product above, to the bit at any M).
+    int8 one (int16 [N, K / 2], K a multiple of 32, with its scale: the int8 product above of x taken as
+    8-bit codes per group of 32, models/quant4.py `quantize_activations`; models/quantize.py states its
+    bound).
     A 4-bit weight in pairs (uint16 [N, K / 4] with its float32 or float16 scales from `pack_q4_pairs`, x
     bfloat16, where `bf16_pairs`): x taken as 8-bit codes per group of 32 (models/quant4.py
     `quantize_activations`, to the bit), the 4-bit product above within that bound plus
@@ -647,7 +651,7 @@ def linear(
         kind_fits = scale is None and x.dtype == torch.bfloat16 and n % PAIR_TILE == 0 and bf16_pairs()
     elif weight.dtype == torch.int16:
         kind_fits = (scale is not None and scale.dtype == torch.bfloat16 and scale.shape == (n,)
-                     and n % PAIR_TILE == 0 and bf16_pairs())
+                     and n % PAIR_TILE == 0 and k % Q4_GROUP == 0 and bf16_pairs())
     elif weight.dtype == torch.int8:
         kind_fits = scale is not None and scale.dtype == torch.bfloat16 and scale.shape == (n,)
     elif weight.dtype == torch.uint8:
@@ -690,7 +694,7 @@ def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Te
         bias_dtypes = DTYPES if int8 else (torch.bfloat16,)
         return (
             weight.device.type == "cpu" and bf16_pairs() and weight.dim() == 2 and weight.is_contiguous()
-            and weight.shape[0] % PAIR_TILE == 0 and (2 * weight.shape[1]) % 16 == 0
+            and weight.shape[0] % PAIR_TILE == 0 and (2 * weight.shape[1]) % (Q4_GROUP if int8 else 16) == 0
             and (scale is None if not int8 else (
                 scale is not None and scale.dtype == torch.bfloat16 and scale.is_contiguous()
                 and scale.shape == weight.shape[:1]))
