@@ -13,7 +13,7 @@ perplexity of the text fed 32 tokens a step ("stepped"): the whole text in one s
 products (4-bit: the dequantized weight in a GEMM, bfloat16 activations), 32-token steps the products a
 decode takes (4-bit: the C kernel in pairs with 8-bit activations, models/quant4.py). With
 --llama-cpp (the `peers` extra), llama.cpp's perplexity of the same text from the model's shipped GGUF
-and from its BF16 re-encoding (bench/peers.py `reencoded_gguf`, made once into --out). Writes
+and from its Q8_0 and BF16 re-encodings (bench/peers.py `reencoded_gguf`, made once into --out). Writes
 int4_quality.json to --out.
 """
 
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     C.add_common_args(p)
     p.add_argument("--new-tokens", type=int, default=None, help="greedy tokens per prompt (default 48)")
     p.add_argument("--llama-cpp", action="store_true",
-                   help="also llama.cpp's perplexity of the shipped GGUF and of its BF16 re-encoding")
+                   help="also llama.cpp's perplexity of the shipped GGUF and its Q8_0 and BF16 re-encodings")
     args = p.parse_args(argv)
     args.new_tokens = args.new_tokens or (16 if args.quick else 48)
     return args
@@ -80,15 +80,16 @@ def llama_cpp_perplexity(gguf: Path, ids: list[int], threads: int) -> float:
 
 
 def llama_cpp_perplexities(model: str, ids: list[int], out: Path, threads: int) -> dict[str, float]:
-    """llama.cpp's perplexity from the model's shipped GGUF and its BF16 re-encoding ({} without one)."""
+    """llama.cpp's perplexity from the model's shipped GGUF and its Q8_0 and BF16 re-encodings ({} without
+    one)."""
     from peers import _embedded_gguf, reencoded_gguf
 
     shipped = _embedded_gguf(model)
     if shipped is None:
         return {}
-    bf16 = reencoded_gguf(shipped, out / "llama.cpp" / f"{shipped.stem}.BF16.gguf", "BF16")
-    return {shipped.name: llama_cpp_perplexity(shipped, ids, threads),
-            bf16.name: llama_cpp_perplexity(bf16, ids, threads)}
+    files = [shipped] + [reencoded_gguf(shipped, out / "llama.cpp" / f"{shipped.stem}.{qtype}.gguf", qtype)
+                         for qtype in ("Q8_0", "BF16")]
+    return {gguf.name: llama_cpp_perplexity(gguf, ids, threads) for gguf in files}
 
 
 def main(argv: list[str] | None = None) -> int:
