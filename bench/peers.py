@@ -376,6 +376,7 @@ class CothinkRunner(Runner):
         import torch
 
         from cothink.models.quant4 import checkpoint_gguf
+        from cothink.ops import native
         from cothink.runtime.engine import Engine
 
         torch.set_num_threads(int(args.threads))
@@ -387,6 +388,8 @@ class CothinkRunner(Runner):
         source = checkpoint_gguf(folder) if args.precision == "int4" else None
         if source is not None:
             self.weights = f"{source.name}'s 4-bit layers as they are, int8 lm_head"
+        if quantize is not None and native.bf16_pairs():  # the products' activations (models/quantize.py)
+            self.weights += "; 8-bit activations"
         self.loop = asyncio.new_event_loop()
         self.loop.run_until_complete(self.engine.start())
 
