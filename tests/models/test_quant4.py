@@ -395,3 +395,25 @@ def test_smollm2_q4_1_tensors_load_exactly():
 
 def test_plain_checkpoints_have_no_source_gguf(tiny_model):
     assert checkpoint_gguf(tiny_model("llama").folder) is None
+
+
+@needs_pairs
+def test_8bit_activations_switched_off_keep_the_plain_kernels(monkeypatch):
+    """COTHINK_8BIT_ACTIVATIONS=0 (`native.ACTIVATIONS_8BIT`): int8 and 4-bit layers keep their plain
+    weights (bfloat16 activations, NATIVE_MAX_ROWS rows in C: the definitions before the 8-bit
+    activations); bfloat16 weights still go in pairs."""
+    from cothink.execution.native_modules import NativeInt8Linear
+
+    monkeypatch.setattr(native, "ACTIVATIONS_8BIT", False)
+    torch.manual_seed(5)
+    plain = Int4Linear(torch.randn(64, 96), None)
+    four = NativeInt4Linear.of(plain, torch.bfloat16)
+    assert four.operands()[0] is plain.weight_packed and four.native_rows == NATIVE_MAX_ROWS
+    x = torch.randn(5, 96).bfloat16()
+    exact = torch.nn.functional.linear(x.float(), plain.weights.dequantize())
+    assert ((four(x).float() - exact).abs() <= _bound(x, plain.weights) + exact.abs() * 2.0**-8).all()
+    eight = NativeInt8Linear(torch.randn(64, 96), None)
+    assert eight.operands()[0] is eight.weight_int8 and eight.native_rows == NATIVE_MAX_ROWS
+    want = (x.double() @ eight.weight_int8.double().T * eight.scale.double()).to(torch.bfloat16)
+    assert ((eight(x).double() - want.double()).abs() <= want.double().abs() * 2.0**-7 + 1e-6).all()
+    assert native.takes_pairs(torch.randn(64, 96).bfloat16())

@@ -51,6 +51,9 @@ REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
 # beside oneDNN's packed weights for wider steps (a second copy of every bfloat16 linear's weight);
 # COTHINK_BF16_DECODE=0 keeps them on oneDNN (execution/native_modules.py)
 BF16_DECODE = os.environ.get("COTHINK_BF16_DECODE", "1") != "0"
+# int8 and 4-bit weights in pairs take the activations as 8-bit codes (models/quantize.py);
+# COTHINK_8BIT_ACTIVATIONS=0 keeps those layers on the plain kernels' bfloat16 activations (`takes_pairs`)
+ACTIVATIONS_8BIT = os.environ.get("COTHINK_8BIT_ACTIVATIONS", "1") != "0"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
 ABI_VERSION = 12
 SOURCE = Path(__file__).with_name("native.c")
@@ -347,8 +350,10 @@ def takes_pairs(weight: torch.Tensor) -> bool:
     """Whether `linear` runs this weight in pairs here: `bf16_pairs`, and a bfloat16 [N, K] weight that
     `pack_pairs` takes (N a multiple of PAIR_TILE, K of 16), an int8 one with K a multiple of Q4_GROUP
     (its products take x in 8-bit groups), or a 4-bit one (uint8 [N, K / 2]) that `pack_q4_pairs` takes
-    (N a multiple of PAIR_TILE, K of Q4_GROUP)."""
+    (N a multiple of PAIR_TILE, K of Q4_GROUP); int8 and 4-bit ones not with COTHINK_8BIT_ACTIVATIONS=0."""
+    eight_bit = weight.dtype in (torch.int8, torch.uint8)
     return (bf16_pairs() and weight.dtype in (*PAIRS_OF, torch.uint8) and weight.dim() == 2
+            and (ACTIVATIONS_8BIT or not eight_bit)
             and weight.shape[0] % PAIR_TILE == 0
             and weight.shape[1] % (Q4_GROUP if weight.dtype == torch.int8 else 16) == 0)
 
