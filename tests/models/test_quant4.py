@@ -21,13 +21,11 @@ from cothink.models.packing import CpuLinear
 from cothink.models.quant4 import (
     Int4Linear,
     Int4Weights,
-    activation_bound,
     checkpoint_gguf,
     load_gguf_int4,
-    quantize_activations,
     reference_linear,
 )
-from cothink.models.quantize import Int8Linear
+from cothink.models.quantize import Int8Linear, activation_bound, quantize_activations
 from cothink.ops import native
 
 needs_native = pytest.mark.skipif(not native.available(), reason="cothink's C kernels are not built here")
@@ -157,7 +155,7 @@ def test_4bit_pairs_stay_within_the_bound_for_any_threads_and_batch():
     exact = torch.nn.functional.linear(x.float(), weights.dequantize(), bias.float())
     got = native.linear(x, pairs, bias, scale=scales, float_out=True)
     rounding = _bound(x, weights) + exact.abs() * 2.0**-8  # float32 sums, the bfloat16 result
-    assert ((got - exact).abs() <= activation_bound(x, weights) + rounding).all()
+    assert ((got - exact).abs() <= activation_bound(x, weights.dequantize()) + rounding).all()
     assert ((got - exact).abs() > rounding).any()  # the 8-bit x is not the bfloat16 x
     codes, d = quantize_activations(x)
     assert codes.abs().max() == 127 and torch.equal(codes[3, 64:96], torch.zeros(32, dtype=torch.int8))
@@ -230,7 +228,7 @@ def test_native_4bit_linear_takes_pairs_for_bfloat16_activations():
     assert not pairs.takes_dtype(torch.float32) and pairs.weight_packed is plain.weight_packed
     x = torch.randn(5, 96)
     ref = reference_linear(x.bfloat16(), plain.weights, None).float()
-    bound = activation_bound(x.bfloat16(), plain.weights) + ref.abs() * 2.0**-7
+    bound = activation_bound(x, plain.weights.dequantize()) + ref.abs() * 2.0**-7
     assert ((pairs(x.bfloat16()).float() - ref).abs() <= bound).all()
     # pairs take every product in C, a prefill chunk's too: each row as alone, a row's result the decode's
     assert pairs.native_rows > NATIVE_MAX_ROWS and packed.native_rows == NATIVE_MAX_ROWS

@@ -51,7 +51,7 @@ with xq . q in exact integer sums (VPDPBUSD: twice the multiply-adds a cycle of 
 product with the 8-bit x in both terms (x's exact sum in the offsets' term left the codes' rounding
 times the all-positive 4-bit codes uncancelled: perplexity +2.8% rather than +0.6%); each output along
 a vector lane, one fixed order per output. Its distance from the reference adds half a code step of x
-per input to the bound above (`activation_bound`; w_j the dequantized weight):
+per input to the bound above (models/quantize.py `activation_bound`; w_j the dequantized weight):
 
     |y - y_ref| <= sum_g (d_g / 2) sum_j |w_j| + 2^-18 sum_g sum_j |x_j| (|scale_g| q_j + |offset_g|)
 
@@ -99,7 +99,7 @@ from cothink.models.packing import (
     replace_linears,
     widened_matmul,
 )
-from cothink.models.quantize import Int8Linear, quantize_activations
+from cothink.models.quantize import Int8Linear
 from cothink.ops import native
 
 Q4_GROUP = native.Q4_GROUP  # weights per group (one scale and offset)
@@ -218,15 +218,6 @@ def reference_linear(x: torch.Tensor, weights: Int4Weights, bias: torch.Tensor |
     float32, plus the bias, rounded to x's dtype once."""
     y = F.linear(x.float(), weights.dequantize(), None if bias is None else bias.float())
     return y.to(x.dtype)
-
-
-def activation_bound(x: torch.Tensor, weights: Int4Weights) -> torch.Tensor:
-    """How far the 8-bit x moves the C kernel's product in pairs from `reference_linear` before float32
-    rounding (module doc): per group half a code step of x (d / 2) times sum_j |w_j|. [M, N]"""
-    n, k = weights.shape
-    _, d = quantize_activations(x)
-    magnitude = weights.dequantize().abs().double().view(n, k // Q4_GROUP, Q4_GROUP).sum(-1)  # [N, groups]
-    return (d.double() / 2) @ magnitude.T
 
 
 class Int4Linear(FastLinear):

@@ -18,7 +18,7 @@ multiple of 32) it takes every product, prefill chunks too, and takes x as 8-bit
 32 (`quantize_activations`: scale d = max |x| / 127, codes x / d rounded), as llama.cpp's Q8_0 products
 and the 4-bit pairs (models/quant4.py) do: the int8 dot products of the codes (VPDPBUSD, exact), per
 group times d, then the same scale, rounding and bias as above. Its distance from the product of x
-rounded to bfloat16, before that rounding (`int8_activation_bound`, tests/ops/test_native.py):
+rounded to bfloat16, before that rounding (`activation_bound`, tests/ops/test_native.py):
 
     |y - y_bf16| <= scale sum_g (d_g / 2) sum_j |q_j|  (plus float32 sums)
 
@@ -94,14 +94,16 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.view(m, k), d
 
 
-def int8_activation_bound(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """How far the C kernel's int8 product in pairs (x as 8-bit codes, `quantize_activations`) is from
-    the product of x rounded to bfloat16, before its rounding (module doc): per group half a code step
-    of x (d / 2) times sum_j |q_j|, times the output's scale. [M, N] float64"""
-    n, k = q.shape
+def activation_bound(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """How far the C kernel's int8 or 4-bit product in pairs (x rounded to bfloat16, then taken as 8-bit
+    codes, `quantize_activations`) is from the product of x rounded to bfloat16 with the dense `weight`
+    [N, K] it stands for (int8: the codes times their scales; 4-bit: the dequantized weight), before
+    float32 rounding (module doc, models/quant4.py): per group half a code step of x (d / 2) times
+    sum_j |w_j|. [M, N] float64"""
+    n, k = weight.shape
     _, d = quantize_activations(x.to(torch.bfloat16))
-    magnitude = q.double().abs().view(n, k // native.Q4_GROUP, native.Q4_GROUP).sum(-1)  # [N, groups]
-    return (d.double() / 2) @ magnitude.T * scale.double().abs()
+    magnitude = weight.abs().double().view(n, k // native.Q4_GROUP, native.Q4_GROUP).sum(-1)  # [N, groups]
+    return (d.double() / 2) @ magnitude.T
 
 
 class Int8Linear(FastLinear):

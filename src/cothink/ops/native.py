@@ -641,7 +641,7 @@ def linear(
     A 4-bit weight in pairs (uint16 [N, K / 4] with its float32 or float16 scales from `pack_q4_pairs`, x
     bfloat16, where `bf16_pairs`): x taken as 8-bit codes per group of 32 (models/quant4.py
     `quantize_activations`, to the bit), the 4-bit product above within that bound plus
-    `activation_bound` (either scales, the same results).
+    models/quantize.py `activation_bound` (either scales, the same results).
     `float_out`: the result as float32, equal to `linear(...).float()` without the widening pass."""
     m, k = x.shape
     n = weight.shape[0]
