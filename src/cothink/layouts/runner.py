@@ -238,9 +238,28 @@ class LayoutRunner(Agent):
 
     # ---- run -------------------------------------------------------------------------------------
     async def run(self, events: AsyncIterable[str] | None = None, *, max_seconds: float = 60.0) -> LayoutRun:
-        engine = self.engine
         self._start_clock()
-        lay = self.layout
+        await self._open_blocks()
+        arrived, ended = asyncio.Event(), asyncio.Event()
+        helpers = [asyncio.create_task(self._intake(events, arrived, ended), name=self.coroutine("intake"))]
+        for c in self.layout.coroutines:
+            for t in c.triggers:
+                if isinstance(t, TimerTrigger):
+                    helpers.append(asyncio.create_task(self._timer(c.name, t.seconds)))
+        for name in self._listeners(lambda t: isinstance(t, StartTrigger)):
+            self.fire(name)
+        try:
+            async with asyncio.timeout(max_seconds):
+                await self._drive(arrived, ended)
+        except TimeoutError:
+            pass
+        finally:
+            await self._close(helpers)
+        return self._result()
+
+    async def _open_blocks(self) -> None:
+        """The layout's blocks made; context blocks given the conversation, generators their prompts."""
+        engine, lay = self.engine, self.layout
         for b in lay.blocks:
             self._blocks[b.name] = engine.block(self.coroutine(b.name))
         conversation = self.chat.conversation(
@@ -262,67 +281,60 @@ class LayoutRunner(Agent):
                 if any(len(v) for v in view[:-1]) or prompt:
                     await engine.extend(block, prompt, view=view, name=self.coroutine(c.name))
                 self._states[c.name].prompt_len = len(block)
-        arrived = asyncio.Event()
-        ended = asyncio.Event()
 
-        async def intake() -> None:
-            try:
-                if events is not None:
-                    async for ev in events:
-                        self._queue.append(ev)
-                        self._events_in += 1
-                        while len(self._queue) > self._max_pending():
-                            stale = self._queue.popleft()
-                            self._dropped += 1
-                            self.emit("dropped", "layout", stale)
-                        arrived.set()
-            finally:
-                ended.set()
-                arrived.set()
+    async def _intake(
+        self, events: AsyncIterable[str] | None, arrived: asyncio.Event, ended: asyncio.Event
+    ) -> None:
+        """Queue the input events as they come (the oldest dropped past the pending limit)."""
+        try:
+            if events is not None:
+                async for ev in events:
+                    self._queue.append(ev)
+                    self._events_in += 1
+                    while len(self._queue) > self._max_pending():
+                        stale = self._queue.popleft()
+                        self._dropped += 1
+                        self.emit("dropped", "layout", stale)
+                    arrived.set()
+        finally:
+            ended.set()
+            arrived.set()
 
-        async def timer(name: str, seconds: float) -> None:
-            while not self._closing:
-                await asyncio.sleep(seconds)
-                self.fire(name)
-
-        helpers = [asyncio.create_task(intake(), name=self.coroutine("intake"))]
-        for c in lay.coroutines:
-            for t in c.triggers:
-                if isinstance(t, TimerTrigger):
-                    helpers.append(asyncio.create_task(timer(c.name, t.seconds)))
-        for name in self._listeners(lambda t: isinstance(t, StartTrigger)):
+    async def _timer(self, name: str, seconds: float) -> None:
+        while not self._closing:
+            await asyncio.sleep(seconds)
             self.fire(name)
 
-        async def drive() -> None:
-            index = 0
-            while True:
-                if self._queue:
-                    await self._deliver(self._queue.popleft(), index)
-                    index += 1
-                    continue
-                if ended.is_set():
-                    break
-                arrived.clear()
-                await arrived.wait()
-            # input exhausted: let the coroutines finish what the input started (repeat ones never do),
-            # and timers run until their coroutines reach max_runs (without max_runs: until max_seconds)
-            while self._has_future_work():
-                await asyncio.sleep(0.01)
+    async def _drive(self, arrived: asyncio.Event, ended: asyncio.Event) -> None:
+        """Deliver the queued events in order until the input ends, then wait for the work they started."""
+        index = 0
+        while True:
+            if self._queue:
+                await self._deliver(self._queue.popleft(), index)
+                index += 1
+                continue
+            if ended.is_set():
+                break
+            arrived.clear()
+            await arrived.wait()
+        # input exhausted: let the coroutines finish what the input started (repeat ones never do),
+        # and timers run until their coroutines reach max_runs (without max_runs: until max_seconds)
+        while self._has_future_work():
+            await asyncio.sleep(0.01)
 
-        try:
-            async with asyncio.timeout(max_seconds):
-                await drive()
-        except TimeoutError:
-            pass
-        finally:
-            self._closing = True
-            for h in helpers:
-                h.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
-            if self._tasks:
-                await asyncio.wait(list(self._tasks), timeout=60)
-            for block in self._blocks.values():
-                engine.release(block)
+    async def _close(self, helpers: list[asyncio.Task]) -> None:
+        """Stop the intake and timers, let the coroutines' tasks end, release the blocks."""
+        self._closing = True
+        for h in helpers:
+            h.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=60)
+        for block in self._blocks.values():
+            self.engine.release(block)
+
+    def _result(self) -> LayoutRun:
+        lay = self.layout
         return LayoutRun(
             lay.name,
             list(self._outputs),
@@ -332,7 +344,6 @@ class LayoutRunner(Agent):
             self._events_in,
             self._dropped,
         )
-
 
 def _priority(spec: CoroutineSpec) -> Any:
     """The engine's priority (class and weight) for a coroutine spec."""
