@@ -2055,7 +2055,7 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
     if (WT_Q4_PAIRS(wt) || wt == WT_INT8P) {
         prep.xq = malloc((size_t)(m * k));
         prep.xd = malloc((size_t)(m * groups) * sizeof(float));
-        prep.xc = malloc((size_t)(m * groups) * sizeof(int32_t));
+        if (wt == WT_INT8P) prep.xc = malloc((size_t)(m * groups) * sizeof(int32_t));
     }
     parallel_for(prepare_rows, &prep, m, PREP_GRAIN, threads, own);
     void *xp = NULL;
