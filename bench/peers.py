@@ -8,7 +8,8 @@ OpenVINO GenAI and CTranslate2, on one model made from the same weights, one pro
 Workloads, the same token ids for every engine, greedy, --threads threads (2) everywhere:
   decode     batch 1: a fixed chat prompt, then --decode-tokens new tokens; tokens/s of the decode
              phase (from the prompt in memory to the last token)
-  prefill    prompts of --prefill tokens (512, 2048; a fixed English text repeated): prompt tokens/s
+  prefill    prompts of --prefill tokens (512, 2048; a fixed English text repeated, each prompt from
+             a token of its own: none is a prefix of another, so no prefix cache helps): prompt tokens/s
   batch      --batch-seqs sequences (32) continuing one --batch-context-token context (256) by
              --batch-new tokens each (64): generated tokens/s from the request to the last token
              (cothink writes the context once and forks it; the peers take --batch-seqs copies of it
@@ -78,6 +79,7 @@ class Workload:
     batch_context: list[int]
     batch_seqs: int
     batch_new: int
+    warmup: list[int]  # the warm-up's prefill, as long as the longest prompt
 
 
 @dataclass
@@ -148,10 +150,18 @@ def build_workload(args: argparse.Namespace, folder: Path) -> Workload:
 
     tok = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     text = tok(TEXT)["input_ids"]
-    longest = max([*args.prefill, args.batch_context])
-    stream = (text * (longest // len(text) + 1))[:longest]
-    return Workload(chat_prompt_ids(tok, PROMPT), args.decode_tokens, {n: stream[:n] for n in args.prefill},
-                    stream[: args.batch_context], args.batch_seqs, args.batch_new)
+    prefill = {n: _passage(text, start, n) for start, n in enumerate(args.prefill, 1)}
+    return Workload(chat_prompt_ids(tok, PROMPT), args.decode_tokens, prefill,
+                    _passage(text, len(prefill) + 1, args.batch_context), args.batch_seqs, args.batch_new,
+                    _passage(text, 0, max(args.prefill)))
+
+
+def _passage(text: list[int], start: int, n: int) -> list[int]:
+    """n ids of `text` repeated, from its token `start`. Every prompt starts at a token of its own, so
+    no prompt is a prefix of another and no engine's prefix cache carries one measurement's work into
+    the next (OpenVINO GenAI reuses a recent prompt's KV for a prompt that starts with it: a 2048-token
+    prompt that began with the 512 one measured before it took only its last 1536 tokens)."""
+    return (text * ((start + n) // len(text) + 1))[start:start + n]
 
 
 def missing(engine: str) -> str | None:
@@ -357,7 +367,7 @@ def measure(runner: Runner, work: Workload) -> Figures:
     # trial of their step width, execution/threads.py: once per width in an engine's life, a
     # 512-token chunk on one thread, which would otherwise land in the first measured 2048 prefill)
     runner.decode(work.decode_prompt, 2)
-    runner.prefill(work.prefill[max(work.prefill)])
+    runner.prefill(work.warmup)
     ids, seconds = runner.decode(work.decode_prompt, work.decode_tokens)
     figures = Figures(weights=runner.weights, decode_ids=ids, decode_tok_s=len(ids) / seconds,
                       notes=list(getattr(runner, "notes", [])))

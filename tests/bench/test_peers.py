@@ -104,3 +104,14 @@ def test_reencoded_gguf_keeps_the_metadata_and_the_weights(peers, tmp_path, qtyp
     else:
         assert np.abs(got - dequantized).max() <= np.abs(dequantized).max() / 127
     assert peers.reencoded_gguf(src, out, qtype) == out  # made once
+
+
+def test_no_prompt_starts_another(peers, tiny_folder):
+    """OpenVINO GenAI's prefix cache takes a recent prompt's KV for a later prompt that starts with it
+    (measured: a 2048-token prompt that began with the 512 one run before it took only 1536 tokens), so
+    the warm-up, each prefill prompt and the batch's context start at tokens of their own."""
+    args = peers.parse_args(["--model", str(tiny_folder), "--prefill", "512", "2048"])
+    work = peers.build_workload(args, tiny_folder)
+    prompts = [work.warmup, *work.prefill.values(), work.batch_context]
+    assert [len(p) for p in prompts] == [2048, 512, 2048, args.batch_context]
+    assert len({p[0] for p in prompts}) == len(prompts)  # no two share even their first token
