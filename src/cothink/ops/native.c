@@ -1517,8 +1517,8 @@ static const uint16_t I8_QUADS[2][32] = {
    apart off += offset_g xsum_g, xsum the 8-bit x's group sums). KIND (a constant): WT_Q4P (sm the tile's
    float32 scales and offsets), WT_Q4PH (halves) or WT_INT8P (sm the outputs' bfloat16 scales, applied
    as WT_INT8 applies them) */
-static inline __attribute__((always_inline)) void quads_rows(const void *wt, const void *sm, const int8_t *xq,
-                                                               const float *xd, const float *xsum,
+static inline __attribute__((always_inline)) void quads_rows(const void *wt, const __m512i *dec, const void *sm,
+                                                               const int8_t *xq, const float *xd, const float *xsum,
                                                                const int32_t *xc, int64_t k, const void *bias,
                                                                void *y, int64_t ys, int bf, int y_f32,
                                                                const int nr, const int kind) {
@@ -1534,7 +1534,10 @@ static inline __attribute__((always_inline)) void quads_rows(const void *wt, con
         for (int i = 0; i < nr; i++) d0[i] = d1[i] = _mm512_setzero_si512();
         for (int64_t u = 0; u < Q4_GROUP / 4; u++) { /* inputs 4u .. 4u + 3 of the group: pairs 2u, 2u + 1 */
             __m512i w0, w1;
-            if (i8) {
+            if (dec) { /* a constant after inlining */
+                w0 = _mm512_load_si512(dec + 2 * (g * (Q4_GROUP / 4) + u));
+                w1 = _mm512_load_si512(dec + 2 * (g * (Q4_GROUP / 4) + u) + 1);
+            } else if (i8) {
                 const int8_t *b = (const int8_t *)wt + (g * (Q4_GROUP / 2) + 2 * u) * 2 * PAIR_TILE;
                 __builtin_prefetch(b + LINEAR_PREFETCH);
                 __builtin_prefetch(b + LINEAR_PREFETCH + 64);
@@ -1607,19 +1610,45 @@ static inline __attribute__((always_inline)) void quads_rows(const void *wt, con
 /* Rows a pass of quads_rows takes: four rows' 16 accumulators stay in registers (eight spilled: 30
  * SmolLM2 4-bit layers at 32 rows 24.6-28.6 -> 21.8-22.2 ms) */
 #define QUAD_ROWS 4
-static inline __attribute__((always_inline)) void quads_tile(const void *wt, const void *sm, const int8_t *xq,
-                                                               const float *xd, const float *xsum,
+static inline __attribute__((always_inline)) void quads_tile(const void *wt, const __m512i *dec, const void *sm,
+                                                               const int8_t *xq, const float *xd, const float *xsum,
                                                                const int32_t *xc, int64_t k, const void *bias,
                                                                void *y, int64_t ys, int bf, int y_f32,
                                                                const int nr, const int kind) {
     int64_t groups = k / Q4_GROUP, y_size = bf && !y_f32 ? 2 : 4;
     if (nr > QUAD_ROWS) {
-        quads_rows(wt, sm, xq, xd, xsum, xc, k, bias, y, ys, bf, y_f32, QUAD_ROWS, kind);
-        quads_rows(wt, sm, xq + QUAD_ROWS * k, xd + QUAD_ROWS * groups, xsum ? xsum + QUAD_ROWS * groups : NULL,
+        quads_rows(wt, dec, sm, xq, xd, xsum, xc, k, bias, y, ys, bf, y_f32, QUAD_ROWS, kind);
+        quads_rows(wt, dec, sm, xq + QUAD_ROWS * k, xd + QUAD_ROWS * groups, xsum ? xsum + QUAD_ROWS * groups : NULL,
                    xc ? xc + QUAD_ROWS * groups : NULL, k, bias, (char *)y + QUAD_ROWS * ys * y_size, ys, bf, y_f32,
                    nr - QUAD_ROWS, kind);
     } else {
-        quads_rows(wt, sm, xq, xd, xsum, xc, k, bias, y, ys, bf, y_f32, nr, kind);
+        quads_rows(wt, dec, sm, xq, xd, xsum, xc, k, bias, y, ys, bf, y_f32, nr, kind);
+    }
+}
+
+/* A WT_Q4P or WT_INT8P tile's weights as quads_rows multiplies them, vector 2 (g Q4_GROUP / 4 + u) + h
+   of dec: what its every pass would otherwise unpack again (4-bit: a VPERMW, two ANDs and a shift per 64
+   products of a row; int8: two VPERMT2W and two XORs), unpacked once per tile for a step of more rows
+   than a pass takes */
+static void unpack_quads(const void *wt, int64_t k, int kind, __m512i *dec) {
+    const __m512i order = _mm512_loadu_si512(Q4_QUADS), low = _mm512_set1_epi8(0x0f);
+    const __m512i lo16 = _mm512_loadu_si512(I8_QUADS[0]), hi16 = _mm512_loadu_si512(I8_QUADS[1]);
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    for (int64_t v = 0; v < k / 4; v++) { /* v = g Q4_GROUP / 4 + u: inputs 4v .. 4v + 3, pairs 2v, 2v + 1 */
+        if (kind == WT_INT8P) {
+            const int8_t *b = (const int8_t *)wt + 2 * v * 2 * PAIR_TILE;
+            __builtin_prefetch(b + LINEAR_PREFETCH);
+            __builtin_prefetch(b + LINEAR_PREFETCH + 64);
+            __m512i p0 = _mm512_loadu_si512(b), p1 = _mm512_loadu_si512(b + 2 * PAIR_TILE);
+            _mm512_store_si512(dec + 2 * v, _mm512_xor_si512(_mm512_permutex2var_epi16(p0, lo16, p1), sign));
+            _mm512_store_si512(dec + 2 * v + 1, _mm512_xor_si512(_mm512_permutex2var_epi16(p0, hi16, p1), sign));
+        } else {
+            const uint8_t *b = (const uint8_t *)wt + 2 * v * PAIR_TILE;
+            __builtin_prefetch(b + LINEAR_PREFETCH);
+            __m512i c = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(b));
+            _mm512_store_si512(dec + 2 * v, _mm512_and_si512(c, low));
+            _mm512_store_si512(dec + 2 * v + 1, _mm512_and_si512(_mm512_srli_epi16(c, 4), low));
+        }
     }
 }
 
@@ -1633,8 +1662,15 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *x
                               int y_f32) {
     int q4 = WT_Q4_PAIRS(wt_kind), quads = q4 || wt_kind == WT_INT8P;
     int64_t size = bf ? 2 : 4, y_size = bf && !y_f32 ? 2 : 4, groups = k / Q4_GROUP;
+    /* int8 weights for more rows than a group: each tile unpacked once for all its passes (the same
+       products). Two ANDs, a shift and a VPERMW per 64 4-bit products cost no more than reading them
+       unpacked (2-core Zen 4, alternating builds: the 4-bit products 4-27% slower at 8-32 rows, level
+       at 512), and a group's two passes do not pay for it */
+    __m512i *dec = wt_kind == WT_INT8P && m > LINEAR_GROUP ? aligned_alloc(64, (size_t)(k / 2) * sizeof(__m512i))
+                                                          : NULL;
     for (int64_t r = begin; r < end; r += PAIR_TILE) {
         const void *wt = (const char *)w + r * weight_row_bytes(wt_kind, k);
+        if (dec) unpack_quads(wt, k, wt_kind, dec);
         const void *sc = !scale ? NULL : q4 ? (const char *)scale + r * groups * 2 * (wt_kind == WT_Q4PH ? 2 : 4)
                                             : (const void *)((const bf16 *)scale + r);
         const void *b = bias ? (const char *)bias + r * size : NULL;
@@ -1644,24 +1680,32 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *x
             const int8_t *xqi = quads ? xq + i0 * k : NULL;
             const int32_t *xci = q4 || !quads ? NULL : xc + i0 * groups;
             void *yi = (char *)y + (i0 * ys + r) * y_size;
-#define PAIRS_CASE(M)                                                                    \
-    case M:                                                                              \
-        if (wt_kind == WT_Q4PH)                                                          \
-            quads_tile(wt, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4PH);    \
-        else if (wt_kind == WT_Q4P)                                                      \
-            quads_tile(wt, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4P);     \
-        else if (wt_kind == WT_INT8P)                                                    \
-            quads_tile(wt, sc, xqi, xdi, xs, xci, k, b, yi, ys, bf, y_f32, M, WT_INT8P);  \
-        else                                                                             \
-            pairs_tile(wt, x, k, b, yi, ys, y_f32, M);                                   \
+#define QUADS_CASE(DEC, M)                                                                  \
+    if (wt_kind == WT_Q4PH)                                                                 \
+        quads_tile(wt, DEC, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4PH);      \
+    else if (wt_kind == WT_Q4P)                                                             \
+        quads_tile(wt, DEC, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4P);       \
+    else                                                                                    \
+        quads_tile(wt, DEC, sc, xqi, xdi, xs, xci, k, b, yi, ys, bf, y_f32, M, WT_INT8P);
+#define PAIRS_CASE(M)                                                                       \
+    case M:                                                                                 \
+        if (!quads)                                                                         \
+            pairs_tile(wt, x, k, b, yi, ys, y_f32, M);                                      \
+        else if (dec) {                                                                     \
+            QUADS_CASE(dec, M)                                                              \
+        } else {                                                                            \
+            QUADS_CASE(NULL, M)                                                             \
+        }                                                                                   \
         break;
             switch (m - i0 < LINEAR_GROUP ? m - i0 : LINEAR_GROUP) {
                 PAIRS_CASE(8) PAIRS_CASE(7) PAIRS_CASE(6) PAIRS_CASE(5)
                 PAIRS_CASE(4) PAIRS_CASE(3) PAIRS_CASE(2) PAIRS_CASE(1)
             }
 #undef PAIRS_CASE
+#undef QUADS_CASE
         }
     }
+    free(dec);
 }
 #endif
 
