@@ -1955,6 +1955,8 @@ int ct_linear_bf16_dot(void) { return LINEAR_BF16_PAIRS; }
 #define LINEAR_CASE_BF16(M) LINEAR_GROUP_W(xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_BF16, j->y_f32)
 #endif
 /* whether ct_linear hands its kernel the bfloat16 input rows themselves (else float32 ones) */
+/* 4-bit and int8 pairs of bfloat16 rows: the products read the rows' 8-bit codes only */
+#define LINEAR_CODES_ONLY(wt, bf) (LINEAR_BF16_PAIRS && (WT_Q4_PAIRS(wt) || (wt) == WT_INT8P) && (bf))
 #define LINEAR_X_BF16(wt, bf)                                                                          \
     (LINEAR_BF16_PAIRS && ((wt) == WT_BF16 || (wt) == WT_BF16P || (wt) == WT_INT8P || WT_Q4_PAIRS(wt) || \
                            ((wt) == WT_Q4 && (bf))))
@@ -2073,6 +2075,13 @@ static void prepare_rows(void *ctx, int64_t begin, int64_t end) {
     float *xf = p->xf, *xsum = p->xsum;
     for (int64_t i = begin; i < end; i++) {
         const char *xi = (const char *)p->x + i * p->xs * size;
+#if LINEAR_BF16_PAIRS
+        if (LINEAR_CODES_ONLY(wt, p->bf)) { /* the 8-bit codes straight from the row: all their products read */
+            quantize_groups((const bf16 *)xi, k, p->xq + i * k, p->xd + i * groups,
+                            wt == WT_INT8P ? NULL : xsum + i * groups, wt == WT_INT8P ? p->xc + i * groups : NULL);
+            continue;
+        }
+#endif
         if (LINEAR_X_BF16(wt, p->bf)) { /* the bfloat16 input itself, rows packed (4-bit: and its group sums) */
             if (p->bf)
                 memcpy((bf16 *)xf + i * k, xi, (size_t)k * sizeof(bf16));
@@ -2085,7 +2094,7 @@ static void prepare_rows(void *ctx, int64_t begin, int64_t end) {
                     xsum[i * groups + g] = sum(part, Q4_GROUP);
                 }
 #if LINEAR_BF16_PAIRS
-            if (WT_Q4_PAIRS(wt) || wt == WT_INT8P) /* the row as 8-bit codes for the 4-bit and int8 pairs */
+            if (WT_Q4_PAIRS(wt) || wt == WT_INT8P) /* float32 rows: their bfloat16 rounding as 8-bit codes */
                 quantize_groups((const bf16 *)xf + i * k, k, p->xq + i * k, p->xd + i * groups,
                                 wt == WT_INT8P ? NULL : xsum + i * groups, wt == WT_INT8P ? p->xc + i * groups : NULL);
 #endif
@@ -2106,7 +2115,7 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
                int64_t ys, int64_t m, int64_t n, int64_t k, int bf, int wt, int y_f32, int64_t threads) {
     int64_t groups = k / Q4_GROUP;
     int own = m <= HELPER_TEAM_ROWS; /* a decode-sized product on the helpers, a prefill chunk's on OpenMP's */
-    LinearPrep prep = {x, xs, k, bf, wt, malloc((size_t)(m * k) * sizeof(float)),
+    LinearPrep prep = {x, xs, k, bf, wt, LINEAR_CODES_ONLY(wt, bf) ? NULL : malloc((size_t)(m * k) * sizeof(float)),
                        malloc((size_t)(m * groups + 1) * sizeof(float)), NULL, NULL, NULL};
     if (WT_Q4_PAIRS(wt) || wt == WT_INT8P) {
         prep.xq = malloc((size_t)(m * k));
