@@ -1516,7 +1516,8 @@ static const uint16_t I8_QUADS[2][32] = {
    plus 128, whose 128 sum(xq_g) xc takes off), then per output acc += d xd_g (4-bit: times scale_g, and
    apart off += offset_g xsum_g, xsum the 8-bit x's group sums). KIND (a constant): WT_Q4P (sm the tile's
    float32 scales and offsets), WT_Q4PH (halves) or WT_INT8P (sm the outputs' bfloat16 scales, applied
-   as WT_INT8 applies them) */
+   as WT_INT8 applies them). `dec`: NULL (a constant after inlining: the loop unpacks the weights) or the
+   tile's int8 weights unpacked already (`unpack_int8_tile`) */
 static inline __attribute__((always_inline)) void quads_rows(const void *wt, const __m512i *dec, const void *sm,
                                                                const int8_t *xq, const float *xd, const float *xsum,
                                                                const int32_t *xc, int64_t k, const void *bias,
@@ -1626,29 +1627,21 @@ static inline __attribute__((always_inline)) void quads_tile(const void *wt, con
     }
 }
 
-/* A WT_Q4P or WT_INT8P tile's weights as quads_rows multiplies them, vector 2 (g Q4_GROUP / 4 + u) + h
-   of dec: what its every pass would otherwise unpack again (4-bit: a VPERMW, two ANDs and a shift per 64
-   products of a row; int8: two VPERMT2W and two XORs), unpacked once per tile for a step of more rows
-   than a pass takes */
-static void unpack_quads(const void *wt, int64_t k, int kind, __m512i *dec) {
-    const __m512i order = _mm512_loadu_si512(Q4_QUADS), low = _mm512_set1_epi8(0x0f);
+/* A WT_INT8P tile's weights as quads_rows multiplies them (vector 2 (g Q4_GROUP / 4 + u) + h of dec, its
+   `dec`): two VPERMT2W and two XORs per 128 weights, once per tile where each of a wide step's passes
+   would do them again. (A 4-bit tile's VPERMW, two ANDs and a shift cost no more than reading them
+   unpacked: 2-core Zen 4, alternating builds, its products 4-27% slower at 8-32 rows, level at 512.)
+   Not inlined: inlined into linear_rows_pairs, the int8 products at 512 rows measured 7-8% slower. */
+static __attribute__((noinline)) void unpack_int8_tile(const void *wt, int64_t k, __m512i *dec) {
     const __m512i lo16 = _mm512_loadu_si512(I8_QUADS[0]), hi16 = _mm512_loadu_si512(I8_QUADS[1]);
     const __m512i sign = _mm512_set1_epi8((char)0x80);
     for (int64_t v = 0; v < k / 4; v++) { /* v = g Q4_GROUP / 4 + u: inputs 4v .. 4v + 3, pairs 2v, 2v + 1 */
-        if (kind == WT_INT8P) {
-            const int8_t *b = (const int8_t *)wt + 2 * v * 2 * PAIR_TILE;
-            __builtin_prefetch(b + LINEAR_PREFETCH);
-            __builtin_prefetch(b + LINEAR_PREFETCH + 64);
-            __m512i p0 = _mm512_loadu_si512(b), p1 = _mm512_loadu_si512(b + 2 * PAIR_TILE);
-            _mm512_store_si512(dec + 2 * v, _mm512_xor_si512(_mm512_permutex2var_epi16(p0, lo16, p1), sign));
-            _mm512_store_si512(dec + 2 * v + 1, _mm512_xor_si512(_mm512_permutex2var_epi16(p0, hi16, p1), sign));
-        } else {
-            const uint8_t *b = (const uint8_t *)wt + 2 * v * PAIR_TILE;
-            __builtin_prefetch(b + LINEAR_PREFETCH);
-            __m512i c = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(b));
-            _mm512_store_si512(dec + 2 * v, _mm512_and_si512(c, low));
-            _mm512_store_si512(dec + 2 * v + 1, _mm512_and_si512(_mm512_srli_epi16(c, 4), low));
-        }
+        const int8_t *b = (const int8_t *)wt + 2 * v * 2 * PAIR_TILE;
+        __builtin_prefetch(b + LINEAR_PREFETCH);
+        __builtin_prefetch(b + LINEAR_PREFETCH + 64);
+        __m512i p0 = _mm512_loadu_si512(b), p1 = _mm512_loadu_si512(b + 2 * PAIR_TILE);
+        _mm512_store_si512(dec + 2 * v, _mm512_xor_si512(_mm512_permutex2var_epi16(p0, lo16, p1), sign));
+        _mm512_store_si512(dec + 2 * v + 1, _mm512_xor_si512(_mm512_permutex2var_epi16(p0, hi16, p1), sign));
     }
 }
 
@@ -1662,15 +1655,13 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *x
                               int y_f32) {
     int q4 = WT_Q4_PAIRS(wt_kind), quads = q4 || wt_kind == WT_INT8P;
     int64_t size = bf ? 2 : 4, y_size = bf && !y_f32 ? 2 : 4, groups = k / Q4_GROUP;
-    /* int8 weights for more rows than a group: each tile unpacked once for all its passes (the same
-       products). Two ANDs, a shift and a VPERMW per 64 4-bit products cost no more than reading them
-       unpacked (2-core Zen 4, alternating builds: the 4-bit products 4-27% slower at 8-32 rows, level
-       at 512), and a group's two passes do not pay for it */
+    /* int8 weights for more rows than a group (a group's two passes do not pay for it): each tile
+       unpacked once for all its passes, the same products (int8 at 512 rows 17-22% faster, at 32 4-10%) */
     __m512i *dec = wt_kind == WT_INT8P && m > LINEAR_GROUP ? aligned_alloc(64, (size_t)(k / 2) * sizeof(__m512i))
                                                           : NULL;
     for (int64_t r = begin; r < end; r += PAIR_TILE) {
         const void *wt = (const char *)w + r * weight_row_bytes(wt_kind, k);
-        if (dec) unpack_quads(wt, k, wt_kind, dec);
+        if (dec) unpack_int8_tile(wt, k, dec);
         const void *sc = !scale ? NULL : q4 ? (const char *)scale + r * groups * 2 * (wt_kind == WT_Q4PH ? 2 : 4)
                                             : (const void *)((const bf16 *)scale + r);
         const void *b = bias ? (const char *)bias + r * size : NULL;
@@ -1680,29 +1671,24 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *x
             const int8_t *xqi = quads ? xq + i0 * k : NULL;
             const int32_t *xci = q4 || !quads ? NULL : xc + i0 * groups;
             void *yi = (char *)y + (i0 * ys + r) * y_size;
-#define QUADS_CASE(DEC, M)                                                                  \
-    if (wt_kind == WT_Q4PH)                                                                 \
-        quads_tile(wt, DEC, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4PH);      \
-    else if (wt_kind == WT_Q4P)                                                             \
-        quads_tile(wt, DEC, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4P);       \
-    else                                                                                    \
-        quads_tile(wt, DEC, sc, xqi, xdi, xs, xci, k, b, yi, ys, bf, y_f32, M, WT_INT8P);
 #define PAIRS_CASE(M)                                                                       \
     case M:                                                                                 \
         if (!quads)                                                                         \
             pairs_tile(wt, x, k, b, yi, ys, y_f32, M);                                      \
-        else if (dec) {                                                                     \
-            QUADS_CASE(dec, M)                                                              \
-        } else {                                                                            \
-            QUADS_CASE(NULL, M)                                                             \
-        }                                                                                   \
+        else if (dec)                                                                       \
+            quads_tile(wt, dec, sc, xqi, xdi, xs, xci, k, b, yi, ys, bf, y_f32, M, WT_INT8P); \
+        else if (wt_kind == WT_Q4PH)                                                        \
+            quads_tile(wt, NULL, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4PH);  \
+        else if (wt_kind == WT_Q4P)                                                         \
+            quads_tile(wt, NULL, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4P);   \
+        else                                                                                \
+            quads_tile(wt, NULL, sc, xqi, xdi, xs, xci, k, b, yi, ys, bf, y_f32, M, WT_INT8P); \
         break;
             switch (m - i0 < LINEAR_GROUP ? m - i0 : LINEAR_GROUP) {
                 PAIRS_CASE(8) PAIRS_CASE(7) PAIRS_CASE(6) PAIRS_CASE(5)
                 PAIRS_CASE(4) PAIRS_CASE(3) PAIRS_CASE(2) PAIRS_CASE(1)
             }
 #undef PAIRS_CASE
-#undef QUADS_CASE
         }
     }
     free(dec);
