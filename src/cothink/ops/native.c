@@ -1510,6 +1510,18 @@ static const uint16_t I8_QUADS[2][32] = {
     {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
      24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63}};
 
+/* Inputs 2p .. 2p + 3 of a WT_INT8P tile (two pairs at b, 128 bytes) as quads_rows multiplies them:
+   two VPERMT2W (I8_QUADS) put each output's four weights in a lane, the sign flip adds 128 (unsigned for
+   VPDPBUSD); outputs 0-15 in w0, 16-31 in w1 */
+static inline __attribute__((always_inline)) void int8_quads(const int8_t *b, __m512i lo16, __m512i hi16,
+                                                             __m512i sign, __m512i *w0, __m512i *w1) {
+    __builtin_prefetch(b + LINEAR_PREFETCH);
+    __builtin_prefetch(b + LINEAR_PREFETCH + 64);
+    __m512i p0 = _mm512_loadu_si512(b), p1 = _mm512_loadu_si512(b + 2 * PAIR_TILE);
+    *w0 = _mm512_xor_si512(_mm512_permutex2var_epi16(p0, lo16, p1), sign);
+    *w1 = _mm512_xor_si512(_mm512_permutex2var_epi16(p0, hi16, p1), sign);
+}
+
 /* A WT_Q4P or WT_INT8P tile's products for NR rows (constant after inlining) of 8-bit x
    (`quantize_groups`: per group of Q4_GROUP inputs the codes xq and their scale xd): per group d = xq_g
    . w_g by VPDPBUSD (exact int32 sums; the weights the unsigned side: 4-bit codes as they are, int8 ones
@@ -1539,12 +1551,8 @@ static inline __attribute__((always_inline)) void quads_rows(const void *wt, con
                 w0 = _mm512_load_si512(dec + 2 * (g * (Q4_GROUP / 4) + u));
                 w1 = _mm512_load_si512(dec + 2 * (g * (Q4_GROUP / 4) + u) + 1);
             } else if (i8) {
-                const int8_t *b = (const int8_t *)wt + (g * (Q4_GROUP / 2) + 2 * u) * 2 * PAIR_TILE;
-                __builtin_prefetch(b + LINEAR_PREFETCH);
-                __builtin_prefetch(b + LINEAR_PREFETCH + 64);
-                __m512i p0 = _mm512_loadu_si512(b), p1 = _mm512_loadu_si512(b + 2 * PAIR_TILE);
-                w0 = _mm512_xor_si512(_mm512_permutex2var_epi16(p0, lo16, p1), sign);
-                w1 = _mm512_xor_si512(_mm512_permutex2var_epi16(p0, hi16, p1), sign);
+                int8_quads((const int8_t *)wt + (g * (Q4_GROUP / 2) + 2 * u) * 2 * PAIR_TILE, lo16, hi16, sign, &w0,
+                           &w1);
             } else {
                 const uint8_t *b = (const uint8_t *)wt + (g * (Q4_GROUP / 2) + 2 * u) * PAIR_TILE;
                 __builtin_prefetch(b + LINEAR_PREFETCH);
@@ -1627,21 +1635,15 @@ static inline __attribute__((always_inline)) void quads_tile(const void *wt, con
     }
 }
 
-/* A WT_INT8P tile's weights as quads_rows multiplies them (vector 2 (g Q4_GROUP / 4 + u) + h of dec, its
-   `dec`): two VPERMT2W and two XORs per 128 weights, once per tile where each of a wide step's passes
-   would do them again. (A 4-bit tile's VPERMW, two ANDs and a shift cost no more than reading them
+/* A WT_INT8P tile's weights as quads_rows multiplies them (`int8_quads`: vector 2 (g Q4_GROUP / 4 + u) + h
+   of dec, its `dec`), once per tile where each of a wide step's passes would unpack them again. (A 4-bit tile's VPERMW, two ANDs and a shift cost no more than reading them
    unpacked: 2-core Zen 4, alternating builds, its products 4-27% slower at 8-32 rows, level at 512.)
    Not inlined: inlined into linear_rows_pairs, the int8 products at 512 rows measured 7-8% slower. */
 static __attribute__((noinline)) void unpack_int8_tile(const void *wt, int64_t k, __m512i *dec) {
     const __m512i lo16 = _mm512_loadu_si512(I8_QUADS[0]), hi16 = _mm512_loadu_si512(I8_QUADS[1]);
     const __m512i sign = _mm512_set1_epi8((char)0x80);
     for (int64_t v = 0; v < k / 4; v++) { /* v = g Q4_GROUP / 4 + u: inputs 4v .. 4v + 3, pairs 2v, 2v + 1 */
-        const int8_t *b = (const int8_t *)wt + 2 * v * 2 * PAIR_TILE;
-        __builtin_prefetch(b + LINEAR_PREFETCH);
-        __builtin_prefetch(b + LINEAR_PREFETCH + 64);
-        __m512i p0 = _mm512_loadu_si512(b), p1 = _mm512_loadu_si512(b + 2 * PAIR_TILE);
-        _mm512_store_si512(dec + 2 * v, _mm512_xor_si512(_mm512_permutex2var_epi16(p0, lo16, p1), sign));
-        _mm512_store_si512(dec + 2 * v + 1, _mm512_xor_si512(_mm512_permutex2var_epi16(p0, hi16, p1), sign));
+        int8_quads((const int8_t *)wt + 2 * v * 2 * PAIR_TILE, lo16, hi16, sign, dec + 2 * v, dec + 2 * v + 1);
     }
 }
 
@@ -1940,9 +1942,9 @@ int ct_linear_bf16_dot(void) { return LINEAR_BF16_PAIRS; }
 #else
 #define LINEAR_CASE_BF16(M) LINEAR_GROUP_W(xf, w, scale, bias, y, j->ys, M, n, k, j->bf, WT_BF16, j->y_f32)
 #endif
-/* whether ct_linear hands its kernel the bfloat16 input rows themselves (else float32 ones) */
 /* 4-bit and int8 pairs of bfloat16 rows: the products read the rows' 8-bit codes only */
 #define LINEAR_CODES_ONLY(wt, bf) (LINEAR_BF16_PAIRS && (WT_Q4_PAIRS(wt) || (wt) == WT_INT8P) && (bf))
+/* whether ct_linear hands its kernel the bfloat16 input rows themselves (else float32 ones) */
 #define LINEAR_X_BF16(wt, bf)                                                                          \
     (LINEAR_BF16_PAIRS && ((wt) == WT_BF16 || (wt) == WT_BF16P || (wt) == WT_INT8P || WT_Q4_PAIRS(wt) || \
                            ((wt) == WT_Q4 && (bf))))
@@ -2061,28 +2063,25 @@ static void prepare_rows(void *ctx, int64_t begin, int64_t end) {
     float *xf = p->xf, *xsum = p->xsum;
     for (int64_t i = begin; i < end; i++) {
         const char *xi = (const char *)p->x + i * p->xs * size;
-#if LINEAR_BF16_PAIRS
-        if (LINEAR_CODES_ONLY(wt, p->bf)) { /* the 8-bit codes straight from the row: all their products read */
-            quantize_groups((const bf16 *)xi, k, p->xq + i * k, p->xd + i * groups,
-                            wt == WT_INT8P ? NULL : xsum + i * groups, wt == WT_INT8P ? p->xc + i * groups : NULL);
-            continue;
-        }
-#endif
-        if (LINEAR_X_BF16(wt, p->bf)) { /* the bfloat16 input itself, rows packed (4-bit: and its group sums) */
-            if (p->bf)
-                memcpy((bf16 *)xf + i * k, xi, (size_t)k * sizeof(bf16));
-            else /* (WT_INT8P of float32 rows: x rounded to bfloat16, as WT_INT8 takes it) */
-                for (int64_t e = 0; e < k; e++) ((bf16 *)xf)[i * k + e] = to_bf16(((const float *)xi)[e]);
+        if (LINEAR_X_BF16(wt, p->bf)) { /* bfloat16 rows (4-bit: and their group sums; pairs: their 8-bit codes) */
+            const bf16 *row = (const bf16 *)xi;
+            if (!LINEAR_CODES_ONLY(wt, p->bf)) { /* the rows packed, as the products read them */
+                row = (const bf16 *)xf + i * k;
+                if (p->bf)
+                    memcpy((bf16 *)xf + i * k, xi, (size_t)k * sizeof(bf16));
+                else /* (WT_INT8P of float32 rows: x rounded to bfloat16, as WT_INT8 takes it) */
+                    for (int64_t e = 0; e < k; e++) ((bf16 *)xf)[i * k + e] = to_bf16(((const float *)xi)[e]);
+            }
             if (wt == WT_Q4)
                 for (int64_t g = 0; g < groups; g++) {
                     float part[Q4_GROUP];
-                    load_row((const bf16 *)xi + g * Q4_GROUP, Q4_GROUP, 1, part);
+                    load_row(row + g * Q4_GROUP, Q4_GROUP, 1, part);
                     xsum[i * groups + g] = sum(part, Q4_GROUP);
                 }
 #if LINEAR_BF16_PAIRS
-            if (WT_Q4_PAIRS(wt) || wt == WT_INT8P) /* float32 rows: their bfloat16 rounding as 8-bit codes */
-                quantize_groups((const bf16 *)xf + i * k, k, p->xq + i * k, p->xd + i * groups,
-                                wt == WT_INT8P ? NULL : xsum + i * groups, wt == WT_INT8P ? p->xc + i * groups : NULL);
+            if (WT_Q4_PAIRS(wt) || wt == WT_INT8P)
+                quantize_groups(row, k, p->xq + i * k, p->xd + i * groups, wt == WT_INT8P ? NULL : xsum + i * groups,
+                                wt == WT_INT8P ? p->xc + i * groups : NULL);
 #endif
             continue;
         }

@@ -636,10 +636,9 @@ def linear(
     dequantized weight within float32 rounding, rounded to x's dtype once, after the bias; or a
     bfloat16 weight in pairs (int32 [N, K / 2] from `pack_pairs`, x bfloat16, where `bf16_pairs`), or an
     int8 one (int16 [N, K / 2], K a multiple of 32, with its scale: the int8 product above of x taken as
-    8-bit codes per group of 32, models/quant4.py `quantize_activations`; models/quantize.py states its
-    bound).
+    8-bit codes per group of 32, models/quantize.py `quantize_activations`, which states its bound).
     A 4-bit weight in pairs (uint16 [N, K / 4] with its float32 or float16 scales from `pack_q4_pairs`, x
-    bfloat16, where `bf16_pairs`): x taken as 8-bit codes per group of 32 (models/quant4.py
+    bfloat16, where `bf16_pairs`): x taken as 8-bit codes per group of 32 (models/quantize.py
     `quantize_activations`, to the bit), the 4-bit product above within that bound plus
     models/quantize.py `activation_bound` (either scales, the same results).
     `float_out`: the result as float32, equal to `linear(...).float()` without the widening pass."""
