@@ -332,6 +332,31 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
+def stream_gb_s(threads: int, mib: int = 256) -> float:
+    """How fast this machine reads a weight larger than the caches, on `threads` threads (GB/s): the
+    fastest of torch's sum over `mib` MiB of float32 and of bfloat16 and, where cothink's C kernels
+    run, its one-row product over `mib` MiB of bfloat16 weights (in its pairs layout where it has
+    one). The weight-streaming limit of a decode step that reads every weight once."""
+    from cothink.ops import native
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        best = 0.0
+        for dtype in (torch.float32, torch.bfloat16):
+            size = torch.tensor([], dtype=dtype).element_size()
+            w = torch.randn(mib * 2**20 // (2048 * size), 2048).to(dtype)
+            best = max(best, w.nbytes / _best(w.sum, 8) / 1e9)
+            if dtype == torch.bfloat16 and native.available():
+                x = torch.randn(1, 2048).to(dtype)
+                packed = native.pack_pairs(w) if native.takes_pairs(w) else w
+                best = max(best, w.nbytes / _best(lambda: native.linear(x, packed, None), 8) / 1e9)
+            del w
+        return best
+    finally:
+        torch.set_num_threads(before)
+
+
 def measure_limits(dtype: torch.dtype, threads: int, quick: bool) -> dict[str, float]:
     """This machine's limits, measured now with torch itself: GEMV bandwidth (a [1, K] x [K, N]
     matmul over a weight larger than the caches: bytes / time) and GEMM throughput (GFLOP/s), each

@@ -25,18 +25,25 @@ Model files, made once into --models-dir from the checkpoint cothink loads (the 
 the float32 dequantization of its shipped Q4_1 GGUF):
   cothink          the checkpoint, bfloat16 activations; --precision int4: `quantize="int4"` (for
                    SmolLM2 the layers are its GGUF's Q4_1 tensors as they are, models/quant4.py;
-                   the lm_head int8); int8: `quantize="int8"`; bfloat16: dense
-  llama.cpp        the embedded model's shipped GGUF (Q4_1 layers, Q8_0 output) for int4; for int8
-                   and bfloat16 its weight tensors re-encoded as Q8_0 or BF16 from their float32
+                   the lm_head int8); int8: `quantize="int8"`; bfloat16: dense; float32: dense, float32
+  llama.cpp        the embedded model's shipped GGUF (Q4_1 layers, Q8_0 output) for int4; for int8,
+                   bfloat16 and float32 its weight tensors re-encoded as Q8_0, BF16 or F32 from their float32
                    dequantization (the weights the checkpoint holds: the same model at that
                    precision); or --gguf FILE, as it is
   ctranslate2      ctranslate2's TransformersConverter of the checkpoint (int4: int8, CTranslate2 has
-                   no 4-bit CPU type; int8: int8; bfloat16: bfloat16)
+                   no 4-bit CPU type; int8: int8; bfloat16: bfloat16; float32: float32)
   onnxruntime-genai  onnxruntime_genai.models.builder of the checkpoint (int4: its int4, block 32;
                    otherwise fp32), intra-op threads set in its genai_config.json
   openvino-genai   optimum-intel's `optimum-cli export openvino` of the checkpoint (int4: asymmetric,
-                   group 32, every layer; int8; bfloat16: fp16), with its tokenizer (openvino-tokenizers)
+                   group 32, every layer; int8; bfloat16: fp16; float32: fp32), with its tokenizer
+                   (openvino-tokenizers)
 What each engine ran is recorded with its figures ("weights").
+
+The weight-streaming limit (bfloat16 and float32, where a decode token reads every weight once): the
+cothink worker measures, on its threads, how fast this machine reads a weight larger than the caches
+(`_common.stream_gb_s`: the fastest of torch's sum over 256 MiB of float32 and of bfloat16 and
+cothink's one-row product over 256 MiB of bfloat16 weights) and the bytes of weights a decode token
+reads (every linear, lm_head included); limit = GB/s / bytes, and cothink's decode as a share of it.
 
 Writes peers.json (machine: CPU, commit, torch; settings; per engine its best figures, every
 round's, and its agreement with cothink) and peers.png to --out, and prints the table.
@@ -65,6 +72,7 @@ MODULES = {
     "cothink": ("cothink",), "llama.cpp": ("llama_cpp",), "onnxruntime-genai": ("onnxruntime_genai",),
     "openvino-genai": ("openvino_genai", "openvino_tokenizers"), "ctranslate2": ("ctranslate2",),
 }
+PRECISIONS = ("int4", "int8", "bfloat16", "float32")
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 RESULT_MARK = "PEERS-RESULT "  # a worker's result line on stdout
 
@@ -92,6 +100,15 @@ class Figures:
     batch_tok_s: float | None = None
     decode_ids: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    stream_gb_s: float | None = None  # cothink, dense precisions: this machine's weight-streaming rate
+    token_bytes: int | None = None  # and the bytes of weights a decode token reads
+
+    @property
+    def stream_limit_tok_s(self) -> float | None:
+        """Decode tokens/s if a token cost only reading its weights at the streaming rate."""
+        if self.stream_gb_s is None or not self.token_bytes:
+            return None
+        return self.stream_gb_s * 1e9 / self.token_bytes
 
 
 @dataclass
@@ -110,7 +127,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2", help="embedded model name or a local HF folder")
     p.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
-    p.add_argument("--precision", choices=("int4", "int8", "bfloat16"), default="int4")
+    p.add_argument("--precision", choices=PRECISIONS, default="int4")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=None, help="rounds; each figure is the best (default 3)")
     p.add_argument("--decode-tokens", type=int, default=None, help="default 128")
@@ -202,6 +219,7 @@ def best_of(rounds: list[Figures]) -> Figures:
                        if (v := top([r.prefill_tok_s.get(n) for r in rounds])) is not None},
         batch_tok_s=top([r.batch_tok_s for r in rounds]), decode_ids=first.decode_ids,
         notes=sorted({n for r in rounds for n in r.notes}),
+        stream_gb_s=top([r.stream_gb_s for r in rounds]), token_bytes=first.token_bytes,
     )
 
 
@@ -253,8 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         if result.best and ref_ids:
             result.agreement = agreement(result.best.decode_ids, ref_ids)
     print_table(args, results)
+    limit = reference.best.stream_limit_tok_s if reference and reference.best else None
     data = {"benchmark": "peers", "machine": info, "model": args.model, "folder": str(folder),
-            "settings": settings,
+            "settings": settings, "stream_limit_tok_s": limit,
             "engines": {e: asdict(r) for e, r in results.items()}}
     json_path = C.write_json(args.out / "peers.json", data)
     png = plot(args, results, args.out / "peers.png")
@@ -282,7 +301,14 @@ def print_table(args: argparse.Namespace, results: dict[str, EngineResult]) -> N
         prefill = [_cell(b.prefill_tok_s.get(n)) for n in args.prefill]
         table.add_row(r.engine, b.weights, _cell(b.decode_tok_s), *prefill, _cell(b.batch_tok_s),
                       "" if r.agreement is None else str(r.agreement))
-    Console(width=200).print(table)
+    console = Console(width=200)
+    console.print(table)
+    ref = results.get("cothink")
+    limit = ref.best.stream_limit_tok_s if ref and ref.best else None
+    if limit and ref.best.decode_tok_s:
+        b = ref.best
+        console.print(f"weight-streaming limit: {b.stream_gb_s:.1f} GB/s / {b.token_bytes / 1e6:.1f} MB a "
+                      f"token = {limit:,.1f} tokens/s; cothink's decode {b.decode_tok_s / limit:.2f} of it")
 
 
 def plot(args: argparse.Namespace, results: dict[str, EngineResult], path: Path) -> Path | None:
@@ -375,6 +401,8 @@ def measure(runner: Runner, work: Workload) -> Figures:
         figures.prefill_tok_s[n] = n / runner.prefill(prompt)
     took = runner.batch(work.batch_context, work.batch_seqs, work.batch_new)
     figures.batch_tok_s = None if took is None else work.batch_seqs * work.batch_new / took
+    if isinstance(runner, CothinkRunner):
+        runner.stream_limit(figures)
     return figures
 
 
@@ -390,11 +418,13 @@ class CothinkRunner(Runner):
         from cothink.runtime.engine import Engine
 
         torch.set_num_threads(int(args.threads))
-        quantize = None if args.precision == "bfloat16" else args.precision
-        self.engine = Engine.from_pretrained(args.model, dtype=torch.bfloat16, quantize=quantize,
-                                             kv_tokens=16384)
+        quantize = args.precision if args.precision in ("int4", "int8") else None
+        dtype = torch.float32 if args.precision == "float32" else torch.bfloat16
+        self.engine = Engine.from_pretrained(args.model, dtype=dtype, quantize=quantize, kv_tokens=16384)
         self.weights = {"int4": "4-bit layers (quantized at load), int8 lm_head", "int8": "int8",
-                        "bfloat16": "bfloat16"}[args.precision]
+                        "bfloat16": "bfloat16", "float32": "float32"}[args.precision]
+        self.dense = quantize is None
+        self.precision, self.folder, self.threads = args.precision, folder, int(args.threads)
         source = checkpoint_gguf(folder) if args.precision == "int4" else None
         if source is not None:
             self.weights = f"{source.name}'s 4-bit layers as they are, int8 lm_head"
@@ -405,6 +435,20 @@ class CothinkRunner(Runner):
 
     def _run(self, coro: Any) -> Any:
         return self.loop.run_until_complete(coro)
+
+    def stream_limit(self, figures: Figures) -> None:
+        """Dense precisions: this machine's weight-streaming rate and the bytes a decode token reads."""
+        if not self.dense:
+            return
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        import _common as C
+
+        with torch.device("meta"):  # shapes only
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.folder))
+        figures.token_bytes = C.streamed_weight_bytes(model, self.precision)
+        figures.stream_gb_s = C.on_compute(C.stream_gb_s, self.threads)
 
     def close(self) -> None:
         self._run(self.engine.stop())
@@ -471,7 +515,7 @@ def _model_dir(args: argparse.Namespace, engine: str) -> Path:
 
 
 # llama.cpp's type for the shipped GGUF's weights at each --precision but int4 (the file as shipped)
-LLAMA_CPP_TYPES = {"int8": "Q8_0", "bfloat16": "BF16"}
+LLAMA_CPP_TYPES = {"int8": "Q8_0", "bfloat16": "BF16", "float32": "F32"}
 
 
 def reencoded_gguf(src: Path, out: Path, qtype: str) -> Path:
@@ -495,7 +539,7 @@ def reencoded_gguf(src: Path, out: Path, qtype: str) -> Path:
         kind = gguf.GGUFValueType(key.types[0])
         sub = gguf.GGUFValueType(key.types[-1]) if kind == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(key.name, key.contents(), kind, sub_type=sub)
-    writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{qtype}"])
+    writer.add_file_type(gguf.LlamaFileType["ALL_F32" if qtype == "F32" else f"MOSTLY_{qtype}"])
     for tensor in reader.tensors:
         if tensor.tensor_type == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
@@ -551,7 +595,7 @@ class CTranslate2Runner(Runner):
         import ctranslate2
         from transformers import AutoTokenizer
 
-        quantization = {"int4": "int8", "int8": "int8", "bfloat16": "bfloat16"}[args.precision]
+        quantization = "int8" if args.precision == "int4" else args.precision
         out = _model_dir(args, "ctranslate2")
         if not (out / "model.bin").exists():
             ctranslate2.converters.TransformersConverter(str(folder)).convert(
@@ -609,7 +653,8 @@ class OrtGenAIRunner(Runner):
         self.og, self.np = og, np
         self.model = og.Model(str(out))
         self.weights = f"onnxruntime-genai builder {precision}"
-        self.notes = [] if precision == args.precision else [f"no {args.precision} CPU export: fp32"]
+        exported = args.precision in ("int4", "float32")
+        self.notes = [] if exported else [f"no {args.precision} CPU export: fp32"]
 
     def _generator(self, batch: int, max_length: int) -> Any:
         params = self.og.GeneratorParams(self.model)
@@ -650,7 +695,7 @@ class OpenVinoGenAIRunner(Runner):
         import openvino as ov
         import openvino_genai as ov_genai
 
-        fmt = {"int4": "int4", "int8": "int8", "bfloat16": "fp16"}[args.precision]
+        fmt = {"int4": "int4", "int8": "int8", "bfloat16": "fp16", "float32": "fp32"}[args.precision]
         out = _model_dir(args, "openvino-genai")
         if not (out / "openvino_model.xml").exists():
             if importlib.util.find_spec("optimum") is None:

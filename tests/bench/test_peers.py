@@ -62,11 +62,27 @@ def test_peers_quick_reports_cothink_and_a_missing_engine(peers, tiny_folder, tm
     assert (tmp_path / "peers.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("qtype", ["Q8_0", "BF16"])
+def test_peers_float32_states_the_weight_streaming_limit(peers, tiny_folder, tmp_path):
+    """--precision float32 runs cothink dense in float32 and measures the streaming limit beside it:
+    this machine's read rate over the bytes a decode token reads (every linear, 4 bytes a weight)."""
+    argv = ["--quick", "--model", str(tiny_folder), "--engines", "cothink", "--precision", "float32",
+            "--out", str(tmp_path), "--decode-tokens", "3", "--prefill", "16"]
+    assert peers.main(argv) == 0
+    data = json.loads((tmp_path / "peers.json").read_text())
+    best = data["engines"]["cothink"]["best"]
+    assert best["weights"] == "float32" and best["decode_tok_s"] > 0
+    # 2 layers x (q, k, v, o: 64 x 64, 32 x 64 twice, 64 x 64; gate, up, down 64 x 64) + lm_head 49152 x 64
+    linear = 2 * (64 * 64 * 2 + 32 * 64 * 2 + 3 * 64 * 64) + 49152 * 64
+    assert best["token_bytes"] == 4 * linear
+    assert best["stream_gb_s"] > 0
+    assert data["stream_limit_tok_s"] == pytest.approx(best["stream_gb_s"] * 1e9 / best["token_bytes"])
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "BF16", "F32"])
 def test_reencoded_gguf_keeps_the_metadata_and_the_weights(peers, tmp_path, qtype):
-    """llama.cpp's int8 and bfloat16 files: every quantized tensor re-encoded from its float32
-    dequantization (BF16: exactly the bfloat16 rounding of those values, which cothink loads), float32
-    tensors and the metadata as they were, general.file_type the new type's."""
+    """llama.cpp's int8, bfloat16 and float32 files: every quantized tensor re-encoded from its float32
+    dequantization (BF16: exactly the bfloat16 rounding of those values, which cothink loads; F32: those
+    values), float32 tensors and the metadata as they were, general.file_type the new type's."""
     import gguf
     import numpy as np
     import torch
@@ -88,7 +104,8 @@ def test_reencoded_gguf_keeps_the_metadata_and_the_weights(peers, tmp_path, qtyp
 
     out = peers.reencoded_gguf(src, tmp_path / "made" / f"tiny.{qtype}.gguf", qtype)
     before, after = gguf.GGUFReader(str(src)), gguf.GGUFReader(str(out))
-    assert after.fields["general.file_type"].contents() == gguf.LlamaFileType[f"MOSTLY_{qtype}"]
+    file_type = "ALL_F32" if qtype == "F32" else f"MOSTLY_{qtype}"
+    assert after.fields["general.file_type"].contents() == gguf.LlamaFileType[file_type]
     assert after.fields["tokenizer.ggml.tokens"].contents() == ["a", "b", "c"]
     assert after.fields["llama.block_count"].contents() == 1
     old, new = ({t.name: t for t in r.tensors} for r in (before, after))
@@ -99,7 +116,9 @@ def test_reencoded_gguf_keeps_the_metadata_and_the_weights(peers, tmp_path, qtyp
     assert up.tensor_type == gguf.GGMLQuantizationType[qtype] and tuple(up.shape) == (64, 8)
     dequantized = gguf.quants.dequantize(old["blk.0.ffn_up.weight"].data, gguf.GGMLQuantizationType.Q4_1)
     got = gguf.quants.dequantize(up.data, up.tensor_type)
-    if qtype == "BF16":
+    if qtype == "F32":
+        assert np.array_equal(got, dequantized)
+    elif qtype == "BF16":
         assert np.array_equal(got, torch.from_numpy(dequantized).bfloat16().float().numpy())
     else:
         assert np.abs(got - dequantized).max() <= np.abs(dequantized).max() / 127
