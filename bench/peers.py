@@ -35,7 +35,8 @@ the float32 dequantization of its shipped Q4_1 GGUF):
   onnxruntime-genai  onnxruntime_genai.models.builder of the checkpoint (int4: its int4, block 32;
                    otherwise fp32), intra-op threads set in its genai_config.json
   openvino-genai   optimum-intel's `optimum-cli export openvino` of the checkpoint (int4: asymmetric,
-                   group 32, every layer; int8; bfloat16: fp16; float32: fp32), with its tokenizer
+                   group 32, every layer; int8; bfloat16: fp16; float32: fp32, run in float32: by
+                   default a CPU with bfloat16 arithmetic runs it in bfloat16), with its tokenizer
                    (openvino-tokenizers)
 What each engine ran is recorded with its figures ("weights").
 
@@ -707,8 +708,11 @@ class OpenVinoGenAIRunner(Runner):
                 cmd[-1:-1] = ["--group-size", "32", "--ratio", "1.0"]
             _convert(cmd)
         self.np, self.ov, self.genai = np, ov, ov_genai
-        self.pipe = ov_genai.LLMPipeline(str(out), "CPU", INFERENCE_NUM_THREADS=int(args.threads))
-        self.weights = f"optimum-intel export {fmt}"
+        # a CPU with bfloat16 arithmetic runs an fp32 model in bfloat16 with a float16 KV cache unless told
+        # otherwise (its INFERENCE_PRECISION_HINT, KV_CACHE_PRECISION): the float32 row asks for float32
+        exact = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32"} if fmt == "fp32" else {}
+        self.pipe = ov_genai.LLMPipeline(str(out), "CPU", INFERENCE_NUM_THREADS=int(args.threads), **exact)
+        self.weights = f"optimum-intel export {fmt}" + (", float32 arithmetic and KV cache" if exact else "")
 
     def _run(self, rows: list[list[int]], n: int) -> tuple[Any, float]:
         ids = self.np.array(rows, dtype=self.np.int64)

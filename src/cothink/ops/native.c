@@ -1314,6 +1314,9 @@ static inline __attribute__((always_inline)) void linear_group_wide(const float 
         int64_t e = 0;
         for (; e + 32 <= k; e += 32) {
             __builtin_prefetch(wr + e * size + LINEAR_PREFETCH);
+            /* float32: a step reads two cache lines (one prefetch left every other one to the hardware:
+               SmolLM2 float32 decode 39.6-41.8 -> 48.3-54.3 tokens/s, 2-core Zen 4) */
+            if (wt == WT_F32) __builtin_prefetch(wr + e * size + LINEAR_PREFETCH + 64);
             __m512 w0 = ld16w_wide(wr, e, wt), w1 = ld16w_wide(wr, e + 16, wt);
             for (int64_t i = 0; i < m; i++) {
                 a0[i] = _mm512_fmadd_ps(_mm512_loadu_ps(xf + i * k + e), w0, a0[i]);
