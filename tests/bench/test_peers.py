@@ -134,3 +134,13 @@ def test_no_prompt_starts_another(peers, tiny_folder):
     prompts = [work.warmup, *work.prefill.values(), work.batch_context]
     assert [len(p) for p in prompts] == [2048, 512, 2048, args.batch_context]
     assert len({p[0] for p in prompts}) == len(prompts)  # no two share even their first token
+
+
+def test_best_of_reads_the_limit_beside_the_best_decode(peers):
+    """Each figure is the best over rounds, but the streaming rate is the one measured in the best
+    decode's own process (a VM's read rate moves between processes: a quiet one's does not apply)."""
+    slow = peers.Figures(decode_tok_s=40.0, stream_gb_s=55.0, token_bytes=500, prefill_tok_s={512: 600.0})
+    fast = peers.Figures(decode_tok_s=48.0, stream_gb_s=31.0, token_bytes=500, prefill_tok_s={512: 580.0})
+    best = peers.best_of([slow, fast])
+    assert best.decode_tok_s == 48.0 and best.prefill_tok_s == {512: 600.0}
+    assert best.stream_gb_s == 31.0 and best.stream_limit_tok_s == pytest.approx(31e9 / 500)
