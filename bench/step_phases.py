@@ -3,13 +3,16 @@
 
     python bench/step_phases.py                      # SmolLM2, bfloat16 and float32
     python bench/step_phases.py --dtypes int8 --model qwen35-random
+    python bench/step_phases.py --dtypes int8 --coroutines 32     # 32 coroutines on one context
 
 Per generated token, in ms: on the event-loop thread the scheduler's planning (`schedule`, with
 sampling), `prepare` (the step's geometry), `commit` and `postprocess`; on the compute thread the
 forward pass, split into the fused decoder layers (one C call, where the model takes it), the C
 linears called outside it (the lm_head when the layers are fused; every linear otherwise) and the
 rest (embedding, norms, the torch ops of the per-module path); and what none of these timers saw
-(thread hand-offs, the event loop, the stream's consumer). Each phase's share of the step and the
+(thread hand-offs, the event loop, the stream's consumer). With --coroutines N > 1 the prompt is a
+context block that N coroutines read, each generating --tokens in a block of its own, all in the same
+steps (bench/peers.py's batch workload): the figures are per step. Each phase's share of the step and the
 whole run's tok/s are printed; best of --repeats by total time. The timers wrap module attributes,
 so the script runs on older versions of cothink too (A/B runs of one commit against another).
 Nothing is asserted; the numbers go to step_phases.json in --out.
@@ -43,6 +46,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=None, help="tokens generated per run (default: 64)")
     p.add_argument("--prompt", type=int, default=128, help="prompt tokens before decoding (default: 128)")
     p.add_argument("--repeats", type=int, default=None, help="runs per dtype, best kept (default: 5)")
+    p.add_argument("--coroutines", type=int, default=1,
+                   help="coroutines decoding together over the prompt as a shared context (default: 1)")
     args = p.parse_args(argv)
     args.tokens = args.tokens or (8 if args.quick else 64)
     args.repeats = args.repeats or (2 if args.quick else 5)
@@ -89,22 +94,30 @@ def _timed(fn: Callable[..., Any], phase: str, seconds: dict[str, float]) -> Cal
     return timed
 
 
-async def decode_run(engine: Any, prompt: list[int], n: int) -> tuple[float, dict[str, float]]:
-    """Prefill (not timed), then n greedy tokens: (seconds, seconds per phase)."""
+async def decode_run(
+    engine: Any, prompt: list[int], n: int, coroutines: int = 1
+) -> tuple[float, dict[str, float]]:
+    """Prefill (not timed), then n greedy tokens (each of `coroutines` coroutines over the prompt as a
+    shared context): (seconds, seconds per phase)."""
     block = engine.block("phases")
     await engine.extend(block, token_ids=prompt)
+    own = [engine.block() for _ in range(coroutines)] if coroutines > 1 else []
+    views = [[block, b] for b in own] or [block]
     seconds: dict[str, float] = {}
     with phase_timers(seconds):
         start = time.perf_counter()
-        result = await engine.generate(block, max_tokens=n, stop_at_eos=False).collect()
+        results = await asyncio.gather(*(engine.generate(v, max_tokens=n, stop_at_eos=False).collect()
+                                         for v in views))
         total = time.perf_counter() - start
-    engine.release(block)
-    assert len(result.token_ids) == n
+    for b in [*own, block]:
+        engine.release(b)
+    assert all(len(r.token_ids) == n for r in results)
     return total, seconds
 
 
 def per_token(total: float, seconds: dict[str, float], n: int) -> dict[str, float]:
-    """ms per token of each phase, with the forward's rest and what no timer saw."""
+    """ms per step (one token of each coroutine) of each phase, with the forward's rest and what no
+    timer saw."""
     ms = {phase: 1e3 * seconds.get(phase, 0.0) / n for phase in TIMED}
     ms["forward rest"] = ms["forward"] - ms["layers"] - ms["linears"]
     loop_side = ms["schedule"] + ms["prepare"] + ms["commit"] + ms["postprocess"]
@@ -119,11 +132,11 @@ async def measure_dtype(folder: Path, name: str, args: argparse.Namespace) -> di
     )
     prompt = C.random_tokens(args.prompt, C.vocab_size(folder), torch.Generator().manual_seed(args.seed))
     async with engine:
-        await decode_run(engine, prompt, min(args.tokens, 4))  # warm-up
-        runs = [await decode_run(engine, prompt, args.tokens) for _ in range(args.repeats)]
+        await decode_run(engine, prompt, min(args.tokens, 4), args.coroutines)  # warm-up
+        runs = [await decode_run(engine, prompt, args.tokens, args.coroutines) for _ in range(args.repeats)]
     total, seconds = min(runs, key=lambda run: run[0])
     ms = per_token(total, seconds, args.tokens)
-    return {"dtype": name, "tok_s": 1e3 / ms["total"], "ms_per_token": ms}
+    return {"dtype": name, "tok_s": args.coroutines * 1e3 / ms["total"], "ms_per_token": ms}
 
 
 ROWS = ("schedule", "prepare", "forward", "layers", "linears", "forward rest", "commit", "postprocess",
@@ -133,7 +146,7 @@ ROWS = ("schedule", "prepare", "forward", "layers", "linears", "forward rest", "
 def show(results: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
-    table = Table(title="engine decode step, ms per token (share of the step)")
+    table = Table(title="engine decode step, ms per step (share of the step)")
     table.add_column("phase")
     for res in results:
         table.add_column(f"{res['dtype']} ({res['tok_s']:.1f} tok/s)", justify="right")

@@ -215,6 +215,19 @@ def test_step_phases_quick(tiny_folder, tmp_path, capsys):
     assert ms["forward"] >= ms["layers"] + ms["linears"] and ms["unaccounted"] > 0
 
 
+def test_step_phases_coroutines(tiny_folder, tmp_path):
+    """--coroutines N: N coroutines over the prompt as a shared context decode in the same steps; the
+    phases are per step and tokens/s counts every coroutine's tokens."""
+    bench = _load("step_phases")
+    argv = ["--quick", "--model", str(tiny_folder), "--out", str(tmp_path), "--dtypes", "float32",
+            "--coroutines", "4"]
+    assert bench.main(argv) == 0
+    (res,) = json.loads((tmp_path / "step_phases.json").read_text())["results"]
+    ms = res["ms_per_token"]
+    assert res["tok_s"] == pytest.approx(4 * 1e3 / ms["total"])
+    assert ms["forward"] > 0 and ms["prepare"] > 0
+
+
 @pytest.mark.skipif(not native.available(), reason="cothink's C kernels did not build here")
 def test_decode_attention_quick(tiny_folder, tmp_path, capsys, monkeypatch):
     """Whole decode steps through the fused kernel and through the torch kernels, alternating; the
