@@ -389,6 +389,9 @@ class Runner:
         """Seconds for `seqs` greedy continuations of `context` by `new` tokens each (None: unsupported)."""
         raise NotImplementedError
 
+    def stream_limit(self, figures: Figures) -> None:
+        """Add this machine's weight-streaming limit to `figures` (cothink's dense precisions only)."""
+
     def close(self) -> None:
         """Release what the engine holds (threads, loops)."""
 
@@ -406,8 +409,7 @@ def measure(runner: Runner, work: Workload) -> Figures:
         figures.prefill_tok_s[n] = n / runner.prefill(prompt)
     took = runner.batch(work.batch_context, work.batch_seqs, work.batch_new)
     figures.batch_tok_s = None if took is None else work.batch_seqs * work.batch_new / took
-    if isinstance(runner, CothinkRunner):
-        runner.stream_limit(figures)
+    runner.stream_limit(figures)
     return figures
 
 
