@@ -99,7 +99,10 @@ def test_fused_decode_is_the_per_module_path_to_the_bit(
     int8 = kind[torch.int16 if native.bf16_pairs() else torch.int8]  # int8 in pairs where they run
     # 4-bit pairs (their scales halves: the quantizer's are) for bfloat16 activations where they run
     int4 = native.WT_Q4_HALF if native.bf16_pairs() and dtype == torch.bfloat16 else kind[torch.uint8]
-    storage = {None: kind[dtype], "int8": int8, "int4": int4}[quantize]
+    # float32 in tiles where they run (the last tile of each padded)
+    tiles = dtype == torch.float32 and native.takes_f32_tiles(torch.empty(1, 16))
+    dense = native.WT_F32_TILES if tiles else kind[dtype]
+    storage = {None: dense, "int8": int8, "int4": int4}[quantize]
     assert fused.fused_decode.weights == storage
     modules.fused_decode = None
     before = torch.get_num_threads()

@@ -20,7 +20,7 @@ from cothink.execution.native_modules import (
     use_torch_modules,
 )
 from cothink.execution.step import StepItem, ViewBatch
-from cothink.models.packing import CpuLinear
+from cothink.models.packing import CpuLinear, fused_parts
 from cothink.models.transformer import RMSNorm
 from cothink.observability import chrome_trace
 from cothink.ops import native
@@ -101,6 +101,9 @@ def test_the_native_backend_swaps_its_modules_in_sharing_the_parameters(name):
     assert has_native_modules(model)
     assert isinstance(model.model.norm, NativeRMSNorm) and isinstance(model.lm_head, NativeCpuLinear)
     assert {k: v.data_ptr() for k, v in model.state_dict().items()} == before  # the same tensors
+    # the fused projections' parts (q_proj, gate_proj, ...: views, never called) stay plain, no copy
+    parts = fused_parts(model)
+    assert parts and all(type(part) is CpuLinear for part in parts)
     use_torch_modules(model)  # and back
     assert not has_native_modules(model)
     assert type(model.model.norm) is RMSNorm and type(model.lm_head) is CpuLinear

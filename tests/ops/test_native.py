@@ -279,6 +279,52 @@ def test_bfloat16_pairs_are_the_float32_product_rounded_once(k):
         native.pack_pairs(w[:40])  # not whole tiles
 
 
+@pytest.mark.skipif(not native.f32_tiles(), reason="float32 tiles: CPUs with AVX-512")
+@pytest.mark.parametrize("k", [48, 576])
+def test_float32_tiles_are_the_float32_product(k, torch_threads, monkeypatch):
+    """A float32 weight in tiles (`pack_f32_tiles`: tiles of PAIR_TILE outputs, the last padded with
+    zeros; 70 outputs, two tiles and 6 of a third): row counts below, at and across groups of 8 up to
+    NATIVE_MAX_ROWS, with and without a bias, an input with a row stride: the float32 sum within its
+    summation bound of the float64 product; every row the same to the bit alone as in the batch and on
+    1, 2 or 3 threads; `float_out` the same values. Misfits are refused; COTHINK_F32_TILES=0 (the
+    module's F32_TILES) keeps the plain weight."""
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(70, k, generator=g)
+    b = torch.randn(70, generator=g)
+    tiles = native.pack_f32_tiles(w)
+    assert tiles.shape == (3, k, native.PAIR_TILE) and native.weight_kind(tiles, None) == native.WT_F32_TILES
+    # output o of tile t, input e, at [t, e, o]; the padding zeros
+    assert torch.equal(tiles[1, 5, 3], w[native.PAIR_TILE + 3, 5]) and not tiles[2, :, 6:].any()
+    assert native.linear_fits(tiles, b) and not native.linear_fits(tiles, b.bfloat16())
+    x_all = torch.randn(33, 2 * k, generator=g)[:, :k]  # row stride 2k
+    for rows in (1, 8, 9, 17, 32, 33):
+        x = x_all[:rows]
+        for bias in (None, b):
+            got = native.linear(x, tiles, bias, n=70)
+            ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+            sums = F.linear(x.double().abs(), w.double().abs())  # float32 summation: k 2^-24 of it
+            assert got.dtype == torch.float32 and got.shape == (rows, 70)
+            assert ((got.double() - ref).abs() <= sums * (k + 1) * 2**-24 + 1e-6).all()
+            assert torch.equal(native.linear(x[-1:], tiles, bias, n=70), got[-1:])
+            wide = native.linear(x, tiles, bias, float_out=True, n=70)
+            assert torch.equal(wide, got)
+    batch = native.linear(x_all, tiles, b, n=70)
+    for threads in (1, 2, 3):
+        torch_threads(threads)
+        assert torch.equal(native.linear(x_all, tiles, b, n=70), batch)
+    assert native.linear(x_all, tiles, None).shape == (33, 3 * native.PAIR_TILE)  # n: every tile's outputs
+    for misfit in (dict(n=64), dict(n=97), dict(n=70, bias=b[:64])):  # n within the last tile; a bias of n
+        with pytest.raises(ValueError, match="does not fit"):
+            native.linear(x_all, tiles, misfit.pop("bias", None), **misfit)
+    with pytest.raises(ValueError, match="does not fit"):
+        native.linear(x_all.bfloat16(), tiles, None, n=70)  # tiles take float32 rows only
+    with pytest.raises(ValueError, match="pack_f32_tiles"):
+        native.pack_f32_tiles(w[:, :40])  # K not a multiple of 16
+    assert native.takes_f32_tiles(w) and not native.takes_f32_tiles(w.bfloat16())
+    monkeypatch.setattr(native, "F32_TILES", False)
+    assert not native.takes_f32_tiles(w)
+
+
 def _assert_int8_product(x, weight, q, scale, bias, taken=None) -> None:
     """`native.linear` of `weight` (q itself, or q in pairs) is the int8 product's definition: x rounded
     to bfloat16 (or `taken`, the x the kernel takes), the float32 sum times the scale rounded to

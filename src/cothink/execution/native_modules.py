@@ -14,8 +14,8 @@ products: within float32 rounding, models/quant4.py).
 `use_torch_modules` puts the plain modules back. The eager modules (`fast=False`) are never replaced.
 
 NATIVE_MAX_ROWS: rows up to which the C linear runs a product (and a decode step can take the fused
-decode step, execution/fused_decode.py); an int8 or 4-bit weight in pairs takes any rows
-(PAIRS_8BIT_MAX_ROWS). Measured on a 2-core AMD EPYC Zen 3 with AVX2
+decode step, execution/fused_decode.py); an int8 or 4-bit weight in pairs, and a float32 one in tiles,
+take any rows (EVERY_ROW). Measured on a 2-core AMD EPYC Zen 3 with AVX2
 (`bench/linears.py`): each weight element is read once per 8 rows, bfloat16 widened in registers,
 float32 sums in a fixed order per output (a row's result is the same to the bit in any batch up to
 this size); against `F.linear`, bfloat16 1.1x at one row and 2.0-3.7x at 2-8 rows, float32 1.7x and
@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from cothink.models.config import GDNConfig
-from cothink.models.packing import CpuLinear, PackedLinear
+from cothink.models.packing import CpuLinear, PackedLinear, fused_parts
 from cothink.models.quant4 import Int4Linear
 from cothink.models.quantize import Int8Linear
 from cothink.models.transformer import (
@@ -58,8 +58,9 @@ PACKED_NATIVE_MAX_ROWS = 4
 # An int8 or 4-bit weight in pairs (8-bit activations on VNNI: native.c WT_INT8P, WT_Q4P) takes every
 # product in C, prefill chunks too, with the same 8-bit activations as the decode: 30 SmolLM2 4-bit
 # layers' products at 512 rows 212 ms against 277 for the dequantized weight in oneDNN's bfloat16 GEMM,
-# at 64 rows 30 against 61 (2-core Zen 4).
-PAIRS_8BIT_MAX_ROWS = 1 << 62
+# at 64 rows 30 against 61 (2-core Zen 4). So does a float32 weight in tiles (native.c WT_F32T: a GEMM
+# tile): SmolLM2's linears at 64 / 512 rows 95 / 761 ms against 174 / 970 for `F.linear` (MKL's sgemm).
+EVERY_ROW = 1 << 62
 
 
 class NativeRMSNorm(RMSNorm):
@@ -212,14 +213,23 @@ class NativeLinear:
 
 
 class NativeCpuLinear(NativeLinear, CpuLinear):
-    """CpuLinear with its products of up to NATIVE_MAX_ROWS rows in the C kernel."""
+    """CpuLinear with its products of up to NATIVE_MAX_ROWS rows in the C kernel. A float32 weight that
+    `native.takes_f32_tiles` (AVX-512, unless COTHINK_F32_TILES=0) keeps a copy in tiles that takes every
+    product (`native.pack_f32_tiles`, EVERY_ROW: a GEMM tile, ~1.9x the plain layout's C products at 8-32
+    rows, level at one, 1.3-1.8x MKL's at 64-512), the plain weight staying for the torch path's inputs
+    (another dtype, strided rows) and the parameter: the linears' memory twice."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight, bias)
-        self._fit_native(self._w.dtype)
+        self._tiles = native.pack_f32_tiles(self._w) if native.takes_f32_tiles(self._w) else None
+        self._fit_native(self._w.dtype, NATIVE_MAX_ROWS if self._tiles is None else EVERY_ROW)
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        return self._w, None, self._b
+        return self._w if self._tiles is None else self._tiles, None, self._b
+
+    def _native(self, rows: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        w, _, b = self.operands()
+        return native.linear(rows, w, b, float_out=float_out, n=self.out_features)  # (tiles padded to 32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._native_rows_of(x)
@@ -281,7 +291,7 @@ class NativeInt8Linear(NativeLinear, Int8Linear):
         bias_dtype = None if self.bias is None else self.bias.dtype  # C reads the bias in x's dtype
         if native.takes_pairs(self.weight_int8):
             self._pairs = native.pack_pairs(self.weight_int8)
-            self._fit_native(bias_dtype, PAIRS_8BIT_MAX_ROWS)
+            self._fit_native(bias_dtype, EVERY_ROW)
         else:
             self._fit_native(bias_dtype)
 
@@ -325,7 +335,7 @@ class NativeInt4Linear(NativeLinear, Int4Linear):
         if activations == torch.bfloat16 and native.takes_pairs(self.weight_packed) and (
                 self.bias is None or self.bias.dtype == torch.bfloat16):
             self._pairs = native.pack_q4_pairs(self.weight_packed, self.weight_scale, half_scales)
-            self._fit_native(torch.bfloat16, PAIRS_8BIT_MAX_ROWS)
+            self._fit_native(torch.bfloat16, EVERY_ROW)
         else:  # the C kernel reads the bias in x's dtype
             self._fit_native(None if self.bias is None else self.bias.dtype)
 
@@ -390,7 +400,9 @@ def use_native_modules(model: CausalLM) -> None:
         makers[Int4Linear] = lambda lin: NativeInt4Linear.of(lin, dtype, half)
         if native.use_bf16_decode():  # oneDNN's bfloat16 products: the C kernel's for decode-sized steps too
             makers[PackedLinear] = NativePackedLinear.of
-        _replace(model, makers)
+        # the fused projections' parts stay plain: never called, and a native copy of their weight
+        # (float32 tiles) would be memory for nothing
+        _replace(model, makers, keep={id(part) for part in fused_parts(model)})
 
 
 def use_torch_modules(model: CausalLM) -> None:
@@ -404,9 +416,11 @@ def has_native_modules(model: nn.Module) -> bool:
     return any(type(m) in (*_NATIVE.values(), NativePackedLinear) for m in model.modules())
 
 
-def _replace(model: nn.Module, makers: dict[type[nn.Module], Callable[[nn.Module], nn.Module]]) -> None:
+def _replace(model: nn.Module, makers: dict[type[nn.Module], Callable[[nn.Module], nn.Module]],
+             keep: frozenset[int] | set[int] = frozenset()) -> None:
+    """Each module of a type in `makers` replaced by make(module), but those whose id is in `keep`."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             make = makers.get(type(child))
-            if make is not None:
+            if make is not None and id(child) not in keep:
                 setattr(parent, name, make(child))

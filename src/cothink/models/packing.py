@@ -201,6 +201,14 @@ _FUSED_PARTS = {
 LinearFactory = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
 
 
+def fused_parts(model: nn.Module) -> list[nn.Module]:
+    """The HF-named parts of every fused projection still held (views of its weight that the fused
+    forward does not call)."""
+    return [part for module in model.modules() for fused, names in _FUSED_PARTS.items()
+            if getattr(module, fused, None) is not None for name in names
+            if (part := getattr(module, name, None)) is not None]
+
+
 def drop_fused_parts(model: nn.Module) -> None:
     """Set the HF-named parts of every fused projection to None (the fused forward does not use
     them; they are views that would keep the dense fused weight alive)."""

@@ -31,7 +31,7 @@
 
 /* The version of this library's interface (the ct_* signatures and the tables they read), raised with
  * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
-#define CT_ABI_VERSION 12
+#define CT_ABI_VERSION 13
 
 int ct_abi_version(void) { return CT_ABI_VERSION; }
 
@@ -1142,13 +1142,17 @@ void ct_decode_attention(const void *q, int64_t qs, int64_t qh, int64_t hq, int6
 /* Weight storage of ct_linear: the model dtype (x's: float32 or bfloat16), int8 with a bfloat16
  * scale per output row (weight-only quantization, models/quantize.py), 4-bit groups (WT_Q4, below;
  * models/quant4.py), or in pairs (where the CPU has AVX-512 BF16, below): bfloat16 (WT_BF16P), int8
- * (WT_INT8P) or 4-bit (WT_Q4P, or WT_Q4PH: the same with half-precision scales and offsets). */
-enum { WT_F32 = 0, WT_BF16 = 1, WT_INT8 = 2, WT_Q4 = 3, WT_BF16P = 4, WT_INT8P = 5, WT_Q4P = 6, WT_Q4PH = 7 };
+ * (WT_INT8P) or 4-bit (WT_Q4P, or WT_Q4PH: the same with half-precision scales and offsets); or float32
+ * in tiles (WT_F32T, where the CPU has AVX-512, below). */
+enum { WT_F32 = 0, WT_BF16 = 1, WT_INT8 = 2, WT_Q4 = 3, WT_BF16P = 4, WT_INT8P = 5, WT_Q4P = 6, WT_Q4PH = 7,
+       WT_F32T = 8 };
 #define WT_Q4_PAIRS(wt) ((wt) == WT_Q4P || (wt) == WT_Q4PH)
+/* Outputs of a tile of the tiled layouts (WT_F32T, WT_BF16P, WT_INT8P, WT_Q4P(H)): two 16-lane vectors */
+#define PAIR_TILE 32
 
-/* bytes of one weight row of k elements (WT_BF16P, WT_INT8P, WT_Q4P(H): of PAIR_TILE rows, per row) */
+/* bytes of one weight row of k elements (the tiled layouts: of PAIR_TILE rows, per row) */
 static inline int64_t weight_row_bytes(int wt, int64_t k) {
-    return wt == WT_F32 ? 4 * k
+    return wt == WT_F32 || wt == WT_F32T ? 4 * k
          : (wt == WT_BF16 || wt == WT_BF16P ? 2 * k : (wt == WT_INT8 || wt == WT_INT8P ? k : k / 2));
 }
 
@@ -1332,6 +1336,69 @@ static inline __attribute__((always_inline)) void linear_group_wide(const float 
     }
 }
 
+/* WT_F32T: float32 weights [n, k] in tiles of PAIR_TILE outputs, tile t = outputs PAIR_TILE t ..
+ * PAIR_TILE (t + 1) - 1 as [k][PAIR_TILE] (native.py `pack_f32_tiles`). Per input e the tile's weights
+ * are two vectors and x[i][e] a broadcast: two fused multiply-adds per row into 2 x LINEAR_GROUP
+ * accumulators, a GEMM tile with no horizontal sums, where linear_group_wide loads an input vector for
+ * every multiply-add and folds 16 lanes per output and row. Each output's sum runs over e = 0 .. k-1 in
+ * order (one chain of multiply-adds): a row's result is the same whatever the other rows and threads,
+ * within float32 rounding of linear_group_wide's (a different order). Measured on a 2-core Zen 4 over 30
+ * SmolLM2 layers' products and the lm_head (bench/linears.py, ms per pass of m rows, tiles /
+ * linear_group_wide): m = 1 14.8 / 16.9, 8 20.1 / 38.0, 32 52.5 / 102.9; m = 512 761 against MKL's sgemm
+ * 970 (docs/benchmarks.md). Prefetching the next tile during the row groups after the first measured
+ * within noise. */
+static inline __attribute__((always_inline)) void f32_tile(const float *wt, const float *x, int64_t k,
+                                                            const float *bias, float *y, int64_t ys,
+                                                            const int nr, __mmask16 m0, __mmask16 m1) {
+    __m512 a0[LINEAR_GROUP], a1[LINEAR_GROUP];
+    for (int i = 0; i < nr; i++) a0[i] = a1[i] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < k; e++) {
+        const float *b = wt + e * PAIR_TILE;
+        __builtin_prefetch((const char *)b + LINEAR_PREFETCH);
+        __builtin_prefetch((const char *)b + LINEAR_PREFETCH + 64);
+        __m512 w0 = _mm512_loadu_ps(b), w1 = _mm512_loadu_ps(b + 16);
+        for (int i = 0; i < nr; i++) {
+            __m512 xb = _mm512_set1_ps(x[i * k + e]);
+            a0[i] = _mm512_fmadd_ps(w0, xb, a0[i]);
+            a1[i] = _mm512_fmadd_ps(w1, xb, a1[i]);
+        }
+    }
+    /* the bias after the sum, as linear_out adds it; a last tile's outputs past n are neither read nor written */
+    __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
+    __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+    for (int i = 0; i < nr; i++) {
+        _mm512_mask_storeu_ps(y + i * ys, m0, bias ? _mm512_add_ps(a0[i], b0) : a0[i]);
+        _mm512_mask_storeu_ps(y + i * ys + 16, m1, bias ? _mm512_add_ps(a1[i], b1) : a1[i]);
+    }
+}
+
+/* WT_F32T weight rows begin .. end-1 (begin at a tile's start; end at one's, or n inside the last, padded
+ * tile) for every group of LINEAR_GROUP rows of float32 x: a tile is read from memory once, the groups
+ * after the first find it in cache */
+static void linear_rows_f32_tiles(const float *x, const float *w, const float *bias, float *y, int64_t ys,
+                                  int64_t m, int64_t k, int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; r += PAIR_TILE) {
+        const float *wt = w + r * k, *b = bias ? bias + r : NULL;
+        int64_t width = end - r < PAIR_TILE ? end - r : PAIR_TILE;
+        __mmask16 m0 = width >= 16 ? 0xffff : (__mmask16)((1u << width) - 1);
+        __mmask16 m1 = width <= 16 ? 0 : width == PAIR_TILE ? 0xffff : (__mmask16)((1u << (width - 16)) - 1);
+        for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
+            const float *xi = x + i0 * k;
+            float *yi = y + i0 * ys + r;
+            switch (m - i0 < LINEAR_GROUP ? m - i0 : LINEAR_GROUP) {
+            case 8: f32_tile(wt, xi, k, b, yi, ys, 8, m0, m1); break;
+            case 7: f32_tile(wt, xi, k, b, yi, ys, 7, m0, m1); break;
+            case 6: f32_tile(wt, xi, k, b, yi, ys, 6, m0, m1); break;
+            case 5: f32_tile(wt, xi, k, b, yi, ys, 5, m0, m1); break;
+            case 4: f32_tile(wt, xi, k, b, yi, ys, 4, m0, m1); break;
+            case 3: f32_tile(wt, xi, k, b, yi, ys, 3, m0, m1); break;
+            case 2: f32_tile(wt, xi, k, b, yi, ys, 2, m0, m1); break;
+            case 1: f32_tile(wt, xi, k, b, yi, ys, 1, m0, m1); break;
+            }
+        }
+    }
+}
+
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) /* (every CPU with the first has the second) */
 #define LINEAR_BF16_PAIRS 1
 /* 32 bfloat16 from p (n < 32: the first n, zeros after) */
@@ -1382,7 +1449,6 @@ static inline __attribute__((always_inline)) void linear_group_bf16(const bf16 *
  * Zen 4 over 30 SmolLM2 layers' products (ms per step of m rows; this / linear_group_bf16 / oneDNN):
  * m = 1 8.6 / 10.3 / 10.4, 8 7.5 / 18.0 / 10.6, 32 19.9 / 44.2 / 22.1. Each output's lane sums its
  * pairs p = 0 .. k/2 - 1 in order: a row's result is the same whatever the other rows. */
-#define PAIR_TILE 32
 /* 16 float32 rounded to bfloat16 as to_bf16 rounds each (nearest even, NaN quiet), as the bit patterns of
  * the bfloat16 values widened back to float32 */
 static inline __m512i round_bf16x16(__m512 v) {
@@ -1940,6 +2006,9 @@ int ct_linear_tiles(void) {
    AMX tiles (which need the pairs' build) */
 int ct_linear_bf16_dot(void) { return LINEAR_BF16_PAIRS; }
 
+/* Whether ct_linear takes float32 weights in tiles (WT_F32T): AVX-512 */
+int ct_linear_f32_tiles(void) { return LINEAR_WIDE; }
+
 #if LINEAR_BF16_PAIRS
 #define LINEAR_CASE_BF16(M) linear_group_bf16((const bf16 *)xf, w, bias, y, j->ys, M, n, k, j->y_f32)
 #else
@@ -1983,6 +2052,12 @@ typedef struct {
  * weight rows are read from memory once, the groups after the first find them in cache. */
 static void linear_rows(void *ctx, int64_t begin, int64_t end) {
     const LinearJob *j = ctx;
+#if LINEAR_WIDE
+    if (j->wt == WT_F32T) {
+        linear_rows_f32_tiles(j->x, j->w, j->bias, j->y, j->ys, j->m, j->k, begin, end);
+        return;
+    }
+#endif
 #if LINEAR_BF16_PAIRS
     if (j->wt == WT_BF16P || j->wt == WT_INT8P || WT_Q4_PAIRS(j->wt)) { /* whole tiles of PAIR_TILE outputs */
         linear_rows_pairs(j->x, j->xsum, j->xq, j->xd, j->xc, j->w, j->wt, j->scale, j->bias, j->y, j->ys, j->m,

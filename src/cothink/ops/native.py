@@ -51,19 +51,23 @@ REQUIRED = os.environ.get("COTHINK_REQUIRE_NATIVE", "0") == "1"
 # beside oneDNN's packed weights for wider steps (a second copy of every bfloat16 linear's weight);
 # COTHINK_BF16_DECODE=0 keeps them on oneDNN (execution/native_modules.py)
 BF16_DECODE = os.environ.get("COTHINK_BF16_DECODE", "1") != "0"
+# float32 linears keep a copy of their weight in tiles for the C kernel's products (`takes_f32_tiles`);
+# COTHINK_F32_TILES=0 keeps one copy, the C kernel then reading the plain weight
+F32_TILES = os.environ.get("COTHINK_F32_TILES", "1") != "0"
 # int8 and 4-bit weights in pairs take the activations as 8-bit codes (models/quantize.py);
 # COTHINK_8BIT_ACTIVATIONS=0 keeps those layers on the plain kernels' bfloat16 activations (`takes_pairs`)
 ACTIVATIONS_8BIT = os.environ.get("COTHINK_8BIT_ACTIVATIONS", "1") != "0"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 12
+ABI_VERSION = 13
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales,
 # 4-bit groups packed two to a byte (uint8, models/quant4.py) with a scale and offset per group, and
 # bfloat16 or int8 in pairs (int32 or int16, `pack_pairs`), 4-bit in pairs (uint16, `pack_q4_pairs`;
-# with half-precision scales, WT_Q4_HALF: `weight_kind`)
+# with half-precision scales, WT_Q4_HALF: `weight_kind`); float32 in tiles (3-D, `pack_f32_tiles`)
 WEIGHT_TYPES = {**DTYPES, torch.int8: 2, torch.uint8: 3, torch.int32: 4, torch.int16: 5, torch.uint16: 6}
 WT_Q4_HALF = 7
+WT_F32_TILES = 8
 # a weight's dtype -> the dtype of its pairs (`pack_pairs`)
 PAIRS_OF = {torch.bfloat16: torch.int32, torch.int8: torch.int16}
 # weights per 4-bit group (Q4_GROUP in native.c)
@@ -93,6 +97,7 @@ _SIGNATURES = {
     "ct_helper_grains": [],
     "ct_linear_tiles": [],
     "ct_linear_bf16_dot": [],
+    "ct_linear_f32_tiles": [],
     "ct_prefill_attention": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int, _F, _P, _P, _I],
     "ct_prefill_attention_built": [],
     "ct_layout": [ctypes.POINTER(_I)],
@@ -289,6 +294,7 @@ def _load() -> tuple[ctypes.CDLL | None, KernelStatus]:
     lib.ct_helper_grains.restype = ctypes.c_int64
     lib.ct_linear_tiles.restype = ctypes.c_int
     lib.ct_linear_bf16_dot.restype = ctypes.c_int
+    lib.ct_linear_f32_tiles.restype = ctypes.c_int
     lib.ct_prefill_attention_built.restype = ctypes.c_int
     drift = layout_mismatches(lib)
     if drift:  # a field added, moved or retyped on one side only: never call the library
@@ -372,6 +378,32 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     return tiles.view(PAIRS_OF[weight.dtype]).reshape(n, k // 2)
 
 
+def f32_tiles() -> bool:
+    """Whether `linear` takes float32 weights in tiles (`pack_f32_tiles`): the library built with AVX-512."""
+    return available() and bool(_library().ct_linear_f32_tiles())
+
+
+def takes_f32_tiles(weight: torch.Tensor) -> bool:
+    """Whether `linear` runs this weight in tiles here: `f32_tiles`, unless COTHINK_F32_TILES=0, and a
+    float32 [N, K] weight with K a multiple of 16."""
+    return (F32_TILES and f32_tiles() and weight.dtype == torch.float32 and weight.dim() == 2
+            and weight.shape[1] % 16 == 0)
+
+
+def pack_f32_tiles(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 weight [N, K] (K a multiple of 16) as `linear` reads it in tiles: [ceil(N / PAIR_TILE),
+    K, PAIR_TILE], tile t holding outputs PAIR_TILE t .. PAIR_TILE (t + 1) - 1 along its last dim, the
+    last tile padded with zeros (native.c WT_F32T: per input, the tile's outputs along the vector lanes;
+    each output's sum over K in order). `linear` then takes the weight's N as `n`. Measured on a 2-core
+    AMD EPYC Zen 4 against the plain layout's C kernel: docs/benchmarks.md."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or weight.shape[1] % 16:
+        raise ValueError(f"pack_f32_tiles: a float32 [N, K] weight with K % 16 == 0, "
+                         f"not {tuple(weight.shape)} {weight.dtype}")
+    n, k = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, -n % PAIR_TILE))
+    return padded.reshape(-1, PAIR_TILE, k).transpose(1, 2).contiguous()
+
+
 def halves_exact(scale: torch.Tensor) -> bool:
     """Whether every value of a float32 tensor is an IEEE half exactly (4-bit scales and offsets that
     `pack_q4_pairs` may store as halves: GGUF's Q4_0 and Q4_1, models/quant4.py's quantizer)."""
@@ -413,6 +445,8 @@ def weight_kind(weight: torch.Tensor, scale: torch.Tensor | None) -> int:
     """The storage kind the C kernels read a weight and its scale as (WT_* in native.c)."""
     if weight.dtype == torch.uint16 and scale is not None and scale.dtype == torch.float16:
         return WT_Q4_HALF
+    if weight.dtype == torch.float32 and weight.dim() == 3:
+        return WT_F32_TILES
     return WEIGHT_TYPES[weight.dtype]
 
 
@@ -625,7 +659,7 @@ def prefill_attention(
 
 def linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, scale: torch.Tensor | None = None,
-    float_out: bool = False,
+    float_out: bool = False, n: int | None = None,
 ) -> torch.Tensor:
     """x W^T (+ b) for 2-D x [M, K] and a contiguous weight [N, K], K a multiple of 16 (`linear_fits`):
     a few rows at a time over the weight, bound by reading it once per 8 rows. The weight is of x's
@@ -640,13 +674,21 @@ def linear(
     A 4-bit weight in pairs (uint16 [N, K / 4] with its float32 or float16 scales from `pack_q4_pairs`, x
     bfloat16, where `bf16_pairs`): x taken as 8-bit codes per group of 32 (models/quantize.py
     `quantize_activations`, to the bit), the 4-bit product above within that bound plus
-    models/quantize.py `activation_bound` (either scales, the same results).
+    models/quantize.py `activation_bound` (either scales, the same results). A float32 weight in tiles
+    ([ceil(N / 32), K, 32] from `pack_f32_tiles`, x float32, where `f32_tiles`; `n` its N, by default
+    every output of its tiles): each output's sum in another fixed order, within float32 rounding of the
+    plain weight's.
     `float_out`: the result as float32, equal to `linear(...).float()` without the widening pass."""
     m, k = x.shape
-    n = weight.shape[0]
+    tiled = weight.dim() == 3  # float32 in tiles
+    n_stored = weight.shape[0] * PAIR_TILE if tiled else weight.shape[0]
+    n = n_stored if n is None else n
     # weights per stored element
     packed = {torch.uint16: 4, torch.uint8: 2, **dict.fromkeys(PAIRS_OF.values(), 2)}.get(weight.dtype, 1)
-    if weight.dtype == torch.uint16:
+    if tiled:
+        kind_fits = (scale is None and x.dtype == weight.dtype == torch.float32
+                     and weight.shape[2] == PAIR_TILE and f32_tiles())
+    elif weight.dtype == torch.uint16:
         tiles = (n // PAIR_TILE, k // Q4_GROUP, 2, PAIR_TILE)
         kind_fits = (scale is not None and scale.dtype in (torch.float32, torch.float16)
                      and scale.shape == tiles and x.dtype == torch.bfloat16 and n % PAIR_TILE == 0
@@ -664,8 +706,9 @@ def linear(
     else:
         kind_fits = scale is None and weight.dtype == x.dtype
     # C reads k columns, the scales and the bias in x's dtype blindly
-    bias_fits = bias is None or bias.dtype == x.dtype
-    if not (kind_fits and bias_fits) or k != weight.shape[1] * packed or x.stride(1) != 1:
+    bias_fits = bias is None or (bias.dtype == x.dtype and bias.shape == (n,))
+    n_fits = n_stored - PAIR_TILE < n <= n_stored if tiled else n == n_stored  # (only tiles are padded)
+    if not (kind_fits and bias_fits and n_fits) or k != weight.shape[1] * packed or x.stride(1) != 1:
         raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype} does not fit weight {tuple(weight.shape)} "
                          f"{weight.dtype} (or its rows are not contiguous, or its scale or bias)")
     y = torch.empty((m, n), dtype=torch.float32 if float_out else x.dtype)
@@ -683,7 +726,13 @@ def linear_fits(weight: torch.Tensor, bias: torch.Tensor | None, scale: torch.Te
     contiguous float32 group scales and offsets [N, K / 32, 2] (the bias then of a kernel dtype), or a
     weight in pairs (`pack_pairs`, where `bf16_pairs`): bfloat16 (int32; the bias bfloat16) or int8
     (int16, with its scale as for int8) or 4-bit (uint16 with its float32 or float16 scales,
-    `pack_q4_pairs`; the bias bfloat16)."""
+    `pack_q4_pairs`; the bias bfloat16), or float32 in tiles (`pack_f32_tiles`, where `f32_tiles`)."""
+    if weight.dim() == 3:
+        return (
+            weight.device.type == "cpu" and f32_tiles() and weight.dtype == torch.float32
+            and weight.is_contiguous() and weight.shape[2] == PAIR_TILE and weight.shape[1] % 16 == 0
+            and scale is None and (bias is None or (bias.is_contiguous() and bias.dtype == torch.float32))
+        )
     if weight.dtype == torch.uint16:
         n, k = weight.shape[0], 4 * weight.shape[1] if weight.dim() == 2 else 0
         return (
