@@ -283,8 +283,8 @@ def test_bfloat16_pairs_are_the_float32_product_rounded_once(k):
 @pytest.mark.parametrize("k", [48, 576])
 def test_float32_tiles_are_the_float32_product(k, torch_threads, monkeypatch):
     """A float32 weight in tiles (`pack_f32_tiles`: tiles of PAIR_TILE outputs, the last padded with
-    zeros; 70 outputs, two tiles and 6 of a third): row counts below, at and across groups of 8 up to
-    NATIVE_MAX_ROWS, with and without a bias, an input with a row stride: the float32 sum within its
+    zeros; 70 outputs, two tiles and 6 of a third): row counts below, at and across the kernel's groups
+    of 12 up to past NATIVE_MAX_ROWS, with and without a bias, an input with a row stride: the float32 sum within its
     summation bound of the float64 product; every row the same to the bit alone as in the batch and on
     1, 2 or 3 threads; `float_out` the same values. Misfits are refused; COTHINK_F32_TILES=0 (the
     module's F32_TILES) keeps the plain weight."""
@@ -297,7 +297,7 @@ def test_float32_tiles_are_the_float32_product(k, torch_threads, monkeypatch):
     assert torch.equal(tiles[1, 5, 3], w[native.PAIR_TILE + 3, 5]) and not tiles[2, :, 6:].any()
     assert native.linear_fits(tiles, b) and not native.linear_fits(tiles, b.bfloat16())
     x_all = torch.randn(33, 2 * k, generator=g)[:, :k]  # row stride 2k
-    for rows in (1, 8, 9, 17, 32, 33):
+    for rows in (1, 8, 11, 12, 13, 25, 32, 33):
         x = x_all[:rows]
         for bias in (None, b):
             got = native.linear(x, tiles, bias, n=70)

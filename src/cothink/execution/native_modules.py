@@ -59,7 +59,8 @@ PACKED_NATIVE_MAX_ROWS = 4
 # product in C, prefill chunks too, with the same 8-bit activations as the decode: 30 SmolLM2 4-bit
 # layers' products at 512 rows 212 ms against 277 for the dequantized weight in oneDNN's bfloat16 GEMM,
 # at 64 rows 30 against 61 (2-core Zen 4). So does a float32 weight in tiles (native.c WT_F32T: a GEMM
-# tile): SmolLM2's linears at 64 / 512 rows 95 / 761 ms against 174 / 970 for `F.linear` (MKL's sgemm).
+# tile): SmolLM2's linears at 64 / 512 rows 86.5 / 689.0 ms against 135.1 / 773.1 for `F.linear`
+# (MKL's sgemm).
 EVERY_ROW = 1 << 62
 
 
@@ -215,8 +216,8 @@ class NativeLinear:
 class NativeCpuLinear(NativeLinear, CpuLinear):
     """CpuLinear with its products of up to NATIVE_MAX_ROWS rows in the C kernel. A float32 weight that
     `native.takes_f32_tiles` (AVX-512, unless COTHINK_F32_TILES=0) keeps a copy in tiles that takes every
-    product (`native.pack_f32_tiles`, EVERY_ROW: a GEMM tile, ~1.9x the plain layout's C products at 8-32
-    rows, level at one, 1.3-1.8x MKL's at 64-512), the plain weight staying for the torch path's inputs
+    product (`native.pack_f32_tiles`, EVERY_ROW: a GEMM tile, 1.8-1.9x the plain layout's C products at 8-32
+    rows, level at one, 1.1-1.7x MKL's at 64-512), the plain weight staying for the torch path's inputs
     (another dtype, strided rows) and the parameter: the linears' memory twice."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):

@@ -1336,21 +1336,24 @@ static inline __attribute__((always_inline)) void linear_group_wide(const float 
     }
 }
 
+/* Rows of x one pass over a WT_F32T tile takes (f32_tile) */
+#define F32_TILE_ROWS 12
 /* WT_F32T: float32 weights [n, k] in tiles of PAIR_TILE outputs, tile t = outputs PAIR_TILE t ..
  * PAIR_TILE (t + 1) - 1 as [k][PAIR_TILE] (native.py `pack_f32_tiles`). Per input e the tile's weights
- * are two vectors and x[i][e] a broadcast: two fused multiply-adds per row into 2 x LINEAR_GROUP
- * accumulators, a GEMM tile with no horizontal sums, where linear_group_wide loads an input vector for
+ * are two vectors and x[i][e] a broadcast: two fused multiply-adds per row into 2 x F32_TILE_ROWS
+ * accumulators (24 of the 32 vector registers), a GEMM tile with no horizontal sums, where linear_group_wide loads an input vector for
  * every multiply-add and folds 16 lanes per output and row. Each output's sum runs over e = 0 .. k-1 in
  * order (one chain of multiply-adds): a row's result is the same whatever the other rows and threads,
  * within float32 rounding of linear_group_wide's (a different order). Measured on a 2-core Zen 4 over 30
  * SmolLM2 layers' products and the lm_head (bench/linears.py, ms per pass of m rows, tiles /
- * linear_group_wide): m = 1 14.8 / 16.9, 8 20.1 / 38.0, 32 52.5 / 102.9; m = 512 761 against MKL's sgemm
- * 970 (docs/benchmarks.md). Prefetching the next tile during the row groups after the first measured
- * within noise. */
+ * linear_group_wide): m = 1 19.7 / 20.1, 8 19.8 / 36.3, 32 51.3 / 96.8; m = 512 689 against MKL's sgemm
+ * 773 (docs/benchmarks.md). 12 rows a group rather than 8: 32 rows ~7% faster (three passes over the
+ * tile, not four). Prefetching the next tile during the row groups after the first measured within
+ * noise. */
 static inline __attribute__((always_inline)) void f32_tile(const float *wt, const float *x, int64_t k,
                                                             const float *bias, float *y, int64_t ys,
                                                             const int nr, __mmask16 m0, __mmask16 m1) {
-    __m512 a0[LINEAR_GROUP], a1[LINEAR_GROUP];
+    __m512 a0[F32_TILE_ROWS], a1[F32_TILE_ROWS];
     for (int i = 0; i < nr; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     for (int64_t e = 0; e < k; e++) {
         const float *b = wt + e * PAIR_TILE;
@@ -1373,7 +1376,7 @@ static inline __attribute__((always_inline)) void f32_tile(const float *wt, cons
 }
 
 /* WT_F32T weight rows begin .. end-1 (begin at a tile's start; end at one's, or n inside the last, padded
- * tile) for every group of LINEAR_GROUP rows of float32 x: a tile is read from memory once, the groups
+ * tile) for every group of F32_TILE_ROWS rows of float32 x: a tile is read from memory once, the groups
  * after the first find it in cache */
 static void linear_rows_f32_tiles(const float *x, const float *w, const float *bias, float *y, int64_t ys,
                                   int64_t m, int64_t k, int64_t begin, int64_t end) {
@@ -1382,10 +1385,14 @@ static void linear_rows_f32_tiles(const float *x, const float *w, const float *b
         int64_t width = end - r < PAIR_TILE ? end - r : PAIR_TILE;
         __mmask16 m0 = width >= 16 ? 0xffff : (__mmask16)((1u << width) - 1);
         __mmask16 m1 = width <= 16 ? 0 : width == PAIR_TILE ? 0xffff : (__mmask16)((1u << (width - 16)) - 1);
-        for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
+        for (int64_t i0 = 0; i0 < m; i0 += F32_TILE_ROWS) {
             const float *xi = x + i0 * k;
             float *yi = y + i0 * ys + r;
-            switch (m - i0 < LINEAR_GROUP ? m - i0 : LINEAR_GROUP) {
+            switch (m - i0 < F32_TILE_ROWS ? m - i0 : F32_TILE_ROWS) {
+            case 12: f32_tile(wt, xi, k, b, yi, ys, 12, m0, m1); break;
+            case 11: f32_tile(wt, xi, k, b, yi, ys, 11, m0, m1); break;
+            case 10: f32_tile(wt, xi, k, b, yi, ys, 10, m0, m1); break;
+            case 9: f32_tile(wt, xi, k, b, yi, ys, 9, m0, m1); break;
             case 8: f32_tile(wt, xi, k, b, yi, ys, 8, m0, m1); break;
             case 7: f32_tile(wt, xi, k, b, yi, ys, 7, m0, m1); break;
             case 6: f32_tile(wt, xi, k, b, yi, ys, 6, m0, m1); break;
