@@ -284,10 +284,10 @@ def test_bfloat16_pairs_are_the_float32_product_rounded_once(k):
 def test_float32_tiles_are_the_float32_product(k, torch_threads, monkeypatch):
     """A float32 weight in tiles (`pack_f32_tiles`: tiles of PAIR_TILE outputs, the last padded with
     zeros; 70 outputs, two tiles and 6 of a third): row counts below, at and across the kernel's groups
-    of 12 up to past NATIVE_MAX_ROWS, with and without a bias, an input with a row stride: the float32 sum within its
-    summation bound of the float64 product; every row the same to the bit alone as in the batch and on
-    1, 2 or 3 threads; `float_out` the same values. Misfits are refused; COTHINK_F32_TILES=0 (the
-    module's F32_TILES) keeps the plain weight."""
+    of 12 up to past NATIVE_MAX_ROWS, with and without a bias, an input with a row stride: the float32
+    sum within its summation bound of the float64 product; every row the same to the bit alone as in
+    the batch and on 1, 2 or 3 threads; `float_out` the same values. Misfits are refused;
+    COTHINK_F32_TILES=0 (the module's F32_TILES) keeps the plain weight."""
     g = torch.Generator().manual_seed(8)
     w = torch.randn(70, k, generator=g)
     b = torch.randn(70, generator=g)
