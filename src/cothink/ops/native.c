@@ -1149,6 +1149,12 @@ enum { WT_F32 = 0, WT_BF16 = 1, WT_INT8 = 2, WT_Q4 = 3, WT_BF16P = 4, WT_INT8P =
 #define WT_Q4_PAIRS(wt) ((wt) == WT_Q4P || (wt) == WT_Q4PH)
 /* Outputs of a tile of the tiled layouts (WT_F32T, WT_BF16P, WT_INT8P, WT_Q4P(H)): two 16-lane vectors */
 #define PAIR_TILE 32
+/* Rows of x one pass over a WT_F32T or WT_BF16P tile takes (f32_tile, pairs_tile): 24 accumulators of the
+ * 32 vector registers. Against 8 rows (LINEAR_GROUP) on a 2-core Zen 4, SmolLM2's products
+ * (bench/linears.py, alternating builds, twice): float32 at 32 rows 50.5 / 49.9 against 53.9 / 54.0 ms,
+ * bfloat16 pairs at 16 rows 16.2 / 15.8 against 17.5 / 18.0, at 32 28.4 / 29.2 against 29.4 / 30.9; 8
+ * rows and 512 level. (The int8 and 4-bit tiles keep 8: their passes hold more registers.) */
+#define TILE_ROWS 12
 
 /* bytes of one weight row of k elements (the tiled layouts: of PAIR_TILE rows, per row) */
 static inline int64_t weight_row_bytes(int wt, int64_t k) {
@@ -1336,24 +1342,21 @@ static inline __attribute__((always_inline)) void linear_group_wide(const float 
     }
 }
 
-/* Rows of x one pass over a WT_F32T tile takes (f32_tile) */
-#define F32_TILE_ROWS 12
 /* WT_F32T: float32 weights [n, k] in tiles of PAIR_TILE outputs, tile t = outputs PAIR_TILE t ..
  * PAIR_TILE (t + 1) - 1 as [k][PAIR_TILE] (native.py `pack_f32_tiles`). Per input e the tile's weights
- * are two vectors and x[i][e] a broadcast: two fused multiply-adds per row into 2 x F32_TILE_ROWS
+ * are two vectors and x[i][e] a broadcast: two fused multiply-adds per row into 2 x TILE_ROWS
  * accumulators (24 of the 32 vector registers), a GEMM tile with no horizontal sums, where linear_group_wide loads an input vector for
  * every multiply-add and folds 16 lanes per output and row. Each output's sum runs over e = 0 .. k-1 in
  * order (one chain of multiply-adds): a row's result is the same whatever the other rows and threads,
  * within float32 rounding of linear_group_wide's (a different order). Measured on a 2-core Zen 4 over 30
  * SmolLM2 layers' products and the lm_head (bench/linears.py, ms per pass of m rows, tiles /
  * linear_group_wide): m = 1 19.7 / 20.1, 8 19.8 / 36.3, 32 51.3 / 96.8; m = 512 689 against MKL's sgemm
- * 773 (docs/benchmarks.md). 12 rows a group rather than 8: 32 rows ~7% faster (three passes over the
- * tile, not four). Prefetching the next tile during the row groups after the first measured within
- * noise. */
+ * 773 (docs/benchmarks.md). Prefetching the next tile during the row groups after the first measured
+ * within noise. */
 static inline __attribute__((always_inline)) void f32_tile(const float *wt, const float *x, int64_t k,
                                                             const float *bias, float *y, int64_t ys,
                                                             const int nr, __mmask16 m0, __mmask16 m1) {
-    __m512 a0[F32_TILE_ROWS], a1[F32_TILE_ROWS];
+    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
     for (int i = 0; i < nr; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     for (int64_t e = 0; e < k; e++) {
         const float *b = wt + e * PAIR_TILE;
@@ -1376,7 +1379,7 @@ static inline __attribute__((always_inline)) void f32_tile(const float *wt, cons
 }
 
 /* WT_F32T weight rows begin .. end-1 (begin at a tile's start; end at one's, or n inside the last, padded
- * tile) for every group of F32_TILE_ROWS rows of float32 x: a tile is read from memory once, the groups
+ * tile) for every group of TILE_ROWS rows of float32 x: a tile is read from memory once, the groups
  * after the first find it in cache */
 static void linear_rows_f32_tiles(const float *x, const float *w, const float *bias, float *y, int64_t ys,
                                   int64_t m, int64_t k, int64_t begin, int64_t end) {
@@ -1385,10 +1388,10 @@ static void linear_rows_f32_tiles(const float *x, const float *w, const float *b
         int64_t width = end - r < PAIR_TILE ? end - r : PAIR_TILE;
         __mmask16 m0 = width >= 16 ? 0xffff : (__mmask16)((1u << width) - 1);
         __mmask16 m1 = width <= 16 ? 0 : width == PAIR_TILE ? 0xffff : (__mmask16)((1u << (width - 16)) - 1);
-        for (int64_t i0 = 0; i0 < m; i0 += F32_TILE_ROWS) {
+        for (int64_t i0 = 0; i0 < m; i0 += TILE_ROWS) {
             const float *xi = x + i0 * k;
             float *yi = y + i0 * ys + r;
-            switch (m - i0 < F32_TILE_ROWS ? m - i0 : F32_TILE_ROWS) {
+            switch (m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS) {
             case 12: f32_tile(wt, xi, k, b, yi, ys, 12, m0, m1); break;
             case 11: f32_tile(wt, xi, k, b, yi, ys, 11, m0, m1); break;
             case 10: f32_tile(wt, xi, k, b, yi, ys, 10, m0, m1); break;
@@ -1487,7 +1490,7 @@ static inline void tile_out(__m512 v, const bf16 *scale, const void *bias, void 
 static inline __attribute__((always_inline)) void pairs_tile(const void *wt, const bf16 *x, int64_t k,
                                                               const void *bias, void *y, int64_t ys, int y_f32,
                                                               const int nr) {
-    __m512 a0[LINEAR_GROUP], a1[LINEAR_GROUP];
+    __m512 a0[TILE_ROWS], a1[TILE_ROWS];
     for (int i = 0; i < nr; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     const uint32_t *xr = (const uint32_t *)x;
     int64_t pairs = k / 2;
@@ -1724,7 +1727,8 @@ static __attribute__((noinline)) void unpack_int8_tile(const void *wt, int64_t k
 }
 
 /* tiles of outputs begin .. end-1 (multiples of PAIR_TILE) of a WT_BF16P, WT_INT8P or WT_Q4P weight (with
-   its scale) for every group of rows of xb [m, k] bfloat16; y and the bias of the model dtype bf (y_f32:
+   its scale) for every group of rows of xb [m, k] bfloat16 (TILE_ROWS of them for bfloat16 pairs,
+   LINEAR_GROUP for int8 and 4-bit); y and the bias of the model dtype bf (y_f32:
    y float32 holding the rounded values); int8 and 4-bit: xq, xd, the rows' 8-bit codes and scales, and
    4-bit xsum, int8 xc, what `quads_rows` takes of their group sums. */
 static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *xq, const float *xd,
@@ -1743,7 +1747,7 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *x
         const void *sc = !scale ? NULL : q4 ? (const char *)scale + r * groups * 2 * (wt_kind == WT_Q4PH ? 2 : 4)
                                             : (const void *)((const bf16 *)scale + r);
         const void *b = bias ? (const char *)bias + r * size : NULL;
-        for (int64_t i0 = 0; i0 < m; i0 += LINEAR_GROUP) {
+        for (int64_t i0 = 0; i0 < m; i0 += quads ? LINEAR_GROUP : TILE_ROWS) {
             const bf16 *x = xb + i0 * k;
             const float *xs = q4 ? xsum + i0 * groups : NULL, *xdi = quads ? xd + i0 * groups : NULL;
             const int8_t *xqi = quads ? xq + i0 * k : NULL;
@@ -1762,6 +1766,15 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *x
         else                                                                                \
             quads_tile(wt, NULL, sc, xqi, xdi, xs, xci, k, b, yi, ys, bf, y_f32, M, WT_INT8P); \
         break;
+            if (!quads && m - i0 > LINEAR_GROUP) {
+                switch (m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS) {
+                case 12: pairs_tile(wt, x, k, b, yi, ys, y_f32, 12); break;
+                case 11: pairs_tile(wt, x, k, b, yi, ys, y_f32, 11); break;
+                case 10: pairs_tile(wt, x, k, b, yi, ys, y_f32, 10); break;
+                case 9: pairs_tile(wt, x, k, b, yi, ys, y_f32, 9); break;
+                }
+                continue;
+            }
             switch (m - i0 < LINEAR_GROUP ? m - i0 : LINEAR_GROUP) {
                 PAIRS_CASE(8) PAIRS_CASE(7) PAIRS_CASE(6) PAIRS_CASE(5)
                 PAIRS_CASE(4) PAIRS_CASE(3) PAIRS_CASE(2) PAIRS_CASE(1)
