@@ -25,7 +25,7 @@ the fused step around them.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Set
 from functools import cache
 
 import torch
@@ -418,7 +418,7 @@ def has_native_modules(model: nn.Module) -> bool:
 
 
 def _replace(model: nn.Module, makers: dict[type[nn.Module], Callable[[nn.Module], nn.Module]],
-             keep: frozenset[int] | set[int] = frozenset()) -> None:
+             keep: Set[int] = frozenset()) -> None:
     """Each module of a type in `makers` replaced by make(module), but those whose id is in `keep`."""
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
