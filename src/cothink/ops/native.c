@@ -1391,19 +1391,11 @@ static void linear_rows_f32_tiles(const float *x, const float *w, const float *b
         for (int64_t i0 = 0; i0 < m; i0 += TILE_ROWS) {
             const float *xi = x + i0 * k;
             float *yi = y + i0 * ys + r;
-            switch (m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS) {
-            case 12: f32_tile(wt, xi, k, b, yi, ys, 12, m0, m1); break;
-            case 11: f32_tile(wt, xi, k, b, yi, ys, 11, m0, m1); break;
-            case 10: f32_tile(wt, xi, k, b, yi, ys, 10, m0, m1); break;
-            case 9: f32_tile(wt, xi, k, b, yi, ys, 9, m0, m1); break;
-            case 8: f32_tile(wt, xi, k, b, yi, ys, 8, m0, m1); break;
-            case 7: f32_tile(wt, xi, k, b, yi, ys, 7, m0, m1); break;
-            case 6: f32_tile(wt, xi, k, b, yi, ys, 6, m0, m1); break;
-            case 5: f32_tile(wt, xi, k, b, yi, ys, 5, m0, m1); break;
-            case 4: f32_tile(wt, xi, k, b, yi, ys, 4, m0, m1); break;
-            case 3: f32_tile(wt, xi, k, b, yi, ys, 3, m0, m1); break;
-            case 2: f32_tile(wt, xi, k, b, yi, ys, 2, m0, m1); break;
-            case 1: f32_tile(wt, xi, k, b, yi, ys, 1, m0, m1); break;
+            switch (m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS) { /* nr a constant in each: registers */
+#define F32_CASE(M) case M: f32_tile(wt, xi, k, b, yi, ys, M, m0, m1); break;
+                F32_CASE(12) F32_CASE(11) F32_CASE(10) F32_CASE(9) F32_CASE(8) F32_CASE(7)
+                F32_CASE(6) F32_CASE(5) F32_CASE(4) F32_CASE(3) F32_CASE(2) F32_CASE(1)
+#undef F32_CASE
             }
         }
     }
@@ -1768,10 +1760,9 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *x
         break;
             if (!quads && m - i0 > LINEAR_GROUP) {
                 switch (m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS) {
-                case 12: pairs_tile(wt, x, k, b, yi, ys, y_f32, 12); break;
-                case 11: pairs_tile(wt, x, k, b, yi, ys, y_f32, 11); break;
-                case 10: pairs_tile(wt, x, k, b, yi, ys, y_f32, 10); break;
-                case 9: pairs_tile(wt, x, k, b, yi, ys, y_f32, 9); break;
+#define WIDE_CASE(M) case M: pairs_tile(wt, x, k, b, yi, ys, y_f32, M); break;
+                    WIDE_CASE(12) WIDE_CASE(11) WIDE_CASE(10) WIDE_CASE(9)
+#undef WIDE_CASE
                 }
                 continue;
             }
