@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cothink.execution.native_modules import EVERY_ROW, NATIVE_MAX_ROWS, NativeCpuLinear, NativeInt8Linear
+from cothink.execution.native_modules import NATIVE_MAX_ROWS, NativeCpuLinear, NativeInt8Linear
 from cothink.models import packing
 from cothink.models.packing import WIDEN_MIN_ROWS, CpuLinear
 from cothink.ops import native
@@ -56,11 +56,10 @@ def test_few_rows_run_in_the_c_kernel_independent_of_the_batch(dtype, monkeypatc
         assert ((whole.double() - ref).abs() <= ref.abs() * 2**-8 + 1e-6).all()
     else:
         assert (whole.double() - ref).abs().max() < 1e-5 * ref.abs().max()
-    # above the limit: torch's kernels, but for a float32 weight in tiles (any rows: native.c WT_F32T)
-    tiled = native.takes_f32_tiles(w)
-    assert lin.native_rows == (EVERY_ROW if tiled else NATIVE_MAX_ROWS)
+    # above the limit: torch's kernels (float32 weights in tiles too: the plain path's bits)
+    assert lin.native_rows == NATIVE_MAX_ROWS
     lin(torch.randn(NATIVE_MAX_ROWS + 1, 64).to(dtype))
-    assert len(called) == 4 + tiled
+    assert len(called) == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -75,9 +74,8 @@ def test_float_forward_is_forward_widened_to_float32_to_the_bit(dtype, monkeypat
         got = lin.float_forward(x[:rows])
         assert got.dtype == torch.float32 and torch.equal(got, lin(x[:rows]).float())
     if native.available():
-        # float_forward, then forward, per row count; the last row count is torch's kernels' (float32
-        # tiles: the C kernel's too)
-        assert [kw["float_out"] for kw in calls] == [True, False] * (3 if native.takes_f32_tiles(w) else 2)
+        # float_forward, then forward, per row count; the last row count is torch's kernels'
+        assert [kw["float_out"] for kw in calls] == [True, False, True, False]
 
 
 def test_bfloat16_below_the_widening_threshold_without_c_kernels_is_f_linear_to_the_bit(monkeypatch):

@@ -14,8 +14,8 @@ products: within float32 rounding, models/quant4.py).
 `use_torch_modules` puts the plain modules back. The eager modules (`fast=False`) are never replaced.
 
 NATIVE_MAX_ROWS: rows up to which the C linear runs a product (and a decode step can take the fused
-decode step, execution/fused_decode.py); an int8 or 4-bit weight in pairs, and a float32 one in tiles,
-take any rows (EVERY_ROW). Measured on a 2-core AMD EPYC Zen 3 with AVX2
+decode step, execution/fused_decode.py); an int8 or 4-bit weight in pairs takes any rows
+(PAIRS_8BIT_MAX_ROWS). Measured on a 2-core AMD EPYC Zen 3 with AVX2
 (`bench/linears.py`): each weight element is read once per 8 rows, bfloat16 widened in registers,
 float32 sums in a fixed order per output (a row's result is the same to the bit in any batch up to
 this size); against `F.linear`, bfloat16 1.1x at one row and 2.0-3.7x at 2-8 rows, float32 1.7x and
@@ -58,10 +58,9 @@ PACKED_NATIVE_MAX_ROWS = 4
 # An int8 or 4-bit weight in pairs (8-bit activations on VNNI: native.c WT_INT8P, WT_Q4P) takes every
 # product in C, prefill chunks too, with the same 8-bit activations as the decode: 30 SmolLM2 4-bit
 # layers' products at 512 rows 212 ms against 277 for the dequantized weight in oneDNN's bfloat16 GEMM,
-# at 64 rows 30 against 61 (2-core Zen 4). So does a float32 weight in tiles (native.c WT_F32T: a GEMM
-# tile): SmolLM2's linears at 64 / 512 rows 86.5 / 689.0 ms against 135.1 / 773.1 for `F.linear`
-# (MKL's sgemm).
-EVERY_ROW = 1 << 62
+# at 64 rows 30 against 61 (2-core Zen 4). (A float32 weight in tiles does not: beyond NATIVE_MAX_ROWS
+# its products stay on the plain path, equal to it to the bit; NativeCpuLinear.)
+PAIRS_8BIT_MAX_ROWS = 1 << 62
 
 
 class NativeRMSNorm(RMSNorm):
@@ -215,15 +214,16 @@ class NativeLinear:
 
 class NativeCpuLinear(NativeLinear, CpuLinear):
     """CpuLinear with its products of up to NATIVE_MAX_ROWS rows in the C kernel. A float32 weight that
-    `native.takes_f32_tiles` (AVX-512, unless COTHINK_F32_TILES=0) keeps a copy in tiles that takes every
-    product (`native.pack_f32_tiles`, EVERY_ROW: a GEMM tile, 1.8-1.9x the plain layout's C products at 8-32
-    rows, level at one, 1.1-1.7x MKL's at 64-512), the plain weight staying for the torch path's inputs
-    (another dtype, strided rows) and the parameter: the linears' memory twice."""
+    `native.takes_f32_tiles` (AVX-512, unless COTHINK_F32_TILES=0) keeps a copy in tiles for them
+    (`native.pack_f32_tiles`: a GEMM tile, 1.8-1.9x the plain layout's C products at 8-32 rows, level at
+    one): the linears' memory twice. Wider products (prefill chunks) stay on the plain path, bit-identical
+    to it as before: tiles there measured 1.1-1.7x MKL's at 64-512 rows, within float32 rounding of it,
+    not to the bit (docs/benchmarks.md)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__(weight, bias)
         self._tiles = native.pack_f32_tiles(self._w) if native.takes_f32_tiles(self._w) else None
-        self._fit_native(self._w.dtype, NATIVE_MAX_ROWS if self._tiles is None else EVERY_ROW)
+        self._fit_native(self._w.dtype)
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         return self._w if self._tiles is None else self._tiles, None, self._b
@@ -292,7 +292,7 @@ class NativeInt8Linear(NativeLinear, Int8Linear):
         bias_dtype = None if self.bias is None else self.bias.dtype  # C reads the bias in x's dtype
         if native.takes_pairs(self.weight_int8):
             self._pairs = native.pack_pairs(self.weight_int8)
-            self._fit_native(bias_dtype, EVERY_ROW)
+            self._fit_native(bias_dtype, PAIRS_8BIT_MAX_ROWS)
         else:
             self._fit_native(bias_dtype)
 
@@ -336,7 +336,7 @@ class NativeInt4Linear(NativeLinear, Int4Linear):
         if activations == torch.bfloat16 and native.takes_pairs(self.weight_packed) and (
                 self.bias is None or self.bias.dtype == torch.bfloat16):
             self._pairs = native.pack_q4_pairs(self.weight_packed, self.weight_scale, half_scales)
-            self._fit_native(torch.bfloat16, EVERY_ROW)
+            self._fit_native(torch.bfloat16, PAIRS_8BIT_MAX_ROWS)
         else:  # the C kernel reads the bias in x's dtype
             self._fit_native(None if self.bias is None else self.bias.dtype)
 
