@@ -161,6 +161,7 @@ class NativeLinear:
     Mixed into the fast path's linears (`NativeCpuLinear`, `NativeInt8Linear`, `NativeInt4Linear`); the
     fused decode step (execution/fused_decode.py) reads their operands."""
 
+    out_features: int  # the plain module's
     _native_rows = 0  # set by `_fit_native` once the operands exist
     _native_dtype: torch.dtype | None = None  # the activations' dtype the kernel takes (None: any of its)
 
@@ -208,8 +209,8 @@ class NativeLinear:
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
     def _native(self, rows: torch.Tensor, float_out: bool = False) -> torch.Tensor:
-        w, scale, b = self.operands()
-        return native.linear(rows, w, b, scale=scale, float_out=float_out)
+        w, scale, b = self.operands()  # n: the outputs, which a float32 weight's padded tiles do not say
+        return native.linear(rows, w, b, scale=scale, float_out=float_out, n=self.out_features)
 
 
 class NativeCpuLinear(NativeLinear, CpuLinear):
@@ -227,10 +228,6 @@ class NativeCpuLinear(NativeLinear, CpuLinear):
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         return self._w if self._tiles is None else self._tiles, None, self._b
-
-    def _native(self, rows: torch.Tensor, float_out: bool = False) -> torch.Tensor:
-        w, _, b = self.operands()
-        return native.linear(rows, w, b, float_out=float_out, n=self.out_features)  # (tiles padded to 32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._native_rows_of(x)

@@ -201,22 +201,23 @@ _FUSED_PARTS = {
 LinearFactory = Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
 
 
+def _part_slots(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, attribute name) of each HF-named part of every fused projection the model holds."""
+    return [(module, name) for module in model.modules() for fused, names in _FUSED_PARTS.items()
+            if getattr(module, fused, None) is not None for name in names]
+
+
 def fused_parts(model: nn.Module) -> list[nn.Module]:
     """The HF-named parts of every fused projection still held (views of its weight that the fused
     forward does not call)."""
-    return [part for module in model.modules() for fused, names in _FUSED_PARTS.items()
-            if getattr(module, fused, None) is not None for name in names
-            if (part := getattr(module, name, None)) is not None]
+    return [part for module, name in _part_slots(model) if (part := getattr(module, name)) is not None]
 
 
 def drop_fused_parts(model: nn.Module) -> None:
     """Set the HF-named parts of every fused projection to None (the fused forward does not use
     them; they are views that would keep the dense fused weight alive)."""
-    for module in list(model.modules()):
-        for fused, parts in _FUSED_PARTS.items():
-            if getattr(module, fused, None) is not None:
-                for part in parts:
-                    setattr(module, part, None)
+    for module, name in _part_slots(model):
+        setattr(module, name, None)
 
 
 def replace_linears(model: nn.Module, make: LinearFactory, *, drop_parts: bool = True) -> nn.Module:

@@ -1345,7 +1345,7 @@ static inline __attribute__((always_inline)) void linear_group_wide(const float 
 /* WT_F32T: float32 weights [n, k] in tiles of PAIR_TILE outputs, tile t = outputs PAIR_TILE t ..
  * PAIR_TILE (t + 1) - 1 as [k][PAIR_TILE] (native.py `pack_f32_tiles`). Per input e the tile's weights
  * are two vectors and x[i][e] a broadcast: two fused multiply-adds per row into 2 x TILE_ROWS
- * accumulators (24 of the 32 vector registers), a GEMM tile with no horizontal sums, where linear_group_wide loads an input vector for
+ * accumulators, a GEMM tile with no horizontal sums, where linear_group_wide loads an input vector for
  * every multiply-add and folds 16 lanes per output and row. Each output's sum runs over e = 0 .. k-1 in
  * order (one chain of multiply-adds): a row's result is the same whatever the other rows and threads,
  * within float32 rounding of linear_group_wide's (a different order). Measured on a 2-core Zen 4 over 30
