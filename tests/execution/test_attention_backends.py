@@ -215,7 +215,7 @@ def test_native_prefill_chunks_take_the_prefill_kernel(kind, monkeypatch):
     rows: list[int] = []
     kernel = native.prefill_attention
     monkeypatch.setattr(native, "prefill_attention",
-                        lambda q, *a: (rows.append(q.shape[0]), kernel(q, *a))[1])
+                        lambda q, *a, **kw: (rows.append(q.shape[0]), kernel(q, *a, **kw))[1])
     runners = {name: load_runner(kind, kv_tokens=512, page_size=4, dtype=torch.bfloat16,
                                  attention_backend=name) for name in ("native", "torch", "reference")}
     native_out, torch_out, want = (_scenario(runners[n]) for n in ("native", "torch", "reference"))

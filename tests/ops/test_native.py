@@ -200,6 +200,29 @@ def test_prefill_attention_matches_the_float64_math(causal, earlier, hq, hkv, d)
 
 
 @_PREFILL
+@pytest.mark.parametrize("partial", [1.0, 0.25])
+def test_prefill_attention_rotates_queries_as_the_torch_path(partial):
+    """Queries given unrotated with the run's tables (a column slice of one projection's rows, as the
+    model hands them over): the same bits as the kernel over Rotary.apply_prepared's rotated copy,
+    whole and partial rotary; a lone run's output written into rows of a larger tensor; an out of the
+    wrong shape refused."""
+    hq, hkv, d, t = 9, 3, 64, 70
+    rotary = _rotary(d, partial)
+    g = torch.Generator().manual_seed(11)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(torch.bfloat16)
+    q = qkv[:, : hq * d].view(t, hq, d)
+    k, v = (torch.randn(t + 20, hkv, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    cos, sin = rotary.prepared(torch.arange(20, 20 + t), torch.bfloat16)
+    want, want_lse = native.prefill_attention(rotary.apply_prepared(q, cos, sin), k, v, 0.125, True)
+    whole = torch.full((t + 3, hq, d), 7.0)
+    out, lse = native.prefill_attention(q, k, v, 0.125, True, rotation=(cos, sin), out=whole[2 : 2 + t])
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert torch.equal(whole[2 : 2 + t], want) and (whole[:2] == 7).all() and (whole[2 + t :] == 7).all()
+    with pytest.raises(ValueError, match="out must be"):
+        native.prefill_attention(q, k, v, 0.125, True, out=whole)
+
+
+@_PREFILL
 def test_prefill_attention_does_not_depend_on_the_thread_count(torch_threads):
     """Tasks (a key head, a block of tokens) are computed whole by one thread: 1, 2 and 3 threads give
     the same bits."""

@@ -31,7 +31,7 @@
 
 /* The version of this library's interface (the ct_* signatures and the tables they read), raised with
  * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
-#define CT_ABI_VERSION 13
+#define CT_ABI_VERSION 14
 
 int ct_abi_version(void) { return CT_ABI_VERSION; }
 
@@ -2538,10 +2538,73 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const CtLayer *la
 #define PREFILL_TILE 48 /* query rows (tokens x heads of a key head) a task aims for */
 
 
+/* 2^x on 16 lanes for x <= 0: x = n + f with f in [-1/2, 1/2], 2^f by its degree-6 Taylor polynomial
+   (relative error below 1.3e-7, float32 rounding's order), 2^n by VSCALEFPS (0 far below -126). Nine
+   vector operations where exp16 takes sixteen: the prefill softmax's exponent needs no clamp (its
+   x <= 0) and takes the scale and log2(e) in one multiply-subtract. */
+static inline __m512 exp2_16(__m512 x) {
+    __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.5403530e-4f), f, _mm512_set1_ps(1.3333558e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+#define PREFILL_PAIRS (CHUNK / 2)
+
+/* The prefill's online softmax over a block of CHUNK raw dot products per query row (s, row r at
+   s + r CHUNK), row r seeing the first visible[r] (0 for a later token's block) of them, in three passes,
+   softmax_chunk's results within float32 rounding: each row's new running max m[r] (of the scaled
+   scores: the max over raw ones times scale, which scale > 0 keeps in order); the rescales of what came
+   before, exp(m_old - m_new), 16 rows a vector (per row, the scalar exponential's dependent chain
+   outweighed the row's vector work); then per row p = exp(s scale - m) by exp2_16 (scale and log2(e)
+   in one multiply-subtract) written straight to pb as bfloat16 pairs (0 past visible; P V takes them
+   rounded, as torch's flash kernel does), their float32 sum into l. */
+static void prefill_softmax(const float *s, const int64_t *visible, int64_t rows, float scale, float *m,
+                            float *l, float *rescale, float *top, uint32_t *pb) {
+    for (int64_t r = 0; r < rows; r++) {
+        __m512 top16 = _mm512_set1_ps(-INFINITY);
+        for (int64_t x = 0; x < visible[r]; x += 16)
+            top16 = _mm512_mask_max_ps(top16, lanes_below(visible[r] - x), top16, _mm512_loadu_ps(s + r * CHUNK + x));
+        float t = visible[r] ? _mm512_reduce_max_ps(top16) * scale : m[r];
+        top[r] = t > m[r] ? t : m[r];
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) { /* exp16 takes -inf (a first block's m) to 0 */
+        __mmask16 in = lanes_below(rows - r0);
+        __m512 m0 = _mm512_maskz_loadu_ps(in, m + r0), m1 = _mm512_maskz_loadu_ps(in, top + r0);
+        _mm512_mask_storeu_ps(rescale + r0, in, exp16(_mm512_sub_ps(m0, m1)));
+        _mm512_mask_storeu_ps(m + r0, in, m1);
+    }
+    const __m512 k2 = _mm512_set1_ps(scale * 1.44269504f);
+    for (int64_t r = 0; r < rows; r++) {
+        uint32_t *pr = pb + r * PREFILL_PAIRS;
+        if (visible[r] == 0) { /* (row r saw keys before this block: m is finite, its rescale 1) */
+            memset(pr, 0, PREFILL_PAIRS * sizeof(uint32_t));
+            rescale[r] = 1.0f;
+            continue;
+        }
+        const float *sr = s + r * CHUNK;
+        const __m512 t2 = _mm512_set1_ps(m[r] * 1.44269504f);
+        __m512 sum16 = _mm512_setzero_ps();
+        for (int64_t x = 0; x < CHUNK; x += 32) {
+            __m512 p0 = _mm512_maskz_mov_ps(lanes_below(visible[r] - x),
+                                            exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + x), k2, t2)));
+            __m512 p1 = _mm512_maskz_mov_ps(lanes_below(visible[r] - x - 16),
+                                            exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + x + 16), k2, t2)));
+            sum16 = _mm512_add_ps(sum16, _mm512_add_ps(p0, p1));
+            _mm512_storeu_si512(pr + x / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+        }
+        l[r] = l[r] * rescale[r] + _mm512_reduce_add_ps(sum16);
+    }
+}
+
 /* channels e0 .. e0 + 16 REGS of nr <= 4 rows of o (row stride d): o * rescale + sum_c p[c] v[c] over
    the block's key pairs (p 0 where a row does not see the key): p as bfloat16 pairs pb[i * PAIRS + c2],
    the values as pairs of keys vp[c2 * d + e]; REGS constant after inlining */
-#define PREFILL_PAIRS (CHUNK / 2)
 static inline __attribute__((always_inline)) void prefill_values_regs(float *o, const uint32_t *pb,
                                                                       const float *rescale, const uint32_t *vp,
                                                                       int64_t pairs, int64_t d, int64_t e0,
@@ -2618,6 +2681,8 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
     int64_t shift = j->keys - j->t; /* causal: token t sees keys 0 .. shift + t */
     int64_t end = j->causal ? shift + t1 : j->keys;
     const uint32_t *qrows[rows]; /* query row r: token t0 + r / g, head h g + r % g */
+    int64_t visible[rows];
+    float top[rows];
     for (int64_t r = 0; r < rows; r++)
         qrows[r] = (const uint32_t *)(j->q + (t0 + r / g) * j->qs + (h * g + r % g) * d);
     for (int64_t r = 0; r < rows; r++) {
@@ -2630,22 +2695,11 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
         const uint32_t *kp = j->kp + block * pairs * CHUNK;
         const uint32_t *vp = j->vp + block * PREFILL_PAIRS * d;
         chunk_scores(qrows, rows, kp, pairs, s);
-        for (int64_t r = 0; r < rows; r++) { /* online softmax: s <- p (0 where hidden), scale[r] */
-            int64_t visible = j->causal ? shift + t0 + r / g + 1 - k0 : n; /* keys of this block row r sees */
-            visible = visible > n ? n : (visible < 0 ? 0 : visible);
-            float *sr = s + r * CHUNK;
-            if (visible == 0) { /* (a later token's block; row r saw keys before it) */
-                memset(pb + r * PREFILL_PAIRS, 0, PREFILL_PAIRS * sizeof(uint32_t));
-                rescale[r] = 1.0f;
-                continue;
-            }
-            rescale[r] = softmax_chunk(sr, visible, j->scale, m + r, l + r);
-            /* P rounded to bfloat16 for P V (as torch's flash kernel does); its sum l stays float32 */
-            for (int64_t x = 0; x < CHUNK; x += 32) {
-                __m512bh pairs = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(sr + x + 16), _mm512_loadu_ps(sr + x));
-                _mm512_storeu_si512(pb + r * PREFILL_PAIRS + x / 2, (__m512i)pairs);
-            }
+        for (int64_t r = 0; r < rows; r++) { /* keys of this block row r sees */
+            int64_t v = j->causal ? shift + t0 + r / g + 1 - k0 : n;
+            visible[r] = v > n ? n : (v < 0 ? 0 : v);
         }
+        prefill_softmax(s, visible, rows, j->scale, m, l, rescale, top, pb);
         for (int64_t r0 = 0; r0 < rows; r0 += 4) { /* o <- o alpha + P V, four rows per pass over V */
             int64_t nr = rows - r0 < 4 ? rows - r0 : 4, e0 = 0;
             const uint32_t *p = pb + r0 * PREFILL_PAIRS;
@@ -2684,17 +2738,51 @@ static void prefill_tasks(void *ctx, int64_t begin, int64_t end) {
 /* Whether ct_prefill_attention is built here (bfloat16 pairs: AVX-512 BF16) */
 int ct_prefill_attention_built(void) { return PREFILL_ATTENTION; }
 
+#if PREFILL_ATTENTION
+/* The queries rotated for the run (cos, sin: Rotary.prepare's tables, [T, rot] bfloat16), as
+   Rotary.apply_prepared rotates them (`rotate`: each product rounded to bfloat16), into a contiguous
+   bfloat16 copy: tokens begin .. end-1 */
+typedef struct {
+    const bf16 *q;
+    int64_t qs, hq, d, rot;
+    const bf16 *cos, *sin;
+    bf16 *out;
+} PrefillRotation;
+
+static void prefill_rotate(void *ctx, int64_t begin, int64_t end) {
+    const PrefillRotation *j = ctx;
+    float x[j->d], y[j->d];
+    for (int64_t t = begin; t < end; t++)
+        for (int64_t h = 0; h < j->hq; h++) {
+            load_row(j->q + t * j->qs + h * j->d, j->d, 1, x);
+            rotate(x, j->d, j->rot, j->cos + t * j->rot, j->sin + t * j->rot, 1, y);
+            store_row(j->out + (t * j->hq + h) * j->d, y, j->d, 1);
+        }
+}
+#endif
+
 /* Attention of q [T, Hq, D] bfloat16 (token stride qs; heads contiguous, D apart) over one run of
  * `keys` keys and values k, v [L, Hkv, D] bfloat16 (key strides ks, vs) into out [T, Hq, D] and
- * lse [T, Hq] float32 (natural log). `causal`: L >= T and token t sees keys 0 .. L-T+t; else every
- * token sees all L. Tasks (key head, block of tokens) split over up to `threads` threads. D is a
- * multiple of 16 (Python checks). Where not built (PREFILL_ATTENTION 0) it does nothing: Python never calls it. */
+ * lse [T, Hq] float32 (natural log). With cos and sin (not NULL: Rotary.prepare's tables [T, rot]
+ * bfloat16), q is rotated for the run first, as Rotary.apply_prepared rotates it (the torch ops it
+ * spares: five per layer and run); else q comes rotated. `causal`: L >= T and token t sees keys
+ * 0 .. L-T+t; else every token sees all L. Tasks (key head, block of tokens) split over up to `threads`
+ * threads. D is a multiple of 16 (Python checks). Where not built (PREFILL_ATTENTION 0) it does
+ * nothing: Python never calls it. */
 void ct_prefill_attention(const void *q, int64_t qs, const void *k, int64_t ks, const void *v, int64_t vs,
-                          int64_t t, int64_t hq, int64_t hkv, int64_t d, int64_t keys, int causal, float scale,
-                          float *out, float *lse, int64_t threads) {
+                          const void *cos, const void *sin, int64_t rot, int64_t t, int64_t hq, int64_t hkv,
+                          int64_t d, int64_t keys, int causal, float scale, float *out, float *lse,
+                          int64_t threads) {
 #if PREFILL_ATTENTION
     int64_t g = hq / hkv, tokens = PREFILL_TILE / g > 0 ? PREFILL_TILE / g : 1;
     int64_t blocks = (keys + CHUNK - 1) / CHUNK;
+    bf16 *rotated = NULL;
+    if (cos) {
+        rotated = malloc((size_t)(t * hq * d) * sizeof(bf16));
+        PrefillRotation rj = {q, qs, hq, d, rot, cos, sin, rotated};
+        parallel_for(prefill_rotate, &rj, t, 16, threads, 0);
+        q = rotated, qs = hq * d;
+    }
     PrefillJob job = {q, k, v, qs, ks, vs, t, hq, hkv, d, keys, tokens, causal, scale, out, lse,
                       malloc((size_t)(hkv * blocks * CHUNK * d / 2) * sizeof(uint32_t)),
                       malloc((size_t)(hkv * blocks * PREFILL_PAIRS * d) * sizeof(uint32_t)), blocks};
@@ -2702,8 +2790,9 @@ void ct_prefill_attention(const void *q, int64_t qs, const void *k, int64_t ks, 
     parallel_for(prefill_tasks, &job, hkv * ((t + tokens - 1) / tokens), 1, threads, 0);
     free(job.kp);
     free(job.vp);
+    free(rotated);
 #else
-    (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)t, (void)hq, (void)hkv, (void)d;
-    (void)keys, (void)causal, (void)scale, (void)out, (void)lse, (void)threads;
+    (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)cos, (void)sin, (void)rot, (void)t;
+    (void)hq, (void)hkv, (void)d, (void)keys, (void)causal, (void)scale, (void)out, (void)lse, (void)threads;
 #endif
 }

@@ -58,7 +58,7 @@ F32_TILES = os.environ.get("COTHINK_F32_TILES", "1") != "0"
 # COTHINK_8BIT_ACTIVATIONS=0 keeps those layers on the plain kernels' bfloat16 activations (`takes_pairs`)
 ACTIVATIONS_8BIT = os.environ.get("COTHINK_8BIT_ACTIVATIONS", "1") != "0"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 13
+ABI_VERSION = 14
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales,
@@ -98,7 +98,8 @@ _SIGNATURES = {
     "ct_linear_tiles": [],
     "ct_linear_bf16_dot": [],
     "ct_linear_f32_tiles": [],
-    "ct_prefill_attention": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int, _F, _P, _P, _I],
+    "ct_prefill_attention": [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int, _F, _P, _P,
+                             _I],
     "ct_prefill_attention_built": [],
     "ct_layout": [ctypes.POINTER(_I)],
 }
@@ -639,19 +640,35 @@ def _prefill_kernel_here() -> bool:
 
 def prefill_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool, threads: int | None = None,
+    *, rotation: tuple[torch.Tensor, torch.Tensor] | None = None, out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ops/attention.py `partial_attention`'s contract in the C kernel (where `prefill_attention_fits`):
     q [T, Hq, D] over k, v [L, Hkv, D] -> (out [T, Hq, D], lse [T, Hq]) float32; `causal`: row t sees
     keys 0..L-T+t. Scores and the softmax in float32 (the products of bfloat16 pairs summed by
     VDPBF16PS), P V of P rounded to bfloat16 (as torch's flash kernel does) by VDPBF16PS too, each
     output within 2^-9 max|v| of the float32 one; tasks over `threads` threads (default: torch's
-    thread count)."""
+    thread count). `rotation`: the run's (cos, sin) tables from Rotary.prepare ([T, 1, R] bfloat16,
+    R <= D): q comes unrotated and the kernel rotates it as `Rotary.apply_prepared` would, to the bit.
+    `out`: a float32 [T, Hq, D] tensor (rows may be a view into a larger one) to write into."""
     t, hq, d = q.shape
-    out = torch.empty(t, hq, d, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(t, hq, d, dtype=torch.float32)
+    elif out.shape != q.shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"prefill_attention: out must be a contiguous float32 {tuple(q.shape)}, "
+                         f"not {tuple(out.shape)} {out.dtype}")
     lse = torch.empty(t, hq, dtype=torch.float32)
+    cos = sin = None
+    rot = 0
+    if rotation is not None:
+        cos, sin = (x.reshape(t, -1).contiguous() for x in rotation)
+        rot = cos.shape[1]
+        if cos.dtype != q.dtype or sin.shape != cos.shape or rot > d or rot % 2:
+            raise ValueError(f"prefill_attention: rotation tables [T, 1, R <= {d}] of {q.dtype}, "
+                             f"not {tuple(rotation[0].shape)} {rotation[0].dtype}")
     _library().ct_prefill_attention(
-        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), t, hq, k.shape[1], d,
-        k.shape[0], int(causal), scale, out.data_ptr(), lse.data_ptr(),
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), rot,
+        t, hq, k.shape[1], d, k.shape[0], int(causal), scale, out.data_ptr(), lse.data_ptr(),
         torch.get_num_threads() if threads is None else threads,
     )
     return out, lse
