@@ -415,9 +415,10 @@ class NativeBackend(TorchBackend):
             return super()._attend_item(batch, plan, q, slot, out)
         lone = len(plan.runs) == 1
         outs, lses = [], []
-        for run, (k_run, v_run) in zip(plan.runs, keys):
+        for run, (k_run, v_run) in zip(plan.runs, keys, strict=True):
             o, lse = native.prefill_attention(q_item, k_run, v_run, batch.scale, run.causal,
-                                              rotation=(run.cos, run.sin), out=out[plan.rows] if lone else None)
+                                              rotation=(run.cos, run.sin),
+                                              out=out[plan.rows] if lone else None)
             outs.append(o)
             lses.append(lse)
         if not lone:
