@@ -176,32 +176,36 @@ _PREFILL = pytest.mark.skipif(
 
 
 @_PREFILL
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("causal,earlier", [(False, 45), (True, 0), (True, 1), (True, 70)])
 @pytest.mark.parametrize("hq,hkv,d", [(6, 2, 80), (9, 3, 64), (4, 4, 16), (16, 2, 128)])
-def test_prefill_attention_matches_the_float64_math(causal, earlier, hq, hkv, d):
+def test_prefill_attention_matches_the_float64_math(causal, earlier, hq, hkv, d, dtype):
     """A prefill chunk's rows over one run, visible or causal with earlier keys (row t sees keys
     0..earlier+t), grouped-query heads, head sizes of one 64-lane block with a 16-lane tail, 16 and
     128; key and value runs with a row stride (views of a pool), keys not a multiple of the kernel's
     64-key blocks: float32 scores and softmax (the log-sum-exp within float32 rounding of the float64
-    reference), P rounded to bfloat16 for P V as torch's flash kernel rounds it: each weight off by at
-    most 2^-9 of itself, so each output by at most 2^-9 max|v| (plus float32 rounding)."""
+    reference); bfloat16: P rounded to bfloat16 for P V as torch's flash kernel rounds it, each weight
+    off by at most 2^-9 of itself, so each output by at most 2^-9 max|v| (plus float32 rounding);
+    float32: P V in float32, each output within float32 rounding."""
     t = 37
     g = torch.Generator().manual_seed(hq * d + earlier)
     length = earlier + t if causal else earlier
-    q = torch.randn(t, hq, d, generator=g).to(torch.bfloat16)
-    pool_k, pool_v = (torch.randn(length + 9, hkv, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(t, hq, d, generator=g).to(dtype)
+    pool_k, pool_v = (torch.randn(length + 9, hkv, d, generator=g).to(dtype) for _ in range(2))
     k, v = pool_k[5 : 5 + length], pool_v[4 : 4 + length]
     assert native.prefill_attention_fits(q, k, v)
     out, lse = native.prefill_attention(q, k, v, d**-0.5, causal)
     want, want_lse = reference_partial_attention(q, k, v, d**-0.5, causal)
-    bound = 2**-9 * v.float().abs().max().item() + 1e-5
+    rounding = 2**-9 if dtype == torch.bfloat16 else 2**-20
+    bound = rounding * v.float().abs().max().item() + 1e-5
     assert (out - want).abs().max().item() <= bound
     torch.testing.assert_close(lse, want_lse, atol=2e-6, rtol=2e-6)
 
 
 @_PREFILL
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("partial", [1.0, 0.25])
-def test_prefill_attention_rotates_queries_as_the_torch_path(partial):
+def test_prefill_attention_rotates_queries_as_the_torch_path(partial, dtype):
     """Queries given unrotated with the run's tables (a column slice of one projection's rows, as the
     model hands them over): the same bits as the kernel over Rotary.apply_prepared's rotated copy,
     whole and partial rotary; a lone run's output written into rows of a larger tensor; an out of the
@@ -209,10 +213,10 @@ def test_prefill_attention_rotates_queries_as_the_torch_path(partial):
     hq, hkv, d, t = 9, 3, 64, 70
     rotary = _rotary(d, partial)
     g = torch.Generator().manual_seed(11)
-    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(torch.bfloat16)
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
     q = qkv[:, : hq * d].view(t, hq, d)
-    k, v = (torch.randn(t + 20, hkv, d, generator=g).to(torch.bfloat16) for _ in range(2))
-    cos, sin = rotary.prepared(torch.arange(20, 20 + t), torch.bfloat16)
+    k, v = (torch.randn(t + 20, hkv, d, generator=g).to(dtype) for _ in range(2))
+    cos, sin = rotary.prepared(torch.arange(20, 20 + t), dtype)
     want, want_lse = native.prefill_attention(rotary.apply_prepared(q, cos, sin), k, v, 0.125, True)
     whole = torch.full((t + 3, hq, d), 7.0)
     out, lse = native.prefill_attention(q, k, v, 0.125, True, rotation=(cos, sin), out=whole[2 : 2 + t])
@@ -223,12 +227,13 @@ def test_prefill_attention_rotates_queries_as_the_torch_path(partial):
 
 
 @_PREFILL
-def test_prefill_attention_does_not_depend_on_the_thread_count(torch_threads):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prefill_attention_does_not_depend_on_the_thread_count(torch_threads, dtype):
     """Tasks (a key head, a block of tokens) are computed whole by one thread: 1, 2 and 3 threads give
     the same bits."""
     g = torch.Generator().manual_seed(4)
-    q = torch.randn(50, 8, 64, generator=g).to(torch.bfloat16)
-    k, v = (torch.randn(300, 2, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(50, 8, 64, generator=g).to(dtype)
+    k, v = (torch.randn(300, 2, 64, generator=g).to(dtype) for _ in range(2))
     results = []
     for threads in (1, 2, 3):
         torch_threads(threads)

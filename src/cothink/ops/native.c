@@ -31,7 +31,7 @@
 
 /* The version of this library's interface (the ct_* signatures and the tables they read), raised with
  * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
-#define CT_ABI_VERSION 14
+#define CT_ABI_VERSION 15
 
 int ct_abi_version(void) { return CT_ABI_VERSION; }
 
@@ -2531,7 +2531,12 @@ void ct_decode_layers(void *x, int64_t t_rows, int64_t layers, const CtLayer *la
  * a 2048-token bfloat16 prefill's attention layers 1.18-1.27 -> 0.67-0.68 s, the prefill 696-738 ->
  * 1018-1042 tokens/s (2-core Zen 4, alternating processes). Blocks of 64 keys rather than 32 (half the
  * softmax's reductions per key, four score accumulators per row) and scores six rows per pass (24
- * accumulators): the attention of a 2048-token prefill's chunks 0.64 -> 0.53 s. */
+ * accumulators): the attention of a 2048-token prefill's chunks 0.64 -> 0.53 s.
+ * Float32 runs take the same tasks in float32 FMAs: scores six rows per pass over keys packed 16 to a
+ * vector per channel (kp[e * CHUNK + c]), P V four rows per pass over the value rows as they are, P
+ * unrounded: where torch's flash kernel would be given an explicit mask (a chunk's causal run with
+ * grouped query heads folded into rows) and compute the hidden half too. Built where the bfloat16
+ * kernel is (the softmax's helpers are). */
 #if LINEAR_BF16_PAIRS
 #define PREFILL_ATTENTION 1
 
@@ -2563,8 +2568,9 @@ static inline __m512 exp2_16(__m512 x) {
    before, exp(m_old - m_new), 16 rows a vector (per row, the scalar exponential's dependent chain
    outweighed the row's vector work); then per row p = exp(s scale - m) by exp2_16 (scale and log2(e)
    in one multiply-subtract) written straight to pb as bfloat16 pairs (0 past visible; P V takes them
-   rounded, as torch's flash kernel does), their float32 sum into l. */
-static void prefill_softmax(const float *s, const int64_t *visible, int64_t rows, float scale, float *m,
+   rounded, as torch's flash kernel does), their float32 sum into l. pb NULL (a float32 run): p in
+   place of s, unrounded. */
+static void prefill_softmax(float *s, const int64_t *visible, int64_t rows, float scale, float *m,
                             float *l, float *rescale, float *top, uint32_t *pb) {
     for (int64_t r = 0; r < rows; r++) {
         __m512 top16 = _mm512_set1_ps(-INFINITY);
@@ -2581,13 +2587,16 @@ static void prefill_softmax(const float *s, const int64_t *visible, int64_t rows
     }
     const __m512 k2 = _mm512_set1_ps(scale * 1.44269504f);
     for (int64_t r = 0; r < rows; r++) {
-        uint32_t *pr = pb + r * PREFILL_PAIRS;
+        uint32_t *pr = pb ? pb + r * PREFILL_PAIRS : NULL;
+        float *sr = s + r * CHUNK;
         if (visible[r] == 0) { /* (row r saw keys before this block: m is finite, its rescale 1) */
-            memset(pr, 0, PREFILL_PAIRS * sizeof(uint32_t));
+            if (pr)
+                memset(pr, 0, PREFILL_PAIRS * sizeof(uint32_t));
+            else
+                memset(sr, 0, CHUNK * sizeof(float));
             rescale[r] = 1.0f;
             continue;
         }
-        const float *sr = s + r * CHUNK;
         const __m512 t2 = _mm512_set1_ps(m[r] * 1.44269504f);
         __m512 sum16 = _mm512_setzero_ps();
         for (int64_t x = 0; x < CHUNK; x += 32) {
@@ -2596,7 +2605,12 @@ static void prefill_softmax(const float *s, const int64_t *visible, int64_t rows
             __m512 p1 = _mm512_maskz_mov_ps(lanes_below(visible[r] - x - 16),
                                             exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + x + 16), k2, t2)));
             sum16 = _mm512_add_ps(sum16, _mm512_add_ps(p0, p1));
-            _mm512_storeu_si512(pr + x / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            if (pr) {
+                _mm512_storeu_si512(pr + x / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+            } else {
+                _mm512_storeu_ps(sr + x, p0);
+                _mm512_storeu_ps(sr + x + 16, p1);
+            }
         }
         l[r] = l[r] * rescale[r] + _mm512_reduce_add_ps(sum16);
     }
@@ -2637,15 +2651,86 @@ static inline void prefill_values(float *o, const uint32_t *pb, const float *res
 #undef PV
 }
 
+/* float32 scores s[i][0 .. CHUNK - 1] of NR (constant after inlining) query rows qr[i] against a block's
+   keys packed per channel, kp[e * CHUNK + c]: per channel one FMA per row and 16 keys */
+static inline __attribute__((always_inline)) void score_rows_f32(const float *const *qr, const float *kp, int64_t d,
+                                                                 float *s, const int nr) {
+    __m512 acc[6][CHUNK_VECS];
+    for (int i = 0; i < nr; i++)
+        for (int u = 0; u < CHUNK_VECS; u++) acc[i][u] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < d; e++) {
+        __m512 kv[CHUNK_VECS];
+        for (int u = 0; u < CHUNK_VECS; u++) kv[u] = _mm512_loadu_ps(kp + e * CHUNK + 16 * u);
+        for (int i = 0; i < nr; i++) {
+            __m512 qb = _mm512_set1_ps(qr[i][e]);
+            for (int u = 0; u < CHUNK_VECS; u++) acc[i][u] = _mm512_fmadd_ps(kv[u], qb, acc[i][u]);
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int u = 0; u < CHUNK_VECS; u++) _mm512_storeu_ps(s + i * CHUNK + 16 * u, acc[i][u]);
+}
+
+static void chunk_scores_f32(const float *const *q, int64_t rows, const float *kp, int64_t d, float *s) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+        const float *const *qr = q + r0;
+        float *sr = s + r0 * CHUNK;
+        switch (rows - r0 < 6 ? rows - r0 : 6) {
+        case 6: score_rows_f32(qr, kp, d, sr, 6); break;
+        case 5: score_rows_f32(qr, kp, d, sr, 5); break;
+        case 4: score_rows_f32(qr, kp, d, sr, 4); break;
+        case 3: score_rows_f32(qr, kp, d, sr, 3); break;
+        case 2: score_rows_f32(qr, kp, d, sr, 2); break;
+        default: score_rows_f32(qr, kp, d, sr, 1);
+        }
+    }
+}
+
+/* channels e0 .. e0 + 16 REGS of NR <= 4 rows of o (row stride d): o * rescale + sum_c p[c] v[c] over
+   a float32 block's n keys in order (p: row i at p + i CHUNK; the value rows v + c vs) */
+static inline __attribute__((always_inline)) void values_rows_f32(float *o, const float *p, const float *rescale,
+                                                                  const float *v, int64_t vs, int64_t n, int64_t d,
+                                                                  int64_t e0, const int nr, const int regs) {
+    __m512 acc[4][4];
+    for (int i = 0; i < nr; i++) {
+        __m512 a = _mm512_set1_ps(rescale[i]);
+        for (int u = 0; u < regs; u++) acc[i][u] = _mm512_mul_ps(_mm512_loadu_ps(o + i * d + e0 + 16 * u), a);
+    }
+    for (int64_t c = 0; c < n; c++) {
+        __m512 vv[4];
+        for (int u = 0; u < regs; u++) vv[u] = _mm512_loadu_ps(v + c * vs + e0 + 16 * u);
+        for (int i = 0; i < nr; i++) {
+            __m512 pc = _mm512_set1_ps(p[i * CHUNK + c]);
+            for (int u = 0; u < regs; u++) acc[i][u] = _mm512_fmadd_ps(pc, vv[u], acc[i][u]);
+        }
+    }
+    for (int i = 0; i < nr; i++)
+        for (int u = 0; u < regs; u++) _mm512_storeu_ps(o + i * d + e0 + 16 * u, acc[i][u]);
+}
+
+static void values_f32(float *o, const float *p, const float *rescale, const float *v, int64_t vs, int64_t n,
+                       int64_t d, int64_t rows) {
+#define VF(NR, REGS) values_rows_f32(o + r0 * d, p + r0 * CHUNK, rescale + r0, v, vs, n, d, e0, NR, REGS)
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        int64_t nr = rows - r0 < 4 ? rows - r0 : 4, e0 = 0;
+        for (; e0 + 64 <= d; e0 += 64)
+            switch (nr) { case 4: VF(4, 4); break; case 3: VF(3, 4); break; case 2: VF(2, 4); break; default: VF(1, 4); }
+        for (; e0 < d; e0 += 16)
+            switch (nr) { case 4: VF(4, 1); break; case 3: VF(3, 1); break; case 2: VF(2, 1); break; default: VF(1, 1); }
+    }
+#undef VF
+}
+
 typedef struct {
-    const bf16 *q, *k, *v;
+    const void *q, *k, *v; /* bfloat16, or float32 (bf 0) */
+    int bf;
     int64_t qs, ks, vs, t, hq, hkv, d, keys, tokens;  /* tokens: token rows per task */
     int causal;
     float scale;
     float *out, *lse;
     /* the run's keys and values, prepared once for every task: per key head and block of CHUNK
        keys, the keys' bfloat16 pairs kp[p * CHUNK + c] and the values of key pairs c2 = c / 2,
-       vp[c2 * d + e] = (v[2 c2][e], v[2 c2 + 1][e]) */
+       vp[c2 * d + e] = (v[2 c2][e], v[2 c2 + 1][e]); float32: the keys per channel kp[e * CHUNK + c]
+       (as floats), the values read where they are (vp NULL) */
     uint32_t *kp, *vp;
     int64_t blocks;  /* key blocks per head */
 } PrefillJob;
@@ -2655,14 +2740,25 @@ typedef struct {
 static void prefill_pack(void *ctx, int64_t begin, int64_t end) {
     const PrefillJob *j = ctx;
     int64_t d = j->d, pairs = d / 2;
+    if (!j->bf) { /* float32 keys per channel */
+        for (int64_t b = begin; b < end; b++) {
+            int64_t h = b / j->blocks, k0 = (b % j->blocks) * CHUNK;
+            float *kp = (float *)j->kp + b * d * CHUNK;
+            for (int64_t c = 0; c < CHUNK; c++) {
+                const float *kr = (const float *)j->k + (k0 + c) * j->ks + h * d;
+                for (int64_t e = 0; e < d; e++) kp[e * CHUNK + c] = k0 + c < j->keys ? kr[e] : 0.0f;
+            }
+        }
+        return;
+    }
     for (int64_t b = begin; b < end; b++) {
         int64_t h = b / j->blocks, k0 = (b % j->blocks) * CHUNK;
         uint32_t *kp = j->kp + b * pairs * CHUNK;
         bf16 *vp = (bf16 *)(j->vp + b * PREFILL_PAIRS * d);
         for (int64_t c = 0; c < CHUNK; c++) {
             if (k0 + c < j->keys) {
-                const uint32_t *kr = (const uint32_t *)(j->k + (k0 + c) * j->ks + h * d);
-                const bf16 *vr = j->v + (k0 + c) * j->vs + h * d;
+                const uint32_t *kr = (const uint32_t *)((const bf16 *)j->k + (k0 + c) * j->ks + h * d);
+                const bf16 *vr = (const bf16 *)j->v + (k0 + c) * j->vs + h * d;
                 for (int64_t p = 0; p < pairs; p++) kp[p * CHUNK + c] = kr[p];
                 for (int64_t e = 0; e < d; e++) vp[(c / 2 * d + e) * 2 + c % 2] = vr[e];
             } else {
@@ -2680,11 +2776,11 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
     int64_t t1 = t0 + j->tokens < j->t ? t0 + j->tokens : j->t, rows = (t1 - t0) * g;
     int64_t shift = j->keys - j->t; /* causal: token t sees keys 0 .. shift + t */
     int64_t end = j->causal ? shift + t1 : j->keys;
-    const uint32_t *qrows[rows]; /* query row r: token t0 + r / g, head h g + r % g */
-    int64_t visible[rows];
+    const void *qrows[rows]; /* query row r: token t0 + r / g, head h g + r % g */
+    int64_t visible[rows], size = j->bf ? 2 : 4;
     float top[rows];
     for (int64_t r = 0; r < rows; r++)
-        qrows[r] = (const uint32_t *)(j->q + (t0 + r / g) * j->qs + (h * g + r % g) * d);
+        qrows[r] = (const char *)j->q + ((t0 + r / g) * j->qs + (h * g + r % g) * d) * size;
     for (int64_t r = 0; r < rows; r++) {
         m[r] = -INFINITY;
         l[r] = 0.0f;
@@ -2692,14 +2788,20 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
     }
     for (int64_t k0 = 0; k0 < end; k0 += CHUNK) {
         int64_t n = end - k0 < CHUNK ? end - k0 : CHUNK, block = h * j->blocks + k0 / CHUNK;
-        const uint32_t *kp = j->kp + block * pairs * CHUNK;
-        const uint32_t *vp = j->vp + block * PREFILL_PAIRS * d;
-        chunk_scores(qrows, rows, kp, pairs, s);
+        if (j->bf)
+            chunk_scores((const uint32_t *const *)qrows, rows, j->kp + block * pairs * CHUNK, pairs, s);
+        else
+            chunk_scores_f32((const float *const *)qrows, rows, (const float *)j->kp + block * d * CHUNK, d, s);
         for (int64_t r = 0; r < rows; r++) { /* keys of this block row r sees */
             int64_t v = j->causal ? shift + t0 + r / g + 1 - k0 : n;
             visible[r] = v > n ? n : (v < 0 ? 0 : v);
         }
-        prefill_softmax(s, visible, rows, j->scale, m, l, rescale, top, pb);
+        prefill_softmax(s, visible, rows, j->scale, m, l, rescale, top, j->bf ? pb : NULL);
+        if (!j->bf) {
+            values_f32(o, s, rescale, (const float *)j->v + k0 * j->vs + h * d, j->vs, n, d, rows);
+            continue;
+        }
+        const uint32_t *vp = j->vp + block * PREFILL_PAIRS * d;
         for (int64_t r0 = 0; r0 < rows; r0 += 4) { /* o <- o alpha + P V, four rows per pass over V */
             int64_t nr = rows - r0 < 4 ? rows - r0 : 4, e0 = 0;
             const uint32_t *p = pb + r0 * PREFILL_PAIRS;
@@ -2735,57 +2837,60 @@ static void prefill_tasks(void *ctx, int64_t begin, int64_t end) {
 #define PREFILL_ATTENTION 0
 #endif
 
-/* Whether ct_prefill_attention is built here (bfloat16 pairs: AVX-512 BF16) */
+/* Whether ct_prefill_attention is built here (with the bfloat16 pairs: AVX-512 BF16), for both dtypes */
 int ct_prefill_attention_built(void) { return PREFILL_ATTENTION; }
 
 #if PREFILL_ATTENTION
-/* The queries rotated for the run (cos, sin: Rotary.prepare's tables, [T, rot] bfloat16), as
-   Rotary.apply_prepared rotates them (`rotate`: each product rounded to bfloat16), into a contiguous
-   bfloat16 copy: tokens begin .. end-1 */
+/* The queries rotated for the run (cos, sin: Rotary.prepare's tables, [T, rot] of q's dtype), as
+   Rotary.apply_prepared rotates them (`rotate`: each product rounded to the dtype), into a contiguous
+   copy: tokens begin .. end-1 */
 typedef struct {
-    const bf16 *q;
+    const char *q;
     int64_t qs, hq, d, rot;
-    const bf16 *cos, *sin;
-    bf16 *out;
+    const char *cos, *sin;
+    char *out;
+    int bf;
 } PrefillRotation;
 
 static void prefill_rotate(void *ctx, int64_t begin, int64_t end) {
     const PrefillRotation *j = ctx;
     float x[j->d], y[j->d];
+    int64_t size = j->bf ? 2 : 4;
     for (int64_t t = begin; t < end; t++)
         for (int64_t h = 0; h < j->hq; h++) {
-            load_row(j->q + t * j->qs + h * j->d, j->d, 1, x);
-            rotate(x, j->d, j->rot, j->cos + t * j->rot, j->sin + t * j->rot, 1, y);
-            store_row(j->out + (t * j->hq + h) * j->d, y, j->d, 1);
+            load_row(j->q + (t * j->qs + h * j->d) * size, j->d, j->bf, x);
+            rotate(x, j->d, j->rot, j->cos + t * j->rot * size, j->sin + t * j->rot * size, j->bf, y);
+            store_row(j->out + (t * j->hq + h) * j->d * size, y, j->d, j->bf);
         }
 }
 #endif
 
-/* Attention of q [T, Hq, D] bfloat16 (token stride qs; heads contiguous, D apart) over one run of
- * `keys` keys and values k, v [L, Hkv, D] bfloat16 (key strides ks, vs) into out [T, Hq, D] and
- * lse [T, Hq] float32 (natural log). With cos and sin (not NULL: Rotary.prepare's tables [T, rot]
- * bfloat16), q is rotated for the run first, as Rotary.apply_prepared rotates it (the torch ops it
+/* Attention of q [T, Hq, D] (token stride qs; heads contiguous, D apart) over one run of `keys` keys
+ * and values k, v [L, Hkv, D] (key strides ks, vs), all bfloat16 (bf) or all float32, into out
+ * [T, Hq, D] and lse [T, Hq] float32 (natural log). With cos and sin (not NULL: Rotary.prepare's
+ * tables [T, rot] of the same dtype), q is rotated for the run first, as Rotary.apply_prepared rotates it (the torch ops it
  * spares: five per layer and run); else q comes rotated. `causal`: L >= T and token t sees keys
  * 0 .. L-T+t; else every token sees all L. Tasks (key head, block of tokens) split over up to `threads`
  * threads. D is a multiple of 16 (Python checks). Where not built (PREFILL_ATTENTION 0) it does
  * nothing: Python never calls it. */
 void ct_prefill_attention(const void *q, int64_t qs, const void *k, int64_t ks, const void *v, int64_t vs,
                           const void *cos, const void *sin, int64_t rot, int64_t t, int64_t hq, int64_t hkv,
-                          int64_t d, int64_t keys, int causal, float scale, float *out, float *lse,
+                          int64_t d, int64_t keys, int causal, float scale, float *out, float *lse, int bf,
                           int64_t threads) {
 #if PREFILL_ATTENTION
     int64_t g = hq / hkv, tokens = PREFILL_TILE / g > 0 ? PREFILL_TILE / g : 1;
     int64_t blocks = (keys + CHUNK - 1) / CHUNK;
-    bf16 *rotated = NULL;
+    char *rotated = NULL;
     if (cos) {
-        rotated = malloc((size_t)(t * hq * d) * sizeof(bf16));
-        PrefillRotation rj = {q, qs, hq, d, rot, cos, sin, rotated};
+        rotated = malloc((size_t)(t * hq * d) * (bf ? 2 : 4));
+        PrefillRotation rj = {q, qs, hq, d, rot, cos, sin, rotated, bf};
         parallel_for(prefill_rotate, &rj, t, 16, threads, 0);
         q = rotated, qs = hq * d;
     }
-    PrefillJob job = {q, k, v, qs, ks, vs, t, hq, hkv, d, keys, tokens, causal, scale, out, lse,
-                      malloc((size_t)(hkv * blocks * CHUNK * d / 2) * sizeof(uint32_t)),
-                      malloc((size_t)(hkv * blocks * PREFILL_PAIRS * d) * sizeof(uint32_t)), blocks};
+    /* bfloat16: keys and values in pairs; float32: keys per channel (d floats per key), values as they are */
+    PrefillJob job = {q, k, v, bf, qs, ks, vs, t, hq, hkv, d, keys, tokens, causal, scale, out, lse,
+                      malloc((size_t)(hkv * blocks * CHUNK * d / (bf ? 2 : 1)) * sizeof(uint32_t)),
+                      bf ? malloc((size_t)(hkv * blocks * PREFILL_PAIRS * d) * sizeof(uint32_t)) : NULL, blocks};
     parallel_for(prefill_pack, &job, hkv * blocks, 4, threads, 0);
     parallel_for(prefill_tasks, &job, hkv * ((t + tokens - 1) / tokens), 1, threads, 0);
     free(job.kp);
@@ -2793,6 +2898,7 @@ void ct_prefill_attention(const void *q, int64_t qs, const void *k, int64_t ks, 
     free(rotated);
 #else
     (void)q, (void)qs, (void)k, (void)ks, (void)v, (void)vs, (void)cos, (void)sin, (void)rot, (void)t;
-    (void)hq, (void)hkv, (void)d, (void)keys, (void)causal, (void)scale, (void)out, (void)lse, (void)threads;
+    (void)hq, (void)hkv, (void)d, (void)keys, (void)causal, (void)scale, (void)out, (void)lse, (void)bf;
+    (void)threads;
 #endif
 }

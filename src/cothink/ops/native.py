@@ -58,7 +58,7 @@ F32_TILES = os.environ.get("COTHINK_F32_TILES", "1") != "0"
 # COTHINK_8BIT_ACTIVATIONS=0 keeps those layers on the plain kernels' bfloat16 activations (`takes_pairs`)
 ACTIVATIONS_8BIT = os.environ.get("COTHINK_8BIT_ACTIVATIONS", "1") != "0"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 14
+ABI_VERSION = 15
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales,
@@ -99,7 +99,7 @@ _SIGNATURES = {
     "ct_linear_bf16_dot": [],
     "ct_linear_f32_tiles": [],
     "ct_prefill_attention": [_P, _I, _P, _I, _P, _I, _P, _P, _I, _I, _I, _I, _I, _I, ctypes.c_int, _F, _P, _P,
-                             _I],
+                             ctypes.c_int, _I],
     "ct_prefill_attention_built": [],
     "ct_layout": [ctypes.POINTER(_I)],
 }
@@ -622,10 +622,11 @@ def decode_attention(
 def prefill_attention_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether `prefill_attention` takes these: built here (AVX-512 BF16) on a CPU without AMX tiles
     (with them, the MKL bfloat16 GEMMs inside torch's flash kernel run on the tiles; measured only
-    without: AMD EPYC Zen 4, docs/benchmarks.md); all bfloat16 on the CPU, heads contiguous within a
-    row, a head size that is a multiple of 16, whole key heads per query group."""
+    without: AMD EPYC Zen 4, docs/benchmarks.md); all bfloat16 or all float32 on the CPU, heads
+    contiguous within a row, a head size that is a multiple of 16, whole key heads per query group."""
     return (
-        q.dtype == k.dtype == v.dtype == torch.bfloat16 and available() and _prefill_kernel_here()
+        q.dtype == k.dtype == v.dtype and q.dtype in (torch.bfloat16, torch.float32) and available()
+        and _prefill_kernel_here()
         and all(x.is_cpu and x.stride(-1) == 1 and x.stride(1) == x.shape[-1] for x in (q, k, v))
         and q.shape[-1] % 16 == 0 and q.shape[1] % k.shape[1] == 0
     )
@@ -644,11 +645,13 @@ def prefill_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """ops/attention.py `partial_attention`'s contract in the C kernel (where `prefill_attention_fits`):
     q [T, Hq, D] over k, v [L, Hkv, D] -> (out [T, Hq, D], lse [T, Hq]) float32; `causal`: row t sees
-    keys 0..L-T+t. Scores and the softmax in float32 (the products of bfloat16 pairs summed by
-    VDPBF16PS), P V of P rounded to bfloat16 (as torch's flash kernel does) by VDPBF16PS too, each
-    output within 2^-9 max|v| of the float32 one; tasks over `threads` threads (default: torch's
-    thread count). `rotation`: the run's (cos, sin) tables from Rotary.prepare ([T, 1, R] bfloat16,
-    R <= D): q comes unrotated and the kernel rotates it as `Rotary.apply_prepared` would, to the bit.
+    keys 0..L-T+t. bfloat16: scores and the softmax in float32 (the products of bfloat16 pairs summed
+    by VDPBF16PS), P V of P rounded to bfloat16 (as torch's flash kernel does) by VDPBF16PS too, each
+    output within 2^-9 max|v| of the float32 one. float32: float32 FMAs throughout, P unrounded, within
+    float32 rounding of the float64 math. Tasks over `threads` threads (default: torch's thread count),
+    each computed whole by one. `rotation`: the run's (cos, sin) tables from Rotary.prepare ([T, 1, R]
+    of q's dtype, R <= D): q comes unrotated and the kernel rotates it as `Rotary.apply_prepared`
+    would, to the bit.
     `out`: a float32 [T, Hq, D] tensor (rows may be a view into a larger one) to write into."""
     t, hq, d = q.shape
     if out is None:
@@ -669,7 +672,7 @@ def prefill_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), rot,
         t, hq, k.shape[1], d, k.shape[0], int(causal), scale, out.data_ptr(), lse.data_ptr(),
-        torch.get_num_threads() if threads is None else threads,
+        int(q.dtype == torch.bfloat16), torch.get_num_threads() if threads is None else threads,
     )
     return out, lse
 
