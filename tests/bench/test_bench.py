@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from cothink.ops import native
 
@@ -226,6 +227,30 @@ def test_step_phases_coroutines(tiny_folder, tmp_path):
     ms = res["ms_per_token"]
     assert res["tok_s"] == pytest.approx(4 * 1e3 / ms["total"])
     assert ms["forward"] > 0 and ms["prepare"] > 0
+
+
+@pytest.mark.skipif(
+    not native.prefill_attention_fits(*(torch.zeros(2, 2, 16, dtype=torch.bfloat16) for _ in range(3))),
+    reason="the prefill attention kernel is built only where the CPU has AVX-512 BF16")
+def test_prefill_attention_quick(tiny_folder, tmp_path, capsys):
+    """The C prefill kernel and torch's flash kernel on the model's heads, each within its rounding of
+    the float64 reference, with the table, JSON and plot."""
+    bench = _load("prefill_attention")
+    argv = ["--quick", "--model", str(tiny_folder), "--out", str(tmp_path), "--repeats", "1"]
+    assert bench.main(argv) == 0
+    assert "C kernel vs torch's flash kernel" in capsys.readouterr().out
+    runs = json.loads((tmp_path / "prefill_attention.json").read_text())["runs"]
+    assert [(r["dtype"], r["chunk"], r["heads"]) for r in runs] == [("bfloat16", 64, [4, 2, 16]),
+                                                                    ("float32", 64, [4, 2, 16])]
+    for run in runs:
+        assert [r["keys"] for r in run["results"]] == [64, 128]
+        bound = 2**-7 if run["dtype"] == "bfloat16" else 1e-5  # (bfloat16 inputs: P rounded for P V)
+        for r in run["results"]:
+            assert r["native_ms"] > 0 and r["flash_ms"] > 0 and r["native_gflop_s"] > 0
+            assert r["native_out_err"] < bound and r["flash_out_err"] < bound and r["native_lse_err"] < 1e-4
+    assert (tmp_path / "prefill_attention.png").stat().st_size > 0
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--chunk", "64", "--keys", "32"])
 
 
 @pytest.mark.skipif(not native.available(), reason="cothink's C kernels did not build here")
