@@ -407,8 +407,8 @@ class NativeBackend(TorchBackend):
     def _attend_item(self, batch: ViewBatch, plan: ItemPlan, q: torch.Tensor, slot: int,
                      out: torch.Tensor) -> None:
         """The torch path's per-item attention, with runs the C prefill kernel takes rotated inside it
-        (to the bit as Rotary.apply_prepared: five torch ops per layer and run spared, ~4% of a
-        512-token bfloat16 prefill) and a lone run's output written in place."""
+        (to the bit as Rotary.apply_prepared: five torch ops per layer and run spared) and a lone
+        run's output written in place."""
         q_item = q[plan.rows]
         keys = [_keys(batch, slot, run) for run in plan.runs] if plan.size > 1 else []
         if not keys or not all(native.prefill_attention_fits(q_item, k, v) for k, v in keys):

@@ -2745,8 +2745,12 @@ static void prefill_pack(void *ctx, int64_t begin, int64_t end) {
             int64_t h = b / j->blocks, k0 = (b % j->blocks) * CHUNK;
             float *kp = (float *)j->kp + b * d * CHUNK;
             for (int64_t c = 0; c < CHUNK; c++) {
-                const float *kr = (const float *)j->k + (k0 + c) * j->ks + h * d;
-                for (int64_t e = 0; e < d; e++) kp[e * CHUNK + c] = k0 + c < j->keys ? kr[e] : 0.0f;
+                if (k0 + c < j->keys) {
+                    const float *kr = (const float *)j->k + (k0 + c) * j->ks + h * d;
+                    for (int64_t e = 0; e < d; e++) kp[e * CHUNK + c] = kr[e];
+                } else {
+                    for (int64_t e = 0; e < d; e++) kp[e * CHUNK + c] = 0.0f;
+                }
             }
         }
         return;
