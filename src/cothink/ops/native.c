@@ -865,21 +865,44 @@ static inline __attribute__((always_inline)) void score_rows(const uint32_t *con
         for (int u = 0; u < CHUNK_VECS; u++) _mm512_storeu_ps(s + i * CHUNK + 16 * u, acc[i][u]);
 }
 
-/* scores s[r][0 .. CHUNK - 1] of `rows` query rows q[r] against a chunk's packed keys kp, six rows per
-   pass over the keys (24 accumulators) */
-static void chunk_scores(const uint32_t *const *q, int64_t rows, const uint32_t *kp, int64_t pairs, float *s) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
-        const uint32_t *const *qr = q + r0;
-        float *sr = s + r0 * CHUNK;
-        switch (rows - r0 < 6 ? rows - r0 : 6) {
-        case 6: score_rows(qr, kp, pairs, sr, 6); break;
-        case 5: score_rows(qr, kp, pairs, sr, 5); break;
-        case 4: score_rows(qr, kp, pairs, sr, 4); break;
-        case 3: score_rows(qr, kp, pairs, sr, 3); break;
-        case 2: score_rows(qr, kp, pairs, sr, 2); break;
-        default: score_rows(qr, kp, pairs, sr, 1);
+/* float32 scores s[i][0 .. CHUNK - 1] of NR (constant after inlining) query rows qr[i] against a block's
+   keys packed per channel, kp[e * CHUNK + c]: per channel one FMA per row and 16 keys */
+static inline __attribute__((always_inline)) void score_rows_f32(const float *const *qr, const float *kp, int64_t d,
+                                                                 float *s, const int nr) {
+    __m512 acc[6][CHUNK_VECS];
+    for (int i = 0; i < nr; i++)
+        for (int u = 0; u < CHUNK_VECS; u++) acc[i][u] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < d; e++) {
+        __m512 kv[CHUNK_VECS];
+        for (int u = 0; u < CHUNK_VECS; u++) kv[u] = _mm512_loadu_ps(kp + e * CHUNK + 16 * u);
+        for (int i = 0; i < nr; i++) {
+            __m512 qb = _mm512_set1_ps(qr[i][e]);
+            for (int u = 0; u < CHUNK_VECS; u++) acc[i][u] = _mm512_fmadd_ps(kv[u], qb, acc[i][u]);
         }
     }
+    for (int i = 0; i < nr; i++)
+        for (int u = 0; u < CHUNK_VECS; u++) _mm512_storeu_ps(s + i * CHUNK + 16 * u, acc[i][u]);
+}
+
+/* scores s[r][0 .. CHUNK - 1] of `rows` query rows q[r] against a chunk's packed keys kp, six rows per
+   pass over the keys (24 accumulators): bfloat16 pairs (bf: `depth` pairs, kp[p * CHUNK + c]) or float32
+   (`depth` channels, kp[e * CHUNK + c]) */
+static void chunk_scores(const void *const *q, int64_t rows, const void *kp, int64_t depth, float *s, int bf) {
+#define SCORE(NR) (bf ? score_rows((const uint32_t *const *)qr, kp, depth, sr, NR) \
+                      : score_rows_f32((const float *const *)qr, kp, depth, sr, NR))
+    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+        const void *const *qr = q + r0;
+        float *sr = s + r0 * CHUNK;
+        switch (rows - r0 < 6 ? rows - r0 : 6) {
+        case 6: SCORE(6); break;
+        case 5: SCORE(5); break;
+        case 4: SCORE(4); break;
+        case 3: SCORE(3); break;
+        case 2: SCORE(2); break;
+        default: SCORE(1);
+        }
+    }
+#undef SCORE
 }
 
 /* Shared runs (a block several items of a step read: a shared context): with bfloat16 pools, each
@@ -939,7 +962,7 @@ static void shared_tasks(void *ctx, int64_t begin, int64_t end) {
                 for (int64_t p = 0; p < d / 2; p++) kp[p * CHUNK + x] = x < c ? kr[p] : 0;
                 if (x < c) v[x] = (const char *)j->pool_v + (j->slots[a + x] * j->hkv + kh) * d * size;
             }
-            chunk_scores(qrows, rows, kp, d / 2, s);
+            chunk_scores((const void *const *)qrows, rows, kp, d / 2, s, 1);
             for (int64_t r = 0; r < rows; r++) rescale[r] = softmax_chunk(s + r * CHUNK, c, j->scale, m + r, l + r);
             pv_rows(acc, s, rescale, v, c, d, rows);
         }
@@ -2651,40 +2674,6 @@ static inline void prefill_values(float *o, const uint32_t *pb, const float *res
 #undef PV
 }
 
-/* float32 scores s[i][0 .. CHUNK - 1] of NR (constant after inlining) query rows qr[i] against a block's
-   keys packed per channel, kp[e * CHUNK + c]: per channel one FMA per row and 16 keys */
-static inline __attribute__((always_inline)) void score_rows_f32(const float *const *qr, const float *kp, int64_t d,
-                                                                 float *s, const int nr) {
-    __m512 acc[6][CHUNK_VECS];
-    for (int i = 0; i < nr; i++)
-        for (int u = 0; u < CHUNK_VECS; u++) acc[i][u] = _mm512_setzero_ps();
-    for (int64_t e = 0; e < d; e++) {
-        __m512 kv[CHUNK_VECS];
-        for (int u = 0; u < CHUNK_VECS; u++) kv[u] = _mm512_loadu_ps(kp + e * CHUNK + 16 * u);
-        for (int i = 0; i < nr; i++) {
-            __m512 qb = _mm512_set1_ps(qr[i][e]);
-            for (int u = 0; u < CHUNK_VECS; u++) acc[i][u] = _mm512_fmadd_ps(kv[u], qb, acc[i][u]);
-        }
-    }
-    for (int i = 0; i < nr; i++)
-        for (int u = 0; u < CHUNK_VECS; u++) _mm512_storeu_ps(s + i * CHUNK + 16 * u, acc[i][u]);
-}
-
-static void chunk_scores_f32(const float *const *q, int64_t rows, const float *kp, int64_t d, float *s) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
-        const float *const *qr = q + r0;
-        float *sr = s + r0 * CHUNK;
-        switch (rows - r0 < 6 ? rows - r0 : 6) {
-        case 6: score_rows_f32(qr, kp, d, sr, 6); break;
-        case 5: score_rows_f32(qr, kp, d, sr, 5); break;
-        case 4: score_rows_f32(qr, kp, d, sr, 4); break;
-        case 3: score_rows_f32(qr, kp, d, sr, 3); break;
-        case 2: score_rows_f32(qr, kp, d, sr, 2); break;
-        default: score_rows_f32(qr, kp, d, sr, 1);
-        }
-    }
-}
-
 /* channels e0 .. e0 + 16 REGS of NR <= 4 rows of o (row stride d): o * rescale + sum_c p[c] v[c] over
    a float32 block's n keys in order (p: row i at p + i CHUNK; the value rows v + c vs) */
 static inline __attribute__((always_inline)) void values_rows_f32(float *o, const float *p, const float *rescale,
@@ -2792,10 +2781,7 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
     }
     for (int64_t k0 = 0; k0 < end; k0 += CHUNK) {
         int64_t n = end - k0 < CHUNK ? end - k0 : CHUNK, block = h * j->blocks + k0 / CHUNK;
-        if (j->bf)
-            chunk_scores((const uint32_t *const *)qrows, rows, j->kp + block * pairs * CHUNK, pairs, s);
-        else
-            chunk_scores_f32((const float *const *)qrows, rows, (const float *)j->kp + block * d * CHUNK, d, s);
+        chunk_scores(qrows, rows, j->kp + block * (j->bf ? pairs : d) * CHUNK, j->bf ? pairs : d, s, j->bf);
         for (int64_t r = 0; r < rows; r++) { /* keys of this block row r sees */
             int64_t v = j->causal ? shift + t0 + r / g + 1 - k0 : n;
             visible[r] = v > n ? n : (v < 0 ? 0 : v);
