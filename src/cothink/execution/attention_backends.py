@@ -51,6 +51,7 @@ from cothink.ops.attention import (
     reference_merge,
     reference_partial_attention,
 )
+from cothink.ops.rope import Rotary
 
 BACKEND_NAMES = ("auto", "torch", "native", "reference")
 
@@ -268,17 +269,26 @@ class TorchBackend:
 
     def _attend_item(self, batch: ViewBatch, plan: ItemPlan, q: torch.Tensor, slot: int,
                      out: torch.Tensor) -> None:
-        """One item's queries over each of its key runs, partials merged by LSE, into out[rows]."""
+        """One item's queries over each of its key runs, partials merged by LSE, into out[rows] (a lone
+        run's output straight into them)."""
         q_item = q[plan.rows]
+        lone = out[plan.rows] if len(plan.runs) == 1 else None
         outs, lses = [], []
         for run in plan.runs:
-            k_run, v_run = _keys(batch, slot, run)
-            o, lse = self.run(
-                batch.rotary.apply_prepared(q_item, run.cos, run.sin), k_run, v_run, batch.scale, run.causal
-            )
+            o, lse = self._run_rotated(batch.rotary, q_item, run, *_keys(batch, slot, run), batch.scale, lone)
             outs.append(o)
             lses.append(lse)
-        out[plan.rows] = outs[0] if len(outs) == 1 else self.merge(outs, lses)
+        if lone is None:
+            out[plan.rows] = self.merge(outs, lses)
+
+    def _run_rotated(self, rotary: Rotary, q: torch.Tensor, run: KeyRun, k: torch.Tensor, v: torch.Tensor,
+                     scale: float, into: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """`run` for an item's queries q [T, Hq, D] over one of its key runs, q rotated for the run
+        first; the output also written into `into` where given."""
+        o, lse = self.run(rotary.apply_prepared(q, run.cos, run.sin), k, v, scale, run.causal)
+        if into is not None:
+            into.copy_(o)
+        return o, lse
 
     # ---- the kernels: every result fp32, LSE natural-log ------------------------------------------
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -404,25 +414,14 @@ class NativeBackend(TorchBackend):
             return native.prefill_attention(q, k, v, scale, causal)
         return super().run(q, k, v, scale, causal)
 
-    def _attend_item(self, batch: ViewBatch, plan: ItemPlan, q: torch.Tensor, slot: int,
-                     out: torch.Tensor) -> None:
-        """The torch path's per-item attention, with runs the C prefill kernel takes rotated inside it
-        (to the bit as Rotary.apply_prepared: five torch ops per layer and run spared) and a lone
-        run's output written in place."""
-        q_item = q[plan.rows]
-        keys = [_keys(batch, slot, run) for run in plan.runs] if plan.size > 1 else []
-        if not keys or not all(native.prefill_attention_fits(q_item, k, v) for k, v in keys):
-            return super()._attend_item(batch, plan, q, slot, out)
-        lone = len(plan.runs) == 1
-        outs, lses = [], []
-        for run, (k_run, v_run) in zip(plan.runs, keys, strict=True):
-            o, lse = native.prefill_attention(q_item, k_run, v_run, batch.scale, run.causal,
-                                              rotation=(run.cos, run.sin),
-                                              out=out[plan.rows] if lone else None)
-            outs.append(o)
-            lses.append(lse)
-        if not lone:
-            out[plan.rows] = self.merge(outs, lses)
+    def _run_rotated(self, rotary: Rotary, q: torch.Tensor, run: KeyRun, k: torch.Tensor, v: torch.Tensor,
+                     scale: float, into: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill item's run in the C kernel where it takes it (as `run`), which rotates the queries
+        itself (to the bit as Rotary.apply_prepared: five torch ops per layer and run spared) and
+        writes its output into `into` in place."""
+        if q.shape[0] > 1 and native.prefill_attention_fits(q, k, v):
+            return native.prefill_attention(q, k, v, scale, run.causal, rotation=(run.cos, run.sin), out=into)
+        return super()._run_rotated(rotary, q, run, k, v, scale, into)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: StepMetadata) -> torch.Tensor:

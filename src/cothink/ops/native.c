@@ -2663,17 +2663,6 @@ static inline __attribute__((always_inline)) void prefill_values_regs(float *o, 
         for (int u = 0; u < regs; u++) _mm512_storeu_ps(o + i * d + e0 + 16 * u, acc[i][u]);
 }
 
-static inline void prefill_values(float *o, const uint32_t *pb, const float *rescale, const uint32_t *vp,
-                                  int64_t pairs, int64_t d, int64_t e0, int64_t nr, int regs) {
-#define PV(NR, REGS) prefill_values_regs(o, pb, rescale, vp, pairs, d, e0, NR, REGS)
-    if (regs == 4) {
-        switch (nr) { case 4: PV(4, 4); break; case 3: PV(3, 4); break; case 2: PV(2, 4); break; default: PV(1, 4); }
-    } else {
-        switch (nr) { case 4: PV(4, 1); break; case 3: PV(3, 1); break; case 2: PV(2, 1); break; default: PV(1, 1); }
-    }
-#undef PV
-}
-
 /* channels e0 .. e0 + 16 REGS of NR <= 4 rows of o (row stride d): o * rescale + sum_c p[c] v[c] over
    a float32 block's n keys in order (p: row i at p + i CHUNK; the value rows v + c vs) */
 static inline __attribute__((always_inline)) void values_rows_f32(float *o, const float *p, const float *rescale,
@@ -2696,17 +2685,24 @@ static inline __attribute__((always_inline)) void values_rows_f32(float *o, cons
         for (int u = 0; u < regs; u++) _mm512_storeu_ps(o + i * d + e0 + 16 * u, acc[i][u]);
 }
 
-static void values_f32(float *o, const float *p, const float *rescale, const float *v, int64_t vs, int64_t n,
-                       int64_t d, int64_t rows) {
-#define VF(NR, REGS) values_rows_f32(o + r0 * d, p + r0 * CHUNK, rescale + r0, v, vs, n, d, e0, NR, REGS)
+/* o <- o rescale + P V for `rows` rows of o [rows, d] over a block's n keys, four rows per pass over the
+   values: bfloat16 (bf: p the rows' P in bfloat16 pairs, PREFILL_PAIRS a row, v the block's values in
+   pairs of keys) or float32 (p the rows' P, CHUNK a row, v the block's first value row, rows vs apart) */
+static void block_values(float *o, const void *p, const float *rescale, const void *v, int64_t vs, int64_t n,
+                         int64_t d, int64_t rows, int bf) {
+#define PV(NR, REGS)                                                                                          \
+    (bf ? prefill_values_regs(o + r0 * d, (const uint32_t *)p + r0 * PREFILL_PAIRS, rescale + r0, v, (n + 1) / 2, \
+                              d, e0, NR, REGS)                                                                 \
+        : values_rows_f32(o + r0 * d, (const float *)p + r0 * CHUNK, rescale + r0, v, vs, n, d, e0, NR, REGS))
+#define PV_ROWS(REGS) \
+    switch (nr) { case 4: PV(4, REGS); break; case 3: PV(3, REGS); break; case 2: PV(2, REGS); break; default: PV(1, REGS); }
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
         int64_t nr = rows - r0 < 4 ? rows - r0 : 4, e0 = 0;
-        for (; e0 + 64 <= d; e0 += 64)
-            switch (nr) { case 4: VF(4, 4); break; case 3: VF(3, 4); break; case 2: VF(2, 4); break; default: VF(1, 4); }
-        for (; e0 < d; e0 += 16)
-            switch (nr) { case 4: VF(4, 1); break; case 3: VF(3, 1); break; case 2: VF(2, 1); break; default: VF(1, 1); }
+        for (; e0 + 64 <= d; e0 += 64) PV_ROWS(4)
+        for (; e0 < d; e0 += 16) PV_ROWS(1)
     }
-#undef VF
+#undef PV_ROWS
+#undef PV
 }
 
 typedef struct {
@@ -2787,17 +2783,10 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
             visible[r] = v > n ? n : (v < 0 ? 0 : v);
         }
         prefill_softmax(s, visible, rows, j->scale, m, l, rescale, top, j->bf ? pb : NULL);
-        if (!j->bf) {
-            values_f32(o, s, rescale, (const float *)j->v + k0 * j->vs + h * d, j->vs, n, d, rows);
-            continue;
-        }
-        const uint32_t *vp = j->vp + block * PREFILL_PAIRS * d;
-        for (int64_t r0 = 0; r0 < rows; r0 += 4) { /* o <- o alpha + P V, four rows per pass over V */
-            int64_t nr = rows - r0 < 4 ? rows - r0 : 4, e0 = 0;
-            const uint32_t *p = pb + r0 * PREFILL_PAIRS;
-            for (; e0 + 64 <= d; e0 += 64) prefill_values(o + r0 * d, p, rescale + r0, vp, (n + 1) / 2, d, e0, nr, 4);
-            for (; e0 < d; e0 += 16) prefill_values(o + r0 * d, p, rescale + r0, vp, (n + 1) / 2, d, e0, nr, 1);
-        }
+        if (j->bf)
+            block_values(o, pb, rescale, j->vp + block * PREFILL_PAIRS * d, 0, n, d, rows, 1);
+        else
+            block_values(o, s, rescale, (const float *)j->v + k0 * j->vs + h * d, j->vs, n, d, rows, 0);
     }
     for (int64_t r = 0; r < rows; r++) {
         int64_t t = t0 + r / g, head = h * g + r % g;
