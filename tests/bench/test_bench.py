@@ -229,6 +229,30 @@ def test_step_phases_coroutines(tiny_folder, tmp_path):
     assert ms["forward"] > 0 and ms["prepare"] > 0
 
 
+def test_overlap_probe_quick(tiny_folder, tmp_path, capsys):
+    """bench/overlap_probe.py: every mode measured per dtype and width, the overlapped forwards' logits
+    checked against the lone forward's, and the probe's blocks freed."""
+    from cothink.execution.runner import ModelRunner
+
+    bench = _load("overlap_probe")
+    argv = ["--quick", "--model", str(tiny_folder), "--out", str(tmp_path), "--dtypes", "float32",
+            "--coroutines", "1", "3", "--prompt", "12", "--steps", "3"]
+    freed = []
+    free = ModelRunner.free
+    ModelRunner.free = lambda self, block: (freed.append(block.name), free(self, block))[1]
+    try:
+        assert bench.main(argv) == 0
+    finally:
+        ModelRunner.free = free
+    assert "planning hidden" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "overlap_probe.json").read_text())["rows"]
+    assert [(r["dtype"], r["coroutines"]) for r in rows] == [("float32", 1), ("float32", 3)]
+    for r in rows:
+        assert all(r[m] > 0 for m in bench.MODES)
+        assert r["hidden"] == pytest.approx((r["serial"] - r["overlapped"]) / r["planning"])
+    assert freed.count("context") == 2 and len(freed) == 2 + 2 * 1 + 2 * 3  # two writer sets of N each
+
+
 @pytest.mark.skipif(
     not native.prefill_attention_fits(*(torch.zeros(2, 2, 16, dtype=torch.bfloat16) for _ in range(3))),
     reason="the prefill attention kernel is built only where the CPU has AVX-512 BF16")

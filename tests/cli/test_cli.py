@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import subprocess
 import sys
@@ -70,6 +71,22 @@ def test_incremental_decoder_multibyte(which, smollm2_tokenizer):
     pieces = [decoder.push(i) for i in ids] + [decoder.flush()]
     assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
     assert not any("\ufffd" in p for p in pieces)
+
+
+def test_incremental_decoder_keeps_a_tokenizer_class_s_own_decoding(smollm2_tokenizer):
+    """The decoder calls the Rust tokenizer directly only for a fast tokenizer whose class decodes as
+    transformers' base class does; a class with its own decoding is decoded through it."""
+    class Shouting(type(smollm2_tokenizer)):
+        def _decode(self, token_ids, **kwargs):
+            return super()._decode(token_ids, **kwargs).upper()
+
+    tok = copy.copy(smollm2_tokenizer)
+    tok.__class__ = Shouting
+    ids = tok.encode("quiet words", add_special_tokens=False)
+    decoder = IncrementalDecoder(tok)
+    assert "".join([decoder.push(i) for i in ids] + [decoder.flush()]) == "QUIET WORDS"
+    plain = IncrementalDecoder(smollm2_tokenizer)
+    assert "".join([plain.push(i) for i in ids] + [plain.flush()]) == "quiet words"
 
 
 def test_stop_ids(smollm2_tokenizer):

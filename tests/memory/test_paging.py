@@ -28,6 +28,23 @@ def _write(store: BlockStore, block, n: int, value: float) -> None:
     block.length = n
 
 
+def test_slots_follow_the_pages_wherever_they_lie(store):
+    """Blocks that grow in turns take pages in turns: a block's slots are its pages' slots in order,
+    for any token range (across page edges, within one page, empty), with a span only where its pages
+    follow one another."""
+    a, b = store.new_block("a"), store.new_block("b")
+    for n in range(PAGE, 5 * PAGE + 1, PAGE):  # a page each, in turns: a's pages are not consecutive
+        _write(store, a, n - 1, 1.0)
+        _write(store, b, n, 2.0)
+    assert all(q - p > 1 for p, q in zip(a.pages, a.pages[1:]))
+    for start, stop in [(0, 19), (3, 9), (5, 7), (8, 12), (6, 6), (18, 19)]:
+        slots, span = store.slots_and_span(a, start, stop)
+        want = [a.pages[i // PAGE] * PAGE + i % PAGE for i in range(start, stop)]
+        assert slots.dtype == torch.long and slots.tolist() == want
+        within_a_page = start < stop and start // PAGE == (stop - 1) // PAGE
+        assert span == ((want[0], want[0] + stop - start) if within_a_page else None)
+
+
 def test_fork_shares_pages_and_a_tail_write_copies_one_page(store):
     pool = store.pool
     parent = store.new_block("parent")

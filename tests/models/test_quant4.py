@@ -131,18 +131,20 @@ needs_pairs = pytest.mark.skipif(not native.bf16_pairs(), reason="AVX-512 BF16, 
 
 
 @needs_pairs
-def test_4bit_pairs_stay_within_the_bound_for_any_threads_and_batch():
+@pytest.mark.parametrize("k", [320, 576])
+def test_4bit_pairs_stay_within_the_bound_for_any_threads_and_batch(k):
     """A 4-bit weight in pairs (`pack_q4_pairs`: the same codes and scales, in tiles of PAIR_TILE outputs)
     under bfloat16 rows taken as 8-bit codes: the exact product of those codes (`quantize_activations`)
     within float32 rounding, so within the documented bound of the reference (`activation_bound` added),
-    each row's result the same in any batch and on any thread count."""
+    each row's result the same in any batch and on any thread count. K = 576: 18 groups, which the
+    kernel quantizes 16 at a time and then the 2 left one by one."""
     torch.manual_seed(1)
-    n, k = 96, 320
+    n = 96
     weights = Int4Weights.quantize(torch.randn(n, k))
     pairs, scales = native.pack_q4_pairs(weights.packed, weights.scale)
-    assert pairs.dtype == torch.uint16 and pairs.shape == (n, k // 4) and scales.shape == (3, 10, 2, 32)
+    assert pairs.dtype == torch.uint16 and pairs.shape == (n, k // 4) and scales.shape == (3, k // 32, 2, 32)
     # tile 1, group 3, pair 5, byte 7: outputs 32 + 3 (low nibble) and 32 + 16 + 3 (high), input 96 + 10 + 1
-    byte = int(pairs.view(torch.uint8).view(3, 10, 16, 32)[1, 3, 5, 7])
+    byte = int(pairs.view(torch.uint8).view(3, k // 32, 16, 32)[1, 3, 5, 7])
     codes = weights.codes()
     assert (byte & 15, byte >> 4) == (int(codes[35, 107]), int(codes[51, 107]))
     assert torch.equal(scales[1, 3, :, 5], weights.scale[37, 3])
@@ -152,6 +154,7 @@ def test_4bit_pairs_stay_within_the_bound_for_any_threads_and_batch():
     assert not native.linear_fits(pairs, bias, weights.scale)
     x = torch.randn(33, k).bfloat16()
     x[3, 64:96] = 0  # a group of zeros: scale 0, codes 0
+    x[4, k - 32:] = 0  # and one among the groups left after the kernel's blocks of 16
     exact = torch.nn.functional.linear(x.float(), weights.dequantize(), bias.float())
     got = native.linear(x, pairs, bias, scale=scales, float_out=True)
     rounding = _bound(x, weights) + exact.abs() * 2.0**-8  # float32 sums, the bfloat16 result

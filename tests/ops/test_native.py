@@ -391,14 +391,15 @@ def test_int8_linear_is_the_scaled_product_of_the_rounded_input(dtype, k):
 
 @pytest.mark.skipif(not native.bf16_pairs(), reason="int8 pairs: CPUs with AVX-512 BF16 and no AMX tiles")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_int8_pairs_are_the_int8_product_of_the_8bit_input(dtype):
+@pytest.mark.parametrize("k", [160, 576])
+def test_int8_pairs_are_the_int8_product_of_the_8bit_input(dtype, k):
     """An int8 weight in pairs (`pack_pairs`: int16, the same bytes in tiles of PAIR_TILE outputs; K a
     multiple of 32) takes x as 8-bit codes per group of 32 (models/quant4.py `quantize_activations`):
     the int8 product's definition (the float32 sum times the scale rounded to bfloat16, the bias) of
     those codes times their scales, at row counts up to and past NATIVE_MAX_ROWS, every row the same to
-    the bit alone as in the batch, and within models/quantize.py's bound of the product of x itself."""
+    the bit alone as in the batch, and within models/quantize.py's bound of the product of x itself.
+    K = 576: 18 groups, which the kernel quantizes 16 at a time and then the 2 left one by one."""
     g = torch.Generator().manual_seed(9)
-    k = 160
     q = torch.randint(-127, 128, (2 * native.PAIR_TILE, k), generator=g, dtype=torch.int8)
     scale = (torch.rand(q.shape[0], generator=g) / 50).to(torch.bfloat16)
     b = torch.randn(q.shape[0], generator=g).to(dtype)
@@ -411,6 +412,7 @@ def test_int8_pairs_are_the_int8_product_of_the_8bit_input(dtype):
     for rows in (1, 9, 32, 33, 70):
         x = torch.randn(rows, k, generator=g).to(dtype)
         x[0, 32:64] = 0  # a group of zeros: scale 0, codes 0
+        x[-1, k - 32:] = 0  # and one among the groups left after the kernel's blocks of 16
         codes, d = quantize_activations(x.to(torch.bfloat16))
         taken = (codes.double().view(rows, -1, 32) * d.double()[..., None]).view(rows, k)
         for bias in (None, b):

@@ -189,6 +189,7 @@ class ViewBatch:
         self.cache = cache if cache is not None else ExecutionCache()
         self.scale = store.cfg.attention_scale
         self._read_slots: dict[tuple[int, int], tuple[torch.Tensor, tuple[int, int] | None]] = {}
+        self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # `_rotation`'s
         starts = self._starts(items)
         self.plans = [self._plan(item, row) for item, row in zip(items, starts)]
         # placeholder rows and their features (None: a text-only step)
@@ -275,8 +276,14 @@ class ViewBatch:
         return torch.cat([p.new_slots for p in self.plans])
 
     def _rotation(self, first: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Prepared rotation tables (Rotary.prepare) for positions first..first+n-1, in the pool's dtype."""
-        return self.rotary.prepared(range(first, first + n), self.store.dtype)
+        """Prepared rotation tables (Rotary.prepare) for positions first..first+n-1, in the pool's dtype;
+        looked up once per step (coroutines decoding over a shared context all read it from the same
+        positions: one pair of slices for the step rather than two per item and run)."""
+        key = (first, n)
+        tables = self._tables.get(key)
+        if tables is None:
+            tables = self._tables[key] = self.rotary.prepared(range(first, first + n), self.store.dtype)
+        return tables
 
     def _table(
         self, first: int, shift: int, n: int, pos3: torch.Tensor | None

@@ -6,6 +6,7 @@ import itertools
 from collections import Counter
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from cothink.errors import (
@@ -252,11 +253,19 @@ class BlockStore:
     ) -> tuple[torch.Tensor, tuple[int, int] | None]:
         """`slots` and `span` of the block's tokens [start, stop), the span found once."""
         span = self.span(block, start, stop)
+        device = self.pool.k.device
         if span is not None:
-            return torch.arange(*span, device=self.pool.k.device), span
-        pos = torch.arange(start, stop)
-        pages = torch.tensor(block.pages, dtype=torch.long)[pos // self.page_size] if stop > start else pos
-        return (pages * self.page_size + pos % self.page_size).to(self.pool.k.device), None
+            return torch.arange(*span, device=device), span
+        if stop <= start:
+            return torch.empty(0, dtype=torch.long, device=device), None
+        # each page's slots, a page a row, then the run's: in numpy, one tensor made (a step plans
+        # this for every writer whose pages are not consecutive: decoding coroutines' blocks
+        # take pages in turns)
+        ps = self.page_size
+        first = start // ps
+        rows = np.asarray(block.pages[first : (stop - 1) // ps + 1], dtype=np.int64)[:, None] * ps
+        slots = torch.from_numpy((rows + np.arange(ps)).reshape(-1)[start - first * ps : stop - first * ps])
+        return (slots if device.type == "cpu" else slots.to(device)), None
 
     # ---- accounting -------------------------------------------------------------------------
     @property

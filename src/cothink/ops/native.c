@@ -690,22 +690,31 @@ typedef struct {
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define ATTEND_BF16_PAIRS 1
-/* lane u of the result: the sum of a[u]'s 16 lanes (a 16 x 16 transpose folded into the adds) */
+/* How fold16x16 combines lanes: float sums, float maxima, or int32 sums of the lanes' bit patterns */
+enum { FOLD_ADD, FOLD_MAX, FOLD_ADD_I32 };
 typedef float v16 __attribute__((vector_size(64)));
-static inline v16 sum16x16(const v16 *a) {
+typedef int32_t v16i __attribute__((vector_size(64)));
+static inline __attribute__((always_inline)) v16 fold(v16 x, v16 y, const int op) {
+    return op == FOLD_ADD ? x + y : op == FOLD_MAX ? (v16)_mm512_max_ps((__m512)x, (__m512)y) : (v16)((v16i)x + (v16i)y);
+}
+
+/* lane u of the result: a[u]'s 16 lanes combined by `op` (a 16 x 16 transpose folded into the combines) */
+static inline __attribute__((always_inline)) v16 fold16x16(const v16 *a, const int op) {
     v16 b[8], c[4], e[2];
     for (int u = 0; u < 8; u++) /* lanes i and i + 8 of a[2u], a[2u + 1]: interleaved */
-        b[u] = __builtin_shufflevector(a[2 * u], a[2 * u + 1], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23)
-             + __builtin_shufflevector(a[2 * u], a[2 * u + 1], 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+        b[u] = fold(__builtin_shufflevector(a[2 * u], a[2 * u + 1], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23),
+                    __builtin_shufflevector(a[2 * u], a[2 * u + 1], 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31),
+                    op);
     for (int u = 0; u < 4; u++)
-        c[u] = __builtin_shufflevector(b[2 * u], b[2 * u + 1], 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23)
-             + __builtin_shufflevector(b[2 * u], b[2 * u + 1], 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31);
+        c[u] = fold(__builtin_shufflevector(b[2 * u], b[2 * u + 1], 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23),
+                    __builtin_shufflevector(b[2 * u], b[2 * u + 1], 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31),
+                    op);
     for (int u = 0; u < 2; u++)
-        e[u] = __builtin_shufflevector(c[2 * u], c[2 * u + 1], 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23)
-             + __builtin_shufflevector(c[2 * u], c[2 * u + 1], 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
-    v16 f = __builtin_shufflevector(e[0], e[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23)
-          + __builtin_shufflevector(e[0], e[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    return f;
+        e[u] = fold(__builtin_shufflevector(c[2 * u], c[2 * u + 1], 0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23),
+                    __builtin_shufflevector(c[2 * u], c[2 * u + 1], 8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31),
+                    op);
+    return fold(__builtin_shufflevector(e[0], e[1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23),
+                __builtin_shufflevector(e[0], e[1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31), op);
 }
 
 /* fast_exp on 16 lanes: the same reduction and polynomial with fused multiply-adds (16 vector
@@ -833,7 +842,7 @@ static inline void attend_chunk_bf16(const bf16 *qb, const char *const *k, const
         v16 a[16];
         for (; x + 16 <= c; x += 16) {
             dot_pairs(qj, k + x, d, a, 16);
-            _mm512_storeu_ps(sj + x, (__m512)sum16x16(a));
+            _mm512_storeu_ps(sj + x, (__m512)fold16x16(a, FOLD_ADD));
         }
         for (; x < c; x++) {
             dot_pairs(qj, k + x, d, a, 1);
@@ -1568,6 +1577,15 @@ static inline __attribute__((always_inline)) __m512 q4_scales(const void *sm, in
     return _mm512_loadu_ps((const float *)sm + i);
 }
 
+/* One group's 32 codes (x times inv, rounded to nearest even) stored at q; their 16 lanes' pairwise sums */
+static inline __m512i quantize_group(const bf16 *x, float inv, int8_t *q) {
+    __m512 iv = _mm512_set1_ps(inv);
+    __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(widen16(x), iv)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(widen16(x + 16), iv));
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(c0));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(c1));
+    return _mm512_add_epi32(c0, c1);
+}
+
 /* A bfloat16 row x [k] (k a multiple of Q4_GROUP) as 8-bit codes per group of Q4_GROUP inputs, as the
    4-bit products in pairs read it: the group's scale d = max |x| / 127, its codes x (1 / d) rounded to
    nearest (even), all 0 where d is 0, and (s) the sum of the values they stand for, d (sum of codes): the
@@ -1577,15 +1595,36 @@ static inline __attribute__((always_inline)) __m512 q4_scales(const void *sm, in
    weights stored plus 128 add to the group's dot product (models/quant4.py `quantize_activations`, to
    the bit) */
 static void quantize_groups(const bf16 *x, int64_t k, int8_t *q, float *d, float *s, int32_t *c) {
-    for (int64_t g = 0; g < k / Q4_GROUP; g++) {
+    int64_t groups = k / Q4_GROUP;
+    /* 16 groups at a time: their maxima and code sums each folded into a lane of one vector (fold16x16:
+       two transposes where 16 groups took 32 horizontal reductions, each a chain of shuffles), the scales'
+       divisions in one vector (the same IEEE divisions); then the groups left one by one. The same codes,
+       scales and sums to the bit (the maxima and int32 sums do not depend on the order). */
+    for (int64_t g = 0; g + 16 <= groups; g += 16) {
+        v16 top[16], sums[16];
+        for (int j = 0; j < 16; j++) {
+            const bf16 *p = x + (g + j) * Q4_GROUP;
+            top[j] = (v16)_mm512_max_ps(_mm512_abs_ps(widen16(p)), _mm512_abs_ps(widen16(p + 16)));
+        }
+        __m512 dg = _mm512_div_ps((__m512)fold16x16(top, FOLD_MAX), _mm512_set1_ps(127.0f));
+        float inv[16];
+        _mm512_storeu_ps(inv, _mm512_maskz_div_ps(_mm512_cmp_ps_mask(dg, _mm512_setzero_ps(), _CMP_NEQ_UQ),
+                                                  _mm512_set1_ps(1.0f), dg));
+        for (int j = 0; j < 16; j++) {
+            const bf16 *p = x + (g + j) * Q4_GROUP;
+            sums[j] = (v16)quantize_group(p, inv[j], q + (g + j) * Q4_GROUP);
+        }
+        __m512i codes = (__m512i)fold16x16(sums, FOLD_ADD_I32);
+        _mm512_storeu_ps(d + g, dg);
+        if (s) _mm512_storeu_ps(s + g, _mm512_mul_ps(dg, _mm512_cvtepi32_ps(codes)));
+        if (c) _mm512_storeu_si512(c + g, _mm512_mullo_epi32(codes, _mm512_set1_epi32(128)));
+    }
+    for (int64_t g = groups / 16 * 16; g < groups; g++) {
         __m512 lo = widen16(x + g * Q4_GROUP), hi = widen16(x + g * Q4_GROUP + 16);
         float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
         float dg = top / 127.0f;
-        __m512 inv = _mm512_set1_ps(dg != 0.0f ? 1.0f / dg : 0.0f);
-        __m512i c0 = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), c1 = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-        _mm_storeu_si128((__m128i *)(q + g * Q4_GROUP), _mm512_cvtepi32_epi8(c0));
-        _mm_storeu_si128((__m128i *)(q + g * Q4_GROUP + 16), _mm512_cvtepi32_epi8(c1));
-        int32_t codes = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+        int32_t codes = _mm512_reduce_add_epi32(quantize_group(x + g * Q4_GROUP, dg != 0.0f ? 1.0f / dg : 0.0f,
+                                                               q + g * Q4_GROUP));
         d[g] = dg;
         if (s) s[g] = dg * (float)codes;
         if (c) c[g] = 128 * codes;

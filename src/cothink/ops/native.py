@@ -911,9 +911,9 @@ class DecodePlan:
         self.groups = len(groups)
         # key reads the grouping saves: each grouped run read once rather than once per reader
         self.grouped_reads = sum((len(group) - 1) * lengths[group[0]] for group in groups)
-        self.slots = _joined([run[0].to(torch.long) for run in flat])
-        self.cos = _joined([run[1].reshape(1, -1) for run in flat])
-        self.sin = _joined([run[2].reshape(1, -1) for run in flat])
+        self.slots = _joined([s if (s := run[0]).dtype == torch.long else s.to(torch.long) for run in flat])
+        self.cos = _joined([run[1] for run in flat]).reshape(len(flat), -1)  # a row per run: its query's
+        self.sin = _joined([run[2] for run in flat]).reshape(len(flat), -1)
 
 
 def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
