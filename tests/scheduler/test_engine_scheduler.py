@@ -417,3 +417,36 @@ def test_sampling_reads_a_steps_consecutive_logits_rows_in_place():
     for mixed in ([step[2], step[1]], [step[0], step[2]], [step[4], other[0]], [step[0, :6], step[1, :6]]):
         copy = _stacked(mixed)
         assert torch.equal(copy, torch.stack(mixed)) and copy.data_ptr() != mixed[0].data_ptr()
+
+
+async def test_off_loop_hands_back_results_and_lets_a_cancelled_step_finish():
+    """The step's compute leaves the event loop through `_off_loop`: its result or exception comes back,
+    and when the awaiting task is cancelled (the engine stopping) the CancelledError only goes on once
+    the job has finished, so nothing the running forward reads is released under it."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cothink.scheduler.scheduler import _off_loop
+
+    loop = asyncio.get_running_loop()
+    with ThreadPoolExecutor(1) as executor:
+        assert await _off_loop(loop, executor, lambda a, b: a + b, 2, 3) == 5
+        with pytest.raises(ZeroDivisionError):
+            await _off_loop(loop, executor, lambda: 1 / 0)
+
+        started, finished = threading.Event(), threading.Event()
+
+        def long_job() -> str:
+            started.set()
+            time.sleep(0.2)
+            finished.set()
+            return "done"
+
+        task = asyncio.ensure_future(_off_loop(loop, executor, long_job))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert finished.is_set()  # not raised before the job's end

