@@ -612,9 +612,9 @@ def decode_attention(
     _, hq, d = q.shape
     _library().ct_decode_attention(
         q.data_ptr(), q.stride(0), q.stride(1), hq, pool_k.shape[1], d, plan.cos.shape[-1], plan.items,
-        plan.rows.data_ptr(), plan.run_start.data_ptr(), plan.key_start.data_ptr(), plan.slots.data_ptr(),
-        plan.cos.data_ptr(), plan.sin.data_ptr(), plan.groups, plan.group_start.data_ptr(),
-        plan.group_runs.data_ptr(), plan.shared_of.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), scale,
+        plan.rows, plan.run_start, plan.key_start, plan.slots.data_ptr(),
+        plan.cos.data_ptr(), plan.sin.data_ptr(), plan.groups, plan.group_start,
+        plan.group_runs, plan.shared_of, pool_k.data_ptr(), pool_v.data_ptr(), scale,
         out.data_ptr(), DTYPES[q.dtype], torch.get_num_threads() if threads is None else threads,
     )
 
@@ -856,10 +856,10 @@ def decode_layers(
     keys = CtStepKeys(
         pool_k=pool_k.data_ptr(), pool_v=pool_v.data_ptr(), pool_layer=pool_k.stride(0),
         store_slots=store_slots.data_ptr(), key_cos=key_cos.data_ptr(), key_sin=key_sin.data_ptr(),
-        items=plan.items, rows=plan.rows.data_ptr(), run_start=plan.run_start.data_ptr(),
-        key_start=plan.key_start.data_ptr(), slots=plan.slots.data_ptr(), cos=plan.cos.data_ptr(),
-        sin=plan.sin.data_ptr(), groups=plan.groups, group_start=plan.group_start.data_ptr(),
-        group_runs=plan.group_runs.data_ptr(), shared_of=plan.shared_of.data_ptr(), rot=plan.cos.shape[-1],
+        items=plan.items, rows=plan.rows, run_start=plan.run_start,
+        key_start=plan.key_start, slots=plan.slots.data_ptr(), cos=plan.cos.data_ptr(),
+        sin=plan.sin.data_ptr(), groups=plan.groups, group_start=plan.group_start,
+        group_runs=plan.group_runs, shared_of=plan.shared_of, rot=plan.cos.shape[-1],
         scale=scale,
     )
     _library().ct_decode_layers(
@@ -903,11 +903,13 @@ class DecodePlan:
         for reader, r in enumerate(r for group in groups for r in group):
             shared_of[r] = reader
         group_start = [0, *accumulate(len(group) for group in groups)]
-        index = torch.tensor([*rows, *run_start, 0, *accumulate(lengths), *group_start,
-                              *(r for group in groups for r in group), *shared_of], dtype=torch.long)
+        self.index = torch.tensor([*rows, *run_start, 0, *accumulate(lengths), *group_start,
+                                   *(r for group in groups for r in group), *shared_of], dtype=torch.long)
+        # the arrays' addresses in it (what the kernels take: no tensor a part)
+        starts = accumulate([len(rows), len(run_start), len(flat) + 1, len(group_start), group_start[-1]],
+                            initial=0)
         (self.rows, self.run_start, self.key_start, self.group_start, self.group_runs,
-         self.shared_of) = index.split([len(rows), len(run_start), len(flat) + 1, len(group_start),
-                                        group_start[-1], len(flat)])
+         self.shared_of) = (self.index.data_ptr() + 8 * start for start in starts)
         self.groups = len(groups)
         # key reads the grouping saves: each grouped run read once rather than once per reader
         self.grouped_reads = sum((len(group) - 1) * lengths[group[0]] for group in groups)
