@@ -2,15 +2,19 @@
 
     python bench/linears.py            # SmolLM2, float32 and bfloat16, rows 1 .. 512 (~2 minutes)
     python bench/linears.py --quick    # rows 1 4 16 64
+    python bench/linears.py --dtypes int8 int4 --rows 1 8 32 512    # the quantized weights
 
 For each dtype the model is loaded through cothink (fast path), and every linear layer one forward pass
 calls (all layers and the lm_head: more bytes than the caches hold, as in a real step) runs on a
 random input of M rows, back to back: once through the module the fast path installed
 (models/packing.py: `CpuLinear`, or `PackedLinear` where oneDNN has bfloat16 kernels) and once
 through an `nn.Linear` (`F.linear`) on the same dense weight: the same module call around a different
-kernel. Each is the best of --repeats passes, alternating.
-Prints ms per pass, weight GB/s (bytes of weights / time) and GFLOP/s, and the ratio; this is the
-measurement behind the row thresholds in models/packing.py. Writes linears.json and linears.png to --out.
+kernel. int8 and int4 (weight-only quantization, bfloat16 activations) run their quantized modules
+against `F.linear` on the dequantized bfloat16 weight, what the model would multiply unquantized.
+Each is the best of --repeats passes, alternating.
+Prints ms per pass, weight GB/s (each side's own weight bytes / time: the quantized weights and their
+scales on the fast path) and GFLOP/s, and the ratio; this is the measurement behind the row
+thresholds in models/packing.py. Writes linears.json and linears.png to --out.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import _common as C  # noqa: E402
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     C.add_common_args(p)
-    p.add_argument("--dtypes", nargs="+", choices=list(C.DTYPES), default=["float32", "bfloat16"])
+    p.add_argument("--dtypes", nargs="+", choices=list(C.COMPUTE_DTYPES), default=["float32", "bfloat16"])
     p.add_argument("--rows", type=int, nargs="+", default=None,
                    help="input rows M (default: 1 2 4 8 16 32 64 128 512; --quick: 1 4 16 64)")
     p.add_argument("--repeats", type=int, default=None, help="passes per measurement (default 5; quick 3)")
@@ -40,10 +44,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def dense_weight(module: torch.nn.Module) -> torch.Tensor:
-    """The plain [out, in] weight of a fast-path linear (a prepacked one is unpacked)."""
+def dense_weight(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """The plain [out, in] weight of a fast-path linear (a prepacked one unpacked, a quantized one
+    dequantized to `dtype`)."""
+    if hasattr(module, "dequantized"):  # int8
+        return module.dequantized(dtype)
+    if hasattr(module, "weight_packed"):  # 4-bit
+        return module.weights.dequantize().to(dtype)
     weight = getattr(module, "weight", None)
     return weight if isinstance(weight, torch.Tensor) else module.packed.to_dense()
+
+
+def stored_bytes(module: torch.nn.Module, dense: torch.Tensor) -> int:
+    """Bytes of weight a fast-path module reads: a quantized one's codes and scales (as its kernel takes
+    them), else the dense weight's."""
+    if hasattr(module, "dequantized") or hasattr(module, "weight_packed"):
+        weight, scale, _ = module.operands()
+        return sum(t.numel() * t.element_size() for t in (weight, scale) if t is not None)
+    return dense.numel() * dense.element_size()
 
 
 def fast_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -54,17 +72,18 @@ def fast_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if hasattr(m, "in_features") and not list(m.children())]
 
 
-def plain_linear(module: torch.nn.Module) -> torch.nn.Linear:
+def plain_linear(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Linear:
     """An nn.Linear (F.linear behind the same module call) on the fast-path module's dense weight."""
-    weight = dense_weight(module)
+    weight = dense_weight(module, dtype)
     linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
     linear.weight = torch.nn.Parameter(weight, requires_grad=False)
     return linear
 
 
 def measure(modules: list[torch.nn.Module], rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
-    plains = [plain_linear(m) for m in modules]
+    plains = [plain_linear(m, dtype) for m in modules]
     weights = [p.weight for p in plains]
+    stored = sum(stored_bytes(m, w) for m, w in zip(modules, weights))
     inputs = {m.in_features: torch.randn(rows, m.in_features).to(dtype) for m in modules}
 
     def fast() -> None:
@@ -88,7 +107,7 @@ def measure(modules: list[torch.nn.Module], rows: int, dtype: torch.dtype, repea
         "rows": rows,
         "fast_ms": best["fast"] * 1e3,
         "plain_ms": best["plain"] * 1e3,
-        "fast_gb_s": nbytes / best["fast"] / 1e9,
+        "fast_gb_s": stored / best["fast"] / 1e9,
         "plain_gb_s": nbytes / best["plain"] / 1e9,
         "fast_gflop_s": flops / best["fast"] / 1e9,
         "plain_gflop_s": flops / best["plain"] / 1e9,
@@ -99,10 +118,11 @@ def measure(modules: list[torch.nn.Module], rows: int, dtype: torch.dtype, repea
 def run_dtype(folder: Path, name: str, args: argparse.Namespace) -> dict[str, Any]:
     from cothink.execution.runner import load_model
 
-    runner = load_model(folder, dtype=C.DTYPES[name])
+    dtype = C.COMPUTE_DTYPES[name]
+    runner = load_model(folder, dtype=dtype, quantize=C.quantize_of(name))
     modules = fast_linears(runner.model)
     kinds = sorted({type(m).__name__ for m in modules})
-    results = [C.on_compute(measure, modules, m, C.DTYPES[name], args.repeats) for m in args.rows]
+    results = [C.on_compute(measure, modules, m, dtype, args.repeats) for m in args.rows]
     return {"dtype": name, "modules": len(modules), "module_kinds": kinds, "results": results}
 
 

@@ -194,6 +194,24 @@ def test_linears_quick(tiny_folder, tmp_path, capsys):
     assert (tmp_path / "linears.png").stat().st_size > 0
 
 
+def test_linears_quick_quantized(tiny_folder, tmp_path):
+    """int8 and int4: the quantized modules against F.linear on the dequantized bfloat16 weight, their
+    GB/s counting the bytes they read (codes and scales: fewer a weight than the dense bfloat16)."""
+    bench = _load("linears")
+    argv = ["--quick", "--model", str(tiny_folder), "--out", str(tmp_path), "--rows", "1", "9",
+            "--repeats", "1", "--dtypes", "int8", "int4"]
+    assert bench.main(argv) == 0
+    runs = json.loads((tmp_path / "linears.json").read_text())["runs"]
+    assert [r["dtype"] for r in runs] == ["int8", "int4"]
+    kinds = [" ".join(r["module_kinds"]) for r in runs]
+    assert "Int8" in kinds[0] and "Int4" in kinds[1]
+    for run in runs:
+        for r in run["results"]:
+            assert r["fast_ms"] > 0 and r["plain_ms"] > 0
+            # bytes per flop: the quantized weight's against the dense bfloat16 weight's
+            assert r["fast_gb_s"] / r["fast_gflop_s"] < 0.75 * r["plain_gb_s"] / r["plain_gflop_s"]
+
+
 def test_step_phases_quick(tiny_folder, tmp_path, capsys):
     """The engine's decode step split into phases that add up to the step, and timers removed after."""
     from cothink.execution.runner import ModelRunner
