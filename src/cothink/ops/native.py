@@ -909,11 +909,11 @@ class DecodePlan:
         starts = accumulate([len(rows), len(run_start), len(flat) + 1, len(group_start), group_start[-1]],
                             initial=0)
         (self.rows, self.run_start, self.key_start, self.group_start, self.group_runs,
-         self.shared_of) = (self.index.data_ptr() + 8 * start for start in starts)
+         self.shared_of) = (self.index.data_ptr() + self.index.element_size() * start for start in starts)
         self.groups = len(groups)
         # key reads the grouping saves: each grouped run read once rather than once per reader
         self.grouped_reads = sum((len(group) - 1) * lengths[group[0]] for group in groups)
-        self.slots = _joined([s if (s := run[0]).dtype == torch.long else s.to(torch.long) for run in flat])
+        self.slots = _joined([run[0] for run in flat]).to(torch.long)  # (the store's slots are long already)
         self.cos = _joined([run[1] for run in flat]).reshape(len(flat), -1)  # a row per run: its query's
         self.sin = _joined([run[2] for run in flat]).reshape(len(flat), -1)
 
