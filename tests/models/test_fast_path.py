@@ -137,6 +137,22 @@ def test_thread_chooser_ignores_lone_slow_steps():
     assert picked == [2, 2, 2, 1] + [2] * 196
 
 
+def test_thread_chooser_expects_a_width_s_time_on_the_count_it_chooses():
+    """`expected_seconds` (what the scheduler's inline rule reads): None before a width was measured,
+    then its figure on the count `choose` gives, also where there is nothing to choose."""
+    chooser = ThreadChooser(2)
+    assert chooser.expected_seconds(4) is None
+    _run_chooser(chooser, 4, {2: 1.0, 1: 1.6}, 10)
+    assert chooser.expected_seconds(4) == pytest.approx(4.0)
+    assert chooser.expected_seconds(5) == pytest.approx(5.0)  # the same width bucket
+    assert chooser.expected_seconds(8) is None  # another width
+    _run_chooser(chooser, 4, {2: 8.0, 1: 1.6}, 3)  # contention: one thread chosen, its figure expected
+    assert chooser.choose(4) == 1 and chooser.expected_seconds(4) == pytest.approx(6.4)
+    single = ThreadChooser(1)
+    _run_chooser(single, 1, {1: 0.5}, 2)
+    assert single.expected_seconds(1) == pytest.approx(0.5)
+
+
 def test_openmp_wait_policy_is_set_unless_the_user_did():
     import os
 

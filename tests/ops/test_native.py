@@ -527,6 +527,33 @@ def test_results_do_not_depend_on_the_thread_count(dtype, torch_threads):
         assert all(torch.equal(a, b) for a, b in zip(results[threads], results[1]))
 
 
+def test_team_threads_sets_the_kernels_count_for_this_thread_only(torch_threads):
+    """`team_threads(n)`: within it, this thread's kernel calls split over n threads whatever torch's
+    count (a step on the event loop keeps torch on one thread); it nests, restores, and another
+    thread keeps torch's count. The helpers run a product's grains when it asks for two with torch at one."""
+    import threading
+
+    torch_threads(1)
+    assert native._threads() == 1
+    with native.team_threads(2):
+        assert native._threads() == 2 and torch.get_num_threads() == 1
+        other: list[int] = []
+        t = threading.Thread(target=lambda: other.append(native._threads()))
+        t.start()
+        t.join()
+        assert other == [torch.get_num_threads()]
+        with native.team_threads(3):
+            assert native._threads() == 3
+        assert native._threads() == 2
+        g = torch.Generator().manual_seed(5)
+        x, w = torch.randn(4, 256, generator=g), torch.randn(512, 256, generator=g)
+        helped, deadline = native.helper_grains(), time.monotonic() + 60
+        while native.helper_grains() <= helped and time.monotonic() < deadline:  # (a loaded machine)
+            assert torch.allclose(native.linear(x, w, None), x @ w.T, atol=1e-4)
+        assert native.helper_grains() > helped
+    assert native._threads() == 1
+
+
 def test_a_forked_child_runs_the_kernels_without_the_parents_threads(torch_threads):
     """A fork copies the helper team's state but not its threads: the child must not wait for them.
     The attentions run on OpenMP's team, which (libgomp, as for torch's own ops) does not survive a

@@ -21,6 +21,7 @@ import cothink
 from cothink import cli
 from cothink.errors import RecordingError, RecordingMismatchError
 from cothink.runtime.recorder import Recorder, load_recording, replay_async
+from cothink.scheduler import scheduler
 from support import ids, make_engine, running_server, tiny_chat_model_dir, tiny_engine, tiny_folder, until
 
 
@@ -83,7 +84,9 @@ async def _record_scripted(path: Path) -> None:
 @pytest.fixture(scope="module")
 def scripted(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("recording") / "scripted.jsonl"
-    asyncio.run(_record_scripted(path))
+    with pytest.MonkeyPatch.context() as mp:  # every step off the event loop: the user's calls land mid-step
+        mp.setattr(scheduler, "INLINE_STEP_S", 0.0)
+        asyncio.run(_record_scripted(path))
     return path
 
 

@@ -450,3 +450,49 @@ async def test_off_loop_hands_back_results_and_lets_a_cancelled_step_finish():
         with pytest.raises(asyncio.CancelledError):
             await task
         assert finished.is_set()  # not raised before the job's end
+
+
+async def test_short_fused_steps_run_on_the_event_loop(monkeypatch):
+    """A step of the fused C decode path whose width took at most `INLINE_STEP_S` lately runs its
+    forward on the event-loop thread: its torch ops on one thread (no second OpenMP pool), the C
+    kernels on the step's chosen count. Other steps (prefill, or any step with the bound at 0) run on
+    the compute thread. The tokens are the same either way."""
+    import threading
+
+    import torch
+
+    from cothink.ops import native
+    from cothink.scheduler import scheduler as S
+
+    if not native.available():
+        pytest.skip("the fused decode path needs cothink's C kernels")
+    loop_thread = threading.current_thread().name
+
+    async def run(bound: float) -> tuple[list[int], list[tuple[str, str, int, int]]]:
+        monkeypatch.setattr(S, "INLINE_STEP_S", bound)
+        engine = make_engine("llama", threads=2)
+        seen, forward = [], engine.runner.forward
+
+        def spy(batch):
+            thread = threading.current_thread().name
+            seen.append((batch.path, thread, torch.get_num_threads(), native._threads()))
+            return forward(batch)
+
+        engine.runner.forward = spy
+        async with engine:
+            ctx = engine.block("ctx")
+            await engine.extend(ctx, token_ids=ids(24, 3))
+            gen = engine.generate([ctx, engine.block("out")], max_tokens=24, stop_at_eos=False)
+            result = await gen.collect()
+        records = [r for r in engine.timeline if r.path]
+        assert [r.path for r in records] == [s[0] for s in seen]
+        assert all(s[3] == r.threads for s, r in zip(seen, records) if s[1] == loop_thread)
+        return result.token_ids, seen
+
+    tokens, seen = await run(1.0)
+    on_loop = [s for s in seen if s[1] == loop_thread]
+    assert on_loop and all(path == "fused" and torch_threads == 1 for path, _, torch_threads, _ in on_loop)
+    # the first steps of a width wait for its figure; prefill chunks never run on the loop
+    assert seen[-1][1] == loop_thread and all(s[1] != loop_thread for s in seen if s[0] != "fused")
+    off_tokens, off_seen = await run(0.0)
+    assert off_tokens == tokens and off_seen and all(s[1] != loop_thread for s in off_seen)

@@ -32,6 +32,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from cothink.ops import native
+
 T = TypeVar("T")
 SPIN_COUNT = "30000"  # GOMP_SPINCOUNT set by `import cothink` (cothink/__init__.py mirrors it)
 
@@ -89,10 +91,11 @@ class ThreadChooser:
 
     def observe(self, rows: int, threads: int, seconds: float) -> None:
         """Record a step of `rows` rows that took `seconds` on `threads` threads."""
-        if self.max_threads == 1:
-            return
         b = self._bucket(rows)
         sample, old = seconds / rows, b.per_row.get(threads)
+        if self.max_threads == 1:  # nothing to choose: the figure only (`expected_seconds`)
+            b.per_row[1] = sample if old is None else old + self.alpha * (sample - old)
+            return
         if threads == 1:
             trial = not b.one  # tried beside all threads' figure: measured afresh, and it decides
             b.slow_run = 0
@@ -115,6 +118,15 @@ class ThreadChooser:
             b.one = b.per_row[1] < sample
             b.retry_after = min(self.MAX_RETRY_AFTER, 2 * b.retry_after) if b.one else FIRST_RETRY
             b.since_retry = 0
+
+    def expected_seconds(self, rows: int) -> float | None:
+        """What a step of `rows` rows takes on the thread count `choose` gives now, from its width's
+        figure; None before one was measured."""
+        b = self._buckets.get(rows.bit_length())
+        if b is None:
+            return None
+        per_row = b.per_row.get(1 if b.one or self.max_threads == 1 else self.max_threads)
+        return None if per_row is None else per_row * rows
 
     def _suspect(self, b: _Bucket) -> bool:
         """Enough slow all-threads steps in a row: measure one thread next."""
@@ -173,6 +185,15 @@ def threads_for(n: int) -> Iterator[None]:
         yield
     finally:
         use_threads(before)
+
+
+@contextmanager
+def loop_step_threads(n: int) -> Iterator[None]:
+    """Run a step's forward pass on the event-loop thread (the scheduler does for short steps of the
+    fused C decode path): its torch ops on one thread, as `threads_for(1)`, and cothink's C kernels,
+    which run such a step on helper threads of their own, on n (`native.team_threads`)."""
+    with threads_for(1), native.team_threads(n):
+        yield
 
 
 def use_threads(n: int) -> None:

@@ -6,7 +6,8 @@ in one call; `linear` runs the products of steps of a few rows, where torch's bf
 CPU without bfloat16 arithmetic costs a GEMV per row; `decode_layers` chains them over every decoder
 layer of a small Llama-family decode step (execution/fused_decode.py). They are plain C (no torch
 headers, so they build in about a second with the system compiler and its OpenMP, for this machine's
-CPU); the products and the attentions split their work over the caller's torch thread count, the
+CPU); the products and the attentions split their work over the caller's torch thread count (or the
+count `team_threads` sets: a step run on the event loop, whose torch ops stay on one thread), the
 attentions on OpenMP's threads (the runtime torch loaded: one team with torch's ops), the products
 and the fused step on helper threads of their own (native.c says why), the rest run on the calling
 thread.
@@ -33,6 +34,9 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache, cached_property
 from itertools import accumulate
@@ -340,6 +344,28 @@ def available() -> bool:
     return ENABLED and _library() is not None
 
 
+_team = threading.local()  # `team_threads`: this thread's count for the kernels, where set
+
+
+@contextmanager
+def team_threads(n: int) -> Iterator[None]:
+    """Within the block, this thread's kernel calls split their work over `n` threads, whatever
+    torch's thread count: a step on the event loop keeps its torch ops on one thread (a second
+    OpenMP pool beside the compute thread's costs every step, execution/threads.py) while its C
+    kernels, which a decode-sized step runs on their own helper threads, use the step's count."""
+    before = getattr(_team, "threads", None)
+    _team.threads = n
+    try:
+        yield
+    finally:
+        _team.threads = before
+
+
+def _threads() -> int:
+    """Threads a kernel call splits its work over: `team_threads`' count, else torch's."""
+    return getattr(_team, "threads", None) or torch.get_num_threads()
+
+
 def bf16_tiles() -> bool:
     """Whether `linear`'s bfloat16 products run on AMX tiles here (an x86 CPU with AMX, Linux granting
     the tile state, the library built for them): then they are as fast as oneDNN's up to 32 rows."""
@@ -488,7 +514,7 @@ def rms_norm(
     res_ptr, res_stride = (None, 0) if residual is None else (residual.data_ptr(), residual.stride(0))
     _library().ct_rms_norm(
         x.data_ptr(), x.stride(0), res_ptr, res_stride, total.data_ptr(), weight.data_ptr(), out.data_ptr(),
-        rows, dim, eps, int(zero_centred), DTYPES[x.dtype], torch.get_num_threads(),
+        rows, dim, eps, int(zero_centred), DTYPES[x.dtype], _threads(),
     )
     return out, total
 
@@ -525,7 +551,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, width // 2), dtype=gate_up.dtype)
     _library().ct_silu_mul(
         gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, width // 2, DTYPES[gate_up.dtype],
-        torch.get_num_threads(),
+        _threads(),
     )
     return out
 
@@ -615,7 +641,7 @@ def decode_attention(
         plan.rows, plan.run_start, plan.key_start, plan.slots.data_ptr(),
         plan.cos.data_ptr(), plan.sin.data_ptr(), plan.groups, plan.group_start,
         plan.group_runs, plan.shared_of, pool_k.data_ptr(), pool_v.data_ptr(), scale,
-        out.data_ptr(), DTYPES[q.dtype], torch.get_num_threads() if threads is None else threads,
+        out.data_ptr(), DTYPES[q.dtype], _threads() if threads is None else threads,
     )
 
 
@@ -672,7 +698,7 @@ def prefill_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         None if cos is None else cos.data_ptr(), None if sin is None else sin.data_ptr(), rot,
         t, hq, k.shape[1], d, k.shape[0], int(causal), scale, out.data_ptr(), lse.data_ptr(),
-        int(q.dtype == torch.bfloat16), torch.get_num_threads() if threads is None else threads,
+        int(q.dtype == torch.bfloat16), _threads() if threads is None else threads,
     )
     return out, lse
 
@@ -735,7 +761,7 @@ def linear(
     _library().ct_linear(
         x.data_ptr(), x.stride(0), weight.data_ptr(), None if scale is None else scale.data_ptr(),
         None if bias is None else bias.data_ptr(), y.data_ptr(), n, m, n, k, DTYPES[x.dtype],
-        weight_kind(weight, scale), int(float_out), torch.get_num_threads(),
+        weight_kind(weight, scale), int(float_out), _threads(),
     )
     return y
 
@@ -806,7 +832,7 @@ def q4_dequant(weight: torch.Tensor, scale: torch.Tensor, rows: slice, out: torc
         raise ValueError(f"q4_dequant: out {tuple(out.shape)} {out.dtype} is not float32 or bfloat16 "
                          f"[{stop - start}, {k}]")
     _library().ct_q4_dequant(weight.data_ptr(), scale.data_ptr(), out.data_ptr(), DTYPES[out.dtype], start,
-                             stop, k, torch.get_num_threads())
+                             stop, k, _threads())
 
 
 @dataclass(frozen=True)
@@ -864,7 +890,7 @@ def decode_layers(
     )
     _library().ct_decode_layers(
         x.data_ptr(), x.shape[0], len(layers), layers, ctypes.byref(shape.struct), ctypes.byref(keys),
-        linear_io, DTYPES[x.dtype], weights, torch.get_num_threads(),
+        linear_io, DTYPES[x.dtype], weights, _threads(),
     )
 
 

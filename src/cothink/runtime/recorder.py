@@ -28,7 +28,8 @@ The file is JSON lines, append-only, flushed after every record:
 - ``error`` (call, step, coroutine, error): a call that raised (the error's type name).
 
 Replay re-makes each call at the same point of the step sequence (a call with during false from a
-step listener, before the next step is planned; one with during true while the next step runs), so
+step listener, before the next step is planned; one with during true while the next step runs: the
+replaying engine runs every step off the event loop for it), so
 every step is planned over the same works as in the recording, and compares each step record and
 outcome as it comes. In float32 on the same machine a run replays identically; otherwise the report
 names the first step that differs, its coroutine and both values.
@@ -695,6 +696,9 @@ class _Replay:
 
     def __post_init__(self) -> None:
         self.observer = Recorder(self.engine, None, on_record=self._observe)
+        # every step off the event loop, so a call the recording made while a step ran (`during`) can
+        # be made while that step runs here too (a short step may run on the loop: scheduler.py)
+        self.engine._scheduler.inline_step_s = 0.0
         for call in self.rec.calls:
             self.points.setdefault((call["step"], call["during"]), []).append(call)
 

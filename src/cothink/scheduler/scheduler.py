@@ -4,7 +4,8 @@ step loop. One step is schedule -> run -> postprocess:
 - schedule (event-loop thread): choose (work, tokens) pairs (`plan_step`), fail what admission
   refused, sample every chosen generation's next token in one batched stage, build step items;
 - run (a worker thread): one forward pass over all items (`ModelRunner.step`), holding the memory
-  lock, so the event loop keeps serving agents and HTTP handlers during long steps; then the
+  lock, so the event loop keeps serving agents and HTTP handlers during long steps (a short step of
+  the fused C decode path runs on the event loop itself: `INLINE_STEP_S`); then the
   step's other compute (at most one encode, `EncodeWork`, running a bounded part of one image or
   frame group through the vision tower: `vision_step_patch_blocks` of patches x blocks, less while
   an interactive generation decodes, `encode_step_patch_blocks`; so an image or a long clip is
@@ -35,7 +36,13 @@ from cothink.errors import BlockBusyError, CothinkError, DeadlineExceededError, 
 from cothink.execution.runner import ForwardResult, ModelRunner
 from cothink.execution.sampling import sample
 from cothink.execution.step import StepItem, ViewBatch
-from cothink.execution.threads import ThreadChooser, compute_executor, threads_for, use_threads
+from cothink.execution.threads import (
+    ThreadChooser,
+    compute_executor,
+    loop_step_threads,
+    threads_for,
+    use_threads,
+)
 from cothink.memory.block import Block
 from cothink.scheduler.accounting import Accounting, StepItemRecord, StepRecord
 from cothink.scheduler.budget import MemoryBudget
@@ -51,6 +58,14 @@ from cothink.scheduler.work import GenerateWork, Work
 
 log = logging.getLogger("cothink.engine")
 T = TypeVar("T")
+
+# A step whose forward pass runs wholly in the C kernels' fused decode path ("fused": torch does only
+# the embedding and glue, the kernels work on their own helper threads) and whose width took at most
+# this long lately runs on the event-loop thread itself. Handing it to the compute thread and back
+# wakes a sleeping thread twice: ~0.3 ms a token on a 2-vCPU VM (bench/step_phases.py, "unaccounted":
+# int4 SmolLM2 0.43 -> 0.16 ms of 5.9), which the loop cannot use anyway (the forward takes both
+# cores). Longer steps stay off the loop, so agents and HTTP handlers keep running during them.
+INLINE_STEP_S = 0.025
 
 
 @dataclass
@@ -113,6 +128,7 @@ class Scheduler:
         self.auto_seal = auto_seal  # seal a generation's block when it finishes (EngineLimits.auto_seal)
         self._wake: asyncio.Event | None = None
         self._executor = compute_executor()  # one process-wide compute thread (execution/threads.py)
+        self.inline_step_s = INLINE_STEP_S  # 0: every forward pass on the compute thread
 
     # ---- submission and cancellation ------------------------------------------------------------
     def next_seq(self) -> int:
@@ -263,7 +279,10 @@ class Scheduler:
                 # in between planning the step and running it.
                 self.ownership.memory_lock.acquire()
                 try:  # (the engine stopping: the running step finishes first, then it is undone)
-                    result, threads = await _off_loop(loop, self._executor, self._forward, batch)
+                    if self._inline(batch):
+                        result, threads = self._forward(batch, inline=True)
+                    else:
+                        result, threads = await _off_loop(loop, self._executor, self._forward, batch)
                 except BaseException:
                     self.runner.abort(items)
                     raise
@@ -291,14 +310,26 @@ class Scheduler:
         with threads_for(1):
             self.postprocess(plan, logits, start, time.perf_counter(), path, threads)
 
-    def _forward(self, batch: ViewBatch) -> tuple[ForwardResult, int]:
-        """Worker thread: one forward pass and the threads it ran on; holds the memory lock `_run`
-        took for it."""
+    def _inline(self, batch: ViewBatch) -> bool:
+        """Whether this step's forward runs on the event loop (`INLINE_STEP_S`, `inline_step_s`)."""
+        if batch.path != "fused":
+            return False
+        expected = self.threads.expected_seconds(batch.rows)
+        return expected is not None and expected <= self.inline_step_s
+
+    def _forward(self, batch: ViewBatch, inline: bool = False) -> tuple[ForwardResult, int]:
+        """One forward pass and the threads it ran on: on the compute thread, or `inline` on the
+        event loop (its torch ops on one thread, the C kernels on the step's count); holds the
+        memory lock `_run` took for it."""
         try:
             threads = self.threads.choose(batch.rows)
-            use_threads(threads)
             start = time.perf_counter()
-            result = self.runner.forward(batch)
+            if inline:
+                with loop_step_threads(threads):
+                    result = self.runner.forward(batch)
+            else:
+                use_threads(threads)
+                result = self.runner.forward(batch)
             self.threads.observe(batch.rows, threads, time.perf_counter() - start)
             return result, threads
         finally:
