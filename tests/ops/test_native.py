@@ -88,6 +88,32 @@ def test_store_kv_writes_what_the_torch_path_writes(dtype, partial):
     assert torch.equal(pool_k, want_k) and torch.equal(pool_v, want_v)
 
 
+@pytest.mark.parametrize("tokens", [20, 40])  # a decode-sized step's (the helpers) and a prefill chunk's
+def test_store_kv_splits_tokens_over_threads_with_the_same_result(tokens):
+    """A chunk's tokens split over threads (a grain of 16 each: on the helpers up to 32 tokens, on
+    OpenMP's team past them) write what one thread writes, which is the torch path's."""
+    heads, d, dtype = 3, 64, torch.bfloat16
+    rotary = _rotary(d)
+    g = torch.Generator().manual_seed(3)
+    k, v = (torch.randn(tokens, heads, d, generator=g).to(dtype) for _ in range(2))
+    cos, sin = rotary.prepared(torch.arange(tokens) * 3, dtype)
+    slots = torch.randperm(2 * tokens, generator=g)[:tokens]
+    pools = []
+    for threads in (1, 2):
+        pool_k, pool_v = (torch.zeros(2 * tokens, heads, d, dtype=dtype) for _ in range(2))
+        with native.team_threads(threads):
+            native.store_kv(k, v, slots, cos, sin, pool_k, pool_v)
+            helped, deadline = native.helper_grains(), time.monotonic() + 60
+            on_helpers = tokens <= 32 and threads > 1
+            while on_helpers and native.helper_grains() <= helped and time.monotonic() < deadline:
+                native.store_kv(k, v, slots, cos, sin, pool_k, pool_v)  # (the helpers join once awake)
+            assert not on_helpers or native.helper_grains() > helped
+        pools.append((pool_k, pool_v))
+    want_k = torch.zeros_like(pools[0][0])
+    want_k[slots] = rotary.apply_prepared(k, cos, sin)
+    assert all(torch.equal(pk, want_k) and torch.equal(pv[slots], v) for pk, pv in pools)
+
+
 @pytest.mark.parametrize("partial", [1.0, 0.5])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_decode_attention_is_the_merge_of_per_run_attentions(dtype, partial):

@@ -31,7 +31,7 @@
 
 /* The version of this library's interface (the ct_* signatures and the tables they read), raised with
  * every change to it; native.py (ABI_VERSION) calls only a library that reports its own. */
-#define CT_ABI_VERSION 15
+#define CT_ABI_VERSION 16
 
 int ct_abi_version(void) { return CT_ABI_VERSION; }
 
@@ -323,29 +323,6 @@ void ct_gdn_token(const void *history, int64_t hs, int64_t w1, const void *row, 
     free(mem);
 }
 
-/* Rotate this step's keys k [T, H, D] (row stride ks) with per-row tables cos/sin [T, rot] and write
- * them, with the values v [T, H, D] (row stride vs), to pool slots slots[t] of one layer's
- * pool_k/pool_v [S, H, D]. */
-void ct_store_kv(const void *k, int64_t ks, const void *v, int64_t vs, const int64_t *slots, int64_t t_rows,
-                 int64_t heads, int64_t d, int64_t rot, const void *cos, const void *sin, void *pool_k,
-                 void *pool_v, int bf) {
-    int64_t size = bf ? 2 : 4;
-    float *x = malloc((size_t)d * sizeof(float)), *y = malloc((size_t)d * sizeof(float));
-    for (int64_t t = 0; t < t_rows; t++) {
-        int64_t slot = slots[t];
-        const char *c = (const char *)cos + t * rot * size, *s = (const char *)sin + t * rot * size;
-        for (int64_t h = 0; h < heads; h++) {
-            load_row((const char *)k + (t * ks + h * d) * size, d, bf, x);
-            rotate(x, d, rot, c, s, bf, y);
-            for (int64_t i = 0; i < d; i++) store(pool_k, (slot * heads + h) * d + i, y[i], bf);
-        }
-        memcpy((char *)pool_v + slot * heads * d * size, (const char *)v + t * vs * size,
-               (size_t)(heads * d * size));
-    }
-    free(x);
-    free(y);
-}
-
 /* ---- threads -------------------------------------------------------------------------------
  * The products and the attentions split their work over up to `threads` threads (the step's torch
  * thread count, which the engine's ThreadChooser lowers to one when another process takes a core):
@@ -540,6 +517,45 @@ void ct_rms_norm(const void *x, int64_t xs, const void *res, int64_t rs, void *s
 void ct_silu_mul(const void *gate_up, int64_t gs, void *out, int64_t rows, int64_t inter, int bf, int64_t threads) {
     SiluJob j = {gate_up, out, gs, inter, bf};
     parallel_for(silu_rows, &j, rows, ROW_GRAIN, threads, rows <= HELPER_TEAM_ROWS);
+}
+
+/* Rotate this step's keys k [T, H, D] (row stride ks) with per-row tables cos/sin [T, rot] and write
+ * them, with the values v [T, H, D] (row stride vs), to pool slots slots[t] of one layer's
+ * pool_k/pool_v [S, H, D]; tokens over up to `threads` threads (the team as HELPER_TEAM_ROWS says),
+ * each key rounded and stored as one row (a 512-token prefill chunk's keys took SmolLM2 ~0.4 ms a
+ * layer one element at a time on one thread). */
+typedef struct {
+    const void *k, *v, *cos, *sin;
+    int64_t ks, vs, heads, d, rot;
+    const int64_t *slots;
+    void *pool_k, *pool_v;
+    int bf;
+} StoreJob;
+
+static void store_rows(void *ctx, int64_t begin, int64_t end) {
+    const StoreJob *j = ctx;
+    int64_t size = j->bf ? 2 : 4, heads = j->heads, d = j->d, rot = j->rot;
+    float *x = malloc((size_t)d * sizeof(float)), *y = malloc((size_t)d * sizeof(float));
+    for (int64_t t = begin; t < end; t++) {
+        int64_t slot = j->slots[t];
+        const char *c = (const char *)j->cos + t * rot * size, *s = (const char *)j->sin + t * rot * size;
+        for (int64_t h = 0; h < heads; h++) {
+            load_row((const char *)j->k + (t * j->ks + h * d) * size, d, j->bf, x);
+            rotate(x, d, rot, c, s, j->bf, y);
+            store_row((char *)j->pool_k + (slot * heads + h) * d * size, y, d, j->bf);
+        }
+        memcpy((char *)j->pool_v + slot * heads * d * size, (const char *)j->v + t * j->vs * size,
+               (size_t)(heads * d * size));
+    }
+    free(x);
+    free(y);
+}
+
+void ct_store_kv(const void *k, int64_t ks, const void *v, int64_t vs, const int64_t *slots, int64_t t_rows,
+                 int64_t heads, int64_t d, int64_t rot, const void *cos, const void *sin, void *pool_k,
+                 void *pool_v, int bf, int64_t threads) {
+    StoreJob j = {k, v, cos, sin, ks, vs, heads, d, rot, slots, pool_k, pool_v, bf};
+    parallel_for(store_rows, &j, t_rows, ROW_GRAIN, threads, t_rows <= HELPER_TEAM_ROWS);
 }
 
 /* Eight float32 lanes (GCC/Clang vector extensions: AVX on x86, NEON pairs on Arm, plain code
@@ -2500,7 +2516,7 @@ static void attention_mixer(const Step *s, const CtLayer *w, const CtStepKeys *k
         q = sc->qn, qs = att_n, qh = s->d, k = sc->kn, ks = kv_n;
     }
     ct_store_kv(k, ks, v, qkv_n, keys->store_slots, t, s->hkv, s->d, s->rot, keys->key_cos, keys->key_sin, layer_k,
-                layer_v, s->bf);
+                layer_v, s->bf, s->threads);
     decode_attention(q, qs, qh, s->hq, s->hkv, s->d, s->rot, s->items, keys->rows, keys->run_start,
                      keys->key_start, keys->slots, keys->cos, keys->sin, keys->groups, keys->group_start,
                      keys->group_runs, keys->shared_of, layer_k, layer_v, s->scale, sc->att_f,

@@ -62,7 +62,7 @@ F32_TILES = os.environ.get("COTHINK_F32_TILES", "1") != "0"
 # COTHINK_8BIT_ACTIVATIONS=0 keeps those layers on the plain kernels' bfloat16 activations (`takes_pairs`)
 ACTIVATIONS_8BIT = os.environ.get("COTHINK_8BIT_ACTIVATIONS", "1") != "0"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 15
+ABI_VERSION = 16
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales,
@@ -90,7 +90,7 @@ _SIGNATURES = {
     "ct_gdn_gates": [_P, _P, _I, _P, _P, _P, _P, _I, _I, ctypes.c_int],
     "ct_gated_rms_norm": [_P, _P, _I, _P, _P, _I, _I, _I, _F, ctypes.c_int],
     "ct_gdn_token": [_P, _I, _I, _P, _P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _F, ctypes.c_int],
-    "ct_store_kv": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int],
+    "ct_store_kv": [_P, _I, _P, _I, _P, _I, _I, _I, _I, _P, _P, _P, _P, ctypes.c_int, _I],
     "ct_decode_attention": [_P, _I, _I, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I, _P, _P, _P, _P, _P,
                             _F, _P, ctypes.c_int, _I],
     "ct_linear": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I],
@@ -620,11 +620,12 @@ def store_kv(
     pool_k: torch.Tensor, pool_v: torch.Tensor,
 ) -> None:
     """Rotate keys k [T, H, D] with prepared tables cos/sin [T, 1, rot] (Rotary.prepare) and write them
-    and v [T, H, D] to `slots` [T] of one layer's pool_k/pool_v [S, H, D]."""
+    and v [T, H, D] to `slots` [T] of one layer's pool_k/pool_v [S, H, D]; the tokens split over the
+    kernels' thread count, the same values whatever it."""
     t, heads, d = k.shape
     _library().ct_store_kv(
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), slots.data_ptr(), t, heads, d, cos.shape[-1],
-        cos.data_ptr(), sin.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), DTYPES[k.dtype],
+        cos.data_ptr(), sin.data_ptr(), pool_k.data_ptr(), pool_v.data_ptr(), DTYPES[k.dtype], _threads(),
     )
 
 
