@@ -275,8 +275,8 @@ class Scheduler:
             if items:
                 with threads_for(1):
                     batch = self.runner.prepare(items, validate=False)
-                # Taken here, released by the worker when the forward ends: a truncate cannot slip
-                # in between planning the step and running it.
+                # Taken here, released by `_forward` when the forward ends (on the compute thread, or
+                # here for a short step): a truncate cannot slip in between planning and running it.
                 self.ownership.memory_lock.acquire()
                 try:  # (the engine stopping: the running step finishes first, then it is undone)
                     if self._inline(batch):
