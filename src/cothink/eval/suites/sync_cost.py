@@ -18,7 +18,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from cothink.eval.common import SuiteContext, SuiteResult, Table, fmt, linear_fit, plan_params, within
+from cothink.eval.common import (
+    LinearFit,
+    SuiteContext,
+    SuiteResult,
+    Table,
+    fmt,
+    linear_fit,
+    plan_params,
+    within,
+)
 from cothink.eval.plots import lines
 from cothink.eval.workload import document_tokens
 from cothink.scheduler.accounting import CoroutineStats
@@ -263,6 +272,11 @@ def _sync_row(
     )
 
 
+METHODS = ("shared", "text-passing", CACHED)
+Fits = dict[str, tuple[LinearFit, LinearFit]]  # method -> (tokens fit, seconds fit)
+Means = dict[tuple[str, int], tuple[float, float, float]]  # (method, L) -> mean tokens, seconds, passes
+
+
 def _analyse(
     ctx: SuiteContext,
     res: SuiteResult,
@@ -272,16 +286,24 @@ def _analyse(
 ) -> None:
     syncs = [r for r in records if isinstance(r, SyncRow)]
     thinkers = [r for r in records if isinstance(r, ThinkerRow)]
-    rows, fits = [], {}
-    per = {}
-    for method in ("shared", "text-passing", CACHED):
+    fits, per = _fits_and_means(syncs, contexts)
+    res.tables += [_per_sync_table(per, thinkers, contexts), _fits_table(fits)]
+    lmax = max(contexts)
+    _headline_and_checks(res, syncs, thinkers, fits, per, lmax, tol)
+    _plot(ctx, res, per, contexts)
+    _conditions(ctx, res, syncs, contexts)
+
+
+def _fits_and_means(syncs: list[SyncRow], contexts: Sequence[int]) -> tuple[Fits, Means]:
+    """Per method: linear fits of a sync's tokens (against what its view held: L and the thinker's
+    tokens by then, which vary with where the sync lands between steps, so a baseline that re-encodes
+    its view has slope 1 exactly) and seconds (against L); and per method and L the means."""
+    fits, per = {}, {}
+    for method in METHODS:
         recs = [r for r in syncs if r.method == method]
-        xs = [r.context for r in recs]
-        # tokens against what each sync's view held (L and the thinker's tokens by then, which vary with
-        # where the sync lands between steps), so a baseline that re-encodes its view has slope 1 exactly
         fits[method] = (
             linear_fit([r.view_tokens for r in recs], [r.tokens_processed for r in recs]),
-            linear_fit(xs, [r.seconds for r in recs]),
+            linear_fit([r.context for r in recs], [r.seconds for r in recs]),
         )
         for L in contexts:
             rs = [r for r in recs if r.context == L]
@@ -290,6 +312,11 @@ def _analyse(
                 sum(r.seconds for r in rs) / len(rs),
                 sum(r.forward_passes for r in rs) / len(rs),
             )
+    return fits, per
+
+
+def _per_sync_table(per: Means, thinkers: list[ThinkerRow], contexts: Sequence[int]) -> Table:
+    rows = []
     for L in contexts:
         ts, ss, fs = per[("shared", L)]
         tt, st, ft = per[("text-passing", L)]
@@ -311,67 +338,52 @@ def _analyse(
                 thinker[0] if thinker else "-",
             ]
         )
-    res.tables.append(
-        Table(
-            "Per sync, mean over syncs at each context length",
-            [
-                "context L",
-                "shared tokens",
-                "shared s",
-                "shared passes",
-                "text tokens",
-                "text s",
-                "text passes",
-                "time ratio text/shared",
-                "cached text tokens",
-                "cached text s",
-                "time ratio cached/shared",
-                "thinker tokens during phase",
-            ],
-            rows,
-        )
+    return Table(
+        "Per sync, mean over syncs at each context length",
+        [
+            "context L",
+            "shared tokens",
+            "shared s",
+            "shared passes",
+            "text tokens",
+            "text s",
+            "text passes",
+            "time ratio text/shared",
+            "cached text tokens",
+            "cached text s",
+            "time ratio cached/shared",
+            "thinker tokens during phase",
+        ],
+        rows,
     )
-    (fts, fss), (ftt, fst), (ftc, fsc) = fits["shared"], fits["text-passing"], fits[CACHED]
-    res.tables.append(
-        Table(
-            "Linear fits against context length L (per sync)",
-            [
-                "method",
-                "tokens/sync slope (per view token)",
-                "tokens/sync intercept",
-                "s/sync slope (per 1k ctx)",
-                "s/sync intercept",
-                "R^2 (s)",
-            ],
-            [
-                [
-                    "shared (cothink)",
-                    fmt(fts.slope, 4),
-                    fmt(fts.intercept),
-                    fmt(fss.slope * 1000, 4),
-                    fmt(fss.intercept, 4),
-                    fmt(fss.r2, 3),
-                ],
-                [
-                    "text-passing",
-                    fmt(ftt.slope, 4),
-                    fmt(ftt.intercept),
-                    fmt(fst.slope * 1000, 4),
-                    fmt(fst.intercept, 4),
-                    fmt(fst.r2, 3),
-                ],
-                [
-                    CACHED,
-                    fmt(ftc.slope, 4),
-                    fmt(ftc.intercept),
-                    fmt(fsc.slope * 1000, 4),
-                    fmt(fsc.intercept, 4),
-                    fmt(fsc.r2, 3),
-                ],
-            ],
-        )
+
+
+def _fits_table(fits: Fits) -> Table:
+    names = {"shared": "shared (cothink)", "text-passing": "text-passing", CACHED: CACHED}
+    rows = []
+    for m in METHODS:
+        ft, fs = fits[m]
+        rows.append([names[m], fmt(ft.slope, 4), fmt(ft.intercept), fmt(fs.slope * 1000, 4),
+                     fmt(fs.intercept, 4), fmt(fs.r2, 3)])
+    return Table(
+        "Linear fits per sync: tokens against the view's tokens, seconds against context length L",
+        [
+            "method",
+            "tokens/sync slope (per view token)",
+            "tokens/sync intercept",
+            "s/sync slope (per 1k ctx)",
+            "s/sync intercept",
+            "R^2 (s)",
+        ],
+        rows,
     )
-    lmax = max(contexts)
+
+
+def _headline_and_checks(
+    res: SuiteResult, syncs: list[SyncRow], thinkers: list[ThinkerRow], fits: Fits, per: Means, lmax: int,
+    tol: float,
+) -> None:
+    (fts, fss), (ftt, fst) = fits["shared"], fits["text-passing"]
     ratio_tokens = per[("text-passing", lmax)][0] / per[("shared", lmax)][0]
     ratio_time = per[("text-passing", lmax)][1] / per[("shared", lmax)][1]
     res.headline.update(
@@ -435,32 +447,25 @@ def _analyse(
         "time against the prefix-cache baseline at the largest context",
         f"cached/shared time ratio {per[(CACHED, lmax)][1] / per[('shared', lmax)][1]:.1f} at L={lmax}",
     )
-    thinker_ok = all(r.thinker_tokens > 0 for r in thinkers)
-    res.check("the thinker kept generating during the syncs", thinker_ok)
+    res.check("the thinker kept generating during the syncs", all(r.thinker_tokens > 0 for r in thinkers))
+
+
+def _plot(ctx: SuiteContext, res: SuiteResult, per: Means, contexts: Sequence[int]) -> None:
+    labels = {"shared": "shared (cothink)", "text-passing": "text-passing (re-encode)", CACHED: CACHED}
     lines(
         ctx.plot_path(NAME, "curve"),
         f"{ctx.model.key}: cost of one sync vs context",
         "context length L (tokens)",
         [
-            (
-                "tokens processed per sync",
-                [
-                    ("shared (cothink)", contexts, [per[("shared", L)][0] for L in contexts]),
-                    ("text-passing (re-encode)", contexts, [per[("text-passing", L)][0] for L in contexts]),
-                    (CACHED, contexts, [per[(CACHED, L)][0] for L in contexts]),
-                ],
-            ),
-            (
-                "seconds per sync",
-                [
-                    ("shared (cothink)", contexts, [per[("shared", L)][1] for L in contexts]),
-                    ("text-passing (re-encode)", contexts, [per[("text-passing", L)][1] for L in contexts]),
-                    (CACHED, contexts, [per[(CACHED, L)][1] for L in contexts]),
-                ],
-            ),
+            (title, [(labels[m], contexts, [per[(m, L)][i] for L in contexts]) for m in METHODS])
+            for i, title in enumerate(("tokens processed per sync", "seconds per sync"))
         ],
     )
     res.plots.append(ctx.plot_path(NAME, "curve").name)
+
+
+def _conditions(ctx: SuiteContext, res: SuiteResult, syncs: list[SyncRow], contexts: Sequence[int]) -> None:
+    lmax = max(contexts)
     trained = ctx.model.info.get("trained_context")
     res.conditions += [
         f"contexts {min(contexts)}..{lmax} tokens; {res.params['syncs_per_context']} sync(s) per context "
