@@ -36,6 +36,8 @@ class PassCountingCorridor:
         self.actor = actor
         self.observation = observation
         self.replan_at, self.agent, self.ticks = replan_at, None, 0
+        self.replanned_at: int | None = None
+        self.plans_seen: list[int] = []  # per tick: plans the strategist had completed at the observation
         self.observed_at: float | None = None
         self.passes: list[int] = []  # per tick: passes between the observation and the action
         self.without_actor: list[int] = []  # per tick: of those, passes the actor had no work in
@@ -49,13 +51,25 @@ class PassCountingCorridor:
 
     async def observe(self) -> str:
         await asyncio.sleep(0.005)  # the strategist gets passes of its own between ticks
-        if self.agent is not None and self.ticks == self.replan_at:
+        if self._replan_now():
             self.agent.replan(self.ticks)
+            self.replanned_at = self.ticks
+        self.plans_seen.append(len(self.agent.plans) if self.agent is not None else 0)
         self.ticks += 1
         self.passes.append(0)
         self.without_actor.append(0)
         self.observed_at = time.perf_counter()
         return self.observation or f"position {self.position}, goal at 100"
+
+    def _replan_now(self) -> bool:
+        """Replan once, at the first tick from `replan_at` on where the strategist is still writing the
+        plan it was writing at the previous tick's observation (no plan completed since): that plan reads
+        older observations only, so the replan must abandon it. (Replanning at a fixed tick raced the
+        strategist: a plan that ended early left a new one started from the newest observations.)"""
+        if self.agent is None or self.replan_at is None or self.replanned_at is not None:
+            return False
+        # from tick 2: at tick 0 the window was empty, so the strategist had not begun a plan
+        return self.ticks >= max(self.replan_at, 2) and self.plans_seen[-1] == len(self.agent.plans)
 
     async def act(self, action: str) -> float:
         self.observed_at = None
@@ -131,11 +145,13 @@ def test_plan_that_no_longer_fits_makes_the_strategist_replan(hybrid_dir):
 
 def test_replan_hook_abandons_a_plan_from_older_observations(hybrid_dir):
     """A plan being written from older observations is abandoned on a replan and restarted; the actor
-    keeps acting meanwhile (the strategist writes long plans; the hook is called at tick 3)."""
-    result, env, live = _play(hybrid_dir, ticks=10, plan_tokens=400, early_exit=0.0, replan_at=3)
-    assert live == 0 and len(result.replans) == 1 and result.replans[0].tick == 3
+    keeps acting meanwhile (the strategist writes long plans; the hook is called from tick 3 on, while a
+    plan from older observations is being written)."""
+    result, env, live = _play(hybrid_dir, ticks=14, plan_tokens=400, early_exit=0.0, replan_at=3)
+    assert env.replanned_at is not None, "the strategist completed a plan between every two ticks"
+    assert live == 0 and len(result.replans) == 1 and result.replans[0].tick == env.replanned_at >= 3
     assert result.abandoned_plans >= 1
-    assert len(result.actions) == 10
+    assert len(result.actions) == 14
     _never_waited(result, env)
 
 
