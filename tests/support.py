@@ -52,7 +52,8 @@ if TYPE_CHECKING:  # the engine is imported where used: lower-layer tests do not
     from cothink.runtime.engine import Engine, StepRecord
 
 __all__ = [
-    "ATOL", "FULL", "LINEAR", "LINEAR_ONLY_GENERATE_BROKEN", "NO", "TINY_SPECS", "VOCAB", "WORDS", "YES",
+    "ATOL", "FULL", "LINEAR", "LINEAR_ONLY_GENERATE_BROKEN", "NO", "QUICK_KERNEL_BUILD", "TINY_SPECS",
+    "VOCAB", "WORDS", "YES",
     "Recorder", "Replay", "Spec", "TinyModel", "Zoo", "ZOO", "check_greedy", "count_fused_decode_rows",
     "fast_and_eager", "fresh_runner", "ids", "load_runner", "make_engine", "make_tokenizer", "max_err",
     "one_torch_thread", "perturb", "prefill_then_decode", "random_ids", "record_error", "replay",
@@ -62,6 +63,11 @@ __all__ = [
     "write_blocks_with_random_views",
 ]
 
+# Extra compiler flags for tests that build cothink's C kernels into a fresh cache (a rebuild, a wheel's
+# first use, the fallbacks): they check which library loads and that it runs, not its speed, and -O1
+# builds native.c in ~4 s where the default -O3 takes ~15 on two cores (ops/native.py _FLAGS; the
+# later -O wins).
+QUICK_KERNEL_BUILD = "-O1"
 VOCAB = 300
 ATOL = 1e-5  # fp32 logits: batched vs alone
 FULL, LINEAR = "full_attention", "linear_attention"

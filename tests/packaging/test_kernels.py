@@ -13,7 +13,7 @@ import sys
 
 import pytest
 import torch
-from support import make_engine, tiny_folder
+from support import QUICK_KERNEL_BUILD, make_engine, tiny_folder
 
 from cothink.ops import native
 
@@ -32,8 +32,10 @@ void ct_rms_norm(void) { FILE *f = fopen(MARKER, "w"); if (f) fclose(f); }
 
 @pytest.fixture
 def fresh_load(tmp_path, monkeypatch):
-    """native's library loaded anew from an empty cache in tmp_path (and as before after the test)."""
+    """native's library loaded anew from an empty cache in tmp_path, built quickly (QUICK_KERNEL_BUILD),
+    and as before after the test."""
     monkeypatch.setenv("COTHINK_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(native, "_FLAGS", [*native._FLAGS, QUICK_KERNEL_BUILD])
     native._load.cache_clear()
     yield
     native._load.cache_clear()

@@ -12,6 +12,8 @@ import sysconfig
 import zipfile
 from pathlib import Path
 
+from support import QUICK_KERNEL_BUILD
+
 from cothink.ops import native
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,6 +55,7 @@ def test_a_wheel_installed_in_a_fresh_venv_runs_the_native_kernels(tmp_path):
     outside.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "COTHINK_NATIVE")}
     env["COTHINK_CACHE"] = str(tmp_path / "cache")
+    env["COTHINK_NATIVE_CFLAGS"] = QUICK_KERNEL_BUILD
     report = json.loads(_run([str(python), "-m", "cothink", "info", "--json"], cwd=outside, env=env))
     assert report["native"] is True, report["kernels"]["reason"]
     assert Path(report["location"]).is_relative_to(site)
