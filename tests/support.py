@@ -598,12 +598,13 @@ def ids(n: int, seed: int | random.Random, low: int = 0, high: int = VOCAB) -> l
 
 
 async def until(predicate, timeout: float = 30.0) -> None:
-    """Yield to the event loop (so engine steps run) until predicate() holds."""
-    async def wait():
+    """Yield to the event loop (so engine steps run) until predicate() holds, then return in the same
+    loop turn as the check that held: what the caller does next sees the state it saw. (A wait_for
+    around a polling task returned a turn later: a step seen running could end meanwhile, and a call
+    meant to land mid-step landed after it.)"""
+    async with asyncio.timeout(timeout):
         while not predicate():
             await asyncio.sleep(0)
-
-    await asyncio.wait_for(wait(), timeout)
 
 
 def fast_and_eager(
