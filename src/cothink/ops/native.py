@@ -896,12 +896,12 @@ def decode_layers(
 
 
 # Keys from which a run several items read (a shared block) is attended once for all of them (native.c
-# shared_tasks). Measured on a 2-core Zen 4 (32 items, SmolLM2's heads, bfloat16, ms per layer,
-# per item / shared): 256 keys 0.18 / 0.21, 512 0.31 / 0.25, 1024 0.56 / 0.44, 2048 1.13 / 0.94, 4096
-# 2.24 / 1.88; float32 P V, the same in both, is half of the shared path's time. With 8 readers the
-# grouped path is ~8% slower (2048 keys 0.28 / 0.31), but counted once it keeps long shared contexts off
-# the torch kernels (attention_backends.py): 8 readers of 8 000 keys 72.3 ms a step against 125.4.
-SHARED_MIN_KEYS = 512
+# shared_tasks: the prefill kernel's packing, softmax and bfloat16 P V over the readers' query rows).
+# Measured on a 2-core Zen 4 (SmolLM2's heads, bfloat16, ms per layer, per item / shared, two threads):
+# 32 readers of 64 keys (16 of their own) 0.069 / 0.062, of 256 (32 of their own) 0.171 / 0.113, of 1024
+# 0.554 / 0.280; 4 readers of 128 keys 0.017 / 0.017, of 512 0.043 / 0.040; 2 readers of 256 0.015 /
+# 0.016, of 2048 0.077 / 0.080: one chunk of keys and a second reader make it pay.
+SHARED_MIN_KEYS = 64
 
 
 class DecodePlan:
@@ -910,8 +910,9 @@ class DecodePlan:
     with cos/sin [1, 1, rot] prepared tables in the pool's dtype, or (slots, cos, sin, shared): runs of
     several items with the same `shared` key (a block they all read, the same slots) and at least
     `shared_min_keys` keys (default SHARED_MIN_KEYS) form a group that the kernel attends once for all
-    its readers (bfloat16 pools where the CPU has AVX-512 BF16; within float32 rounding of attending it
-    per item)."""
+    its readers (bfloat16 pools where the CPU has AVX-512 BF16: P rounded to bfloat16 for P V, as the
+    prefill kernel and torch's flash kernel round it; each output within 2^-9 max|v| of attending the
+    run per item, plus float32 rounding)."""
 
     def __init__(self, rows: list[int], runs: list[list[tuple[Any, ...]]],
                  shared_min_keys: int | None = None):
