@@ -442,8 +442,9 @@ def test_int8_linear_is_the_scaled_product_of_the_rounded_input(dtype, k):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("k", [160, 576])
 def test_int8_pairs_are_the_int8_product_of_the_8bit_input(dtype, k):
-    """An int8 weight in pairs (`pack_pairs`: int16, the same bytes in tiles of PAIR_TILE outputs; K a
-    multiple of 32) takes x as 8-bit codes per group of 32 (models/quant4.py `quantize_activations`):
+    """An int8 weight in pairs (`pack_pairs`: int16, the same bytes, each plus 128, in tiles of PAIR_TILE
+    outputs, each output's four weights of four inputs together; K a multiple of 32) takes x as 8-bit
+    codes per group of 32 (models/quant4.py `quantize_activations`):
     the int8 product's definition (the float32 sum times the scale rounded to bfloat16, the bias) of
     those codes times their scales, at row counts up to and past NATIVE_MAX_ROWS, every row the same to
     the bit alone as in the batch, and within models/quantize.py's bound of the product of x itself.
@@ -454,8 +455,8 @@ def test_int8_pairs_are_the_int8_product_of_the_8bit_input(dtype, k):
     b = torch.randn(q.shape[0], generator=g).to(dtype)
     pairs = native.pack_pairs(q)
     assert pairs.dtype == torch.int16 and pairs.shape == (q.shape[0], k // 2)
-    assert torch.equal(pairs.view(torch.int8).reshape(2, k // 2, native.PAIR_TILE, 2)[1, 3, 5],
-                       q[native.PAIR_TILE + 5, 6:8])
+    unsigned = pairs.view(torch.uint8).reshape(2, k // 4, native.PAIR_TILE, 4)[1, 3, 5].int()
+    assert torch.equal(unsigned - 128, q[native.PAIR_TILE + 5, 12:16].int())  # tile 1, inputs 12-15, output 5
     assert native.linear_fits(pairs, b, scale) and not native.linear_fits(pairs, b, None)
     assert native.takes_pairs(q) and not native.takes_pairs(q[:, :144].contiguous())  # K % 32
     for rows in (1, 9, 32, 33, 70):

@@ -1649,11 +1649,12 @@ static inline __attribute__((always_inline)) void pairs_tile(const void *wt, con
     }
 }
 
-/* WT_INT8P: int8 weights in the tiles of WT_BF16P (tile t: [k / 2][PAIR_TILE] pairs of int8, 2 bytes
- * each), with a bfloat16 scale per output, for k a multiple of Q4_GROUP. x is taken as 8-bit codes per
- * group of Q4_GROUP inputs (`quantize_groups`, as GGUF's Q8_0 x Q8 dot products take it): two pairs
- * (128 bytes), two VPERMT2W (I8_QUADS) and a sign flip give each output's four weights plus 128 in a
- * lane, VPDPBUSD their int32 dot product with the codes, less 128 times the codes' sum; per output acc
+/* WT_INT8P: int8 weights in tiles of PAIR_TILE outputs in the order VPDPBUSD multiplies them (native.py
+ * `pack_pairs`: tile t, per four inputs 4v .. 4v + 3, two 64-byte vectors, outputs 0-15 then 16-31, each
+ * output's four weights plus 128 as unsigned bytes in its lane), with a bfloat16 scale per output, for k
+ * a multiple of Q4_GROUP. x is taken as 8-bit codes per group of Q4_GROUP inputs (`quantize_groups`, as
+ * GGUF's Q8_0 x Q8 dot products take it): VPDPBUSD gives the int32 dot product of each output's
+ * weights plus 128 with the codes, less 128 times the codes' sum; per output acc
  * += d xd_g, and the result acc times its scale rounded to bfloat16, then the bias, as WT_INT8 applies
  * them: the int8 product of the 8-bit x, one fixed order per output whatever the rows
  * (models/quantize.py states its distance from WT_INT8's). Measured on a 2-core Zen 4, 30 SmolLM2 layers'
@@ -1748,21 +1749,6 @@ static void quantize_groups(const bf16 *x, int64_t k, int8_t *q, float *d, float
 static const uint16_t Q4_QUADS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
 
-/* I8_QUADS: WORD_PAIRS as the VPERMT2W orders of two WT_INT8P pairs (pair p's 32 words, then pair p + 1's)
-   that put output j's four weights (inputs 2p .. 2p + 3) in lane j: outputs 0-15, then 16-31 */
-#define I8_QUADS WORD_PAIRS
-
-/* Inputs 2p .. 2p + 3 of a WT_INT8P tile (two pairs at b, 128 bytes) as quads_rows multiplies them:
-   two VPERMT2W (I8_QUADS) put each output's four weights in a lane, the sign flip adds 128 (unsigned for
-   VPDPBUSD); outputs 0-15 in w0, 16-31 in w1 */
-static inline __attribute__((always_inline)) void int8_quads(const int8_t *b, __m512i lo16, __m512i hi16,
-                                                             __m512i sign, __m512i *w0, __m512i *w1) {
-    prefetch_weight(b);
-    prefetch_weight(b + 64);
-    __m512i p0 = _mm512_loadu_si512(b), p1 = _mm512_loadu_si512(b + 2 * PAIR_TILE);
-    *w0 = _mm512_xor_si512(_mm512_permutex2var_epi16(p0, lo16, p1), sign);
-    *w1 = _mm512_xor_si512(_mm512_permutex2var_epi16(p0, hi16, p1), sign);
-}
 
 /* A WT_Q4P or WT_INT8P tile's products for NR rows (constant after inlining) of 8-bit x
    (`quantize_groups`: per group of Q4_GROUP inputs the codes xq and their scale xd): per group d = xq_g
@@ -1770,31 +1756,28 @@ static inline __attribute__((always_inline)) void int8_quads(const int8_t *b, __
    plus 128, whose 128 sum(xq_g) xc takes off), then per output acc += d xd_g (4-bit: times scale_g, and
    apart off += offset_g xsum_g, xsum the 8-bit x's group sums). KIND (a constant): WT_Q4P (sm the tile's
    float32 scales and offsets), WT_Q4PH (halves) or WT_INT8P (sm the outputs' bfloat16 scales, applied
-   as WT_INT8 applies them). `dec`: NULL (a constant after inlining: the loop unpacks the weights) or the
-   tile's int8 weights unpacked already (`unpack_int8_tile`) */
-static inline __attribute__((always_inline)) void quads_rows(const void *wt, const __m512i *dec, const void *sm,
+   as WT_INT8 applies them) */
+static inline __attribute__((always_inline)) void quads_rows(const void *wt, const void *sm,
                                                                const int8_t *xq, const float *xd, const float *xsum,
                                                                const int32_t *xc, int64_t k, const void *bias,
                                                                void *y, int64_t ys, int bf, int y_f32,
                                                                const int nr, const int kind) {
     const int i8 = kind == WT_INT8P, half = kind == WT_Q4PH;
     const __m512i order = _mm512_loadu_si512(Q4_QUADS), low = _mm512_set1_epi8(0x0f);
-    const __m512i lo16 = _mm512_loadu_si512(I8_QUADS[0]), hi16 = _mm512_loadu_si512(I8_QUADS[1]);
-    const __m512i sign = _mm512_set1_epi8((char)0x80);
     __m512 a0[LINEAR_GROUP], a1[LINEAR_GROUP];
     __m512i d0[LINEAR_GROUP], d1[LINEAR_GROUP];
     for (int i = 0; i < nr; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     int64_t groups = k / Q4_GROUP;
     for (int64_t g = 0; g < groups; g++) {
         for (int i = 0; i < nr; i++) d0[i] = d1[i] = _mm512_setzero_si512();
-        for (int64_t u = 0; u < Q4_GROUP / 4; u++) { /* inputs 4u .. 4u + 3 of the group: pairs 2u, 2u + 1 */
+        for (int64_t u = 0; u < Q4_GROUP / 4; u++) { /* inputs 4u .. 4u + 3 of the group */
             __m512i w0, w1;
-            if (dec) { /* a constant after inlining */
-                w0 = _mm512_load_si512(dec + 2 * (g * (Q4_GROUP / 4) + u));
-                w1 = _mm512_load_si512(dec + 2 * (g * (Q4_GROUP / 4) + u) + 1);
-            } else if (i8) {
-                int8_quads((const int8_t *)wt + (g * (Q4_GROUP / 2) + 2 * u) * 2 * PAIR_TILE, lo16, hi16, sign, &w0,
-                           &w1);
+            if (i8) { /* two vectors of 64 bytes as they are */
+                const uint8_t *b = (const uint8_t *)wt + (g * (Q4_GROUP / 4) + u) * 4 * PAIR_TILE;
+                prefetch_weight(b);
+                prefetch_weight(b + 64);
+                w0 = _mm512_loadu_si512(b);
+                w1 = _mm512_loadu_si512(b + 64);
             } else {
                 const uint8_t *b = (const uint8_t *)wt + (g * (Q4_GROUP / 2) + 2 * u) * PAIR_TILE;
                 prefetch_weight(b);
@@ -1861,31 +1844,19 @@ static inline __attribute__((always_inline)) void quads_rows(const void *wt, con
 /* Rows a pass of quads_rows takes: four rows' 16 accumulators stay in registers (eight spilled: 30
  * SmolLM2 4-bit layers at 32 rows 24.6-28.6 -> 21.8-22.2 ms) */
 #define QUAD_ROWS 4
-static inline __attribute__((always_inline)) void quads_tile(const void *wt, const __m512i *dec, const void *sm,
+static inline __attribute__((always_inline)) void quads_tile(const void *wt, const void *sm,
                                                                const int8_t *xq, const float *xd, const float *xsum,
                                                                const int32_t *xc, int64_t k, const void *bias,
                                                                void *y, int64_t ys, int bf, int y_f32,
                                                                const int nr, const int kind) {
     int64_t groups = k / Q4_GROUP, y_size = bf && !y_f32 ? 2 : 4;
     if (nr > QUAD_ROWS) {
-        quads_rows(wt, dec, sm, xq, xd, xsum, xc, k, bias, y, ys, bf, y_f32, QUAD_ROWS, kind);
-        quads_rows(wt, dec, sm, xq + QUAD_ROWS * k, xd + QUAD_ROWS * groups, xsum ? xsum + QUAD_ROWS * groups : NULL,
+        quads_rows(wt, sm, xq, xd, xsum, xc, k, bias, y, ys, bf, y_f32, QUAD_ROWS, kind);
+        quads_rows(wt, sm, xq + QUAD_ROWS * k, xd + QUAD_ROWS * groups, xsum ? xsum + QUAD_ROWS * groups : NULL,
                    xc ? xc + QUAD_ROWS * groups : NULL, k, bias, (char *)y + QUAD_ROWS * ys * y_size, ys, bf, y_f32,
                    nr - QUAD_ROWS, kind);
     } else {
-        quads_rows(wt, dec, sm, xq, xd, xsum, xc, k, bias, y, ys, bf, y_f32, nr, kind);
-    }
-}
-
-/* A WT_INT8P tile's weights as quads_rows multiplies them (`int8_quads`: vector 2 (g Q4_GROUP / 4 + u) + h
-   of dec, its `dec`), once per tile where each of a wide step's passes would unpack them again. (A 4-bit tile's VPERMW, two ANDs and a shift cost no more than reading them
-   unpacked: 2-core Zen 4, alternating builds, its products 4-27% slower at 8-32 rows, level at 512.)
-   Not inlined: inlined into linear_rows_pairs, the int8 products at 512 rows measured 7-8% slower. */
-static __attribute__((noinline)) void unpack_int8_tile(const void *wt, int64_t k, __m512i *dec) {
-    const __m512i lo16 = _mm512_loadu_si512(I8_QUADS[0]), hi16 = _mm512_loadu_si512(I8_QUADS[1]);
-    const __m512i sign = _mm512_set1_epi8((char)0x80);
-    for (int64_t v = 0; v < k / 4; v++) { /* v = g Q4_GROUP / 4 + u: inputs 4v .. 4v + 3, pairs 2v, 2v + 1 */
-        int8_quads((const int8_t *)wt + 2 * v * 2 * PAIR_TILE, lo16, hi16, sign, dec + 2 * v, dec + 2 * v + 1);
+        quads_rows(wt, sm, xq, xd, xsum, xc, k, bias, y, ys, bf, y_f32, nr, kind);
     }
 }
 
@@ -1900,13 +1871,8 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *x
                               int y_f32) {
     int q4 = WT_Q4_PAIRS(wt_kind), quads = q4 || wt_kind == WT_INT8P;
     int64_t size = bf ? 2 : 4, y_size = bf && !y_f32 ? 2 : 4, groups = k / Q4_GROUP;
-    /* int8 weights for more rows than a group (a group's two passes do not pay for it): each tile
-       unpacked once for all its passes, the same products (int8 at 512 rows 17-22% faster, at 32 4-10%) */
-    __m512i *dec = wt_kind == WT_INT8P && m > LINEAR_GROUP ? aligned_alloc(64, (size_t)(k / 2) * sizeof(__m512i))
-                                                          : NULL;
     for (int64_t r = begin; r < end; r += PAIR_TILE) {
         const void *wt = (const char *)w + r * weight_row_bytes(wt_kind, k);
-        if (dec) unpack_int8_tile(wt, k, dec);
         const void *sc = !scale ? NULL : q4 ? (const char *)scale + r * groups * 2 * (wt_kind == WT_Q4PH ? 2 : 4)
                                             : (const void *)((const bf16 *)scale + r);
         const void *b = bias ? (const char *)bias + r * size : NULL;
@@ -1916,18 +1882,16 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *x
             const int8_t *xqi = quads ? xq + i0 * k : NULL;
             const int32_t *xci = q4 || !quads ? NULL : xc + i0 * groups;
             void *yi = (char *)y + (i0 * ys + r) * y_size;
-#define PAIRS_CASE(M)                                                                       \
-    case M:                                                                                 \
-        if (!quads)                                                                         \
-            pairs_tile(wt, x, k, b, yi, ys, y_f32, M);                                      \
-        else if (dec)                                                                       \
-            quads_tile(wt, dec, sc, xqi, xdi, xs, xci, k, b, yi, ys, bf, y_f32, M, WT_INT8P); \
-        else if (wt_kind == WT_Q4PH)                                                        \
-            quads_tile(wt, NULL, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4PH);  \
-        else if (wt_kind == WT_Q4P)                                                         \
-            quads_tile(wt, NULL, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4P);   \
-        else                                                                                \
-            quads_tile(wt, NULL, sc, xqi, xdi, xs, xci, k, b, yi, ys, bf, y_f32, M, WT_INT8P); \
+#define PAIRS_CASE(M)                                                                   \
+    case M:                                                                             \
+        if (!quads)                                                                     \
+            pairs_tile(wt, x, k, b, yi, ys, y_f32, M);                                  \
+        else if (wt_kind == WT_Q4PH)                                                    \
+            quads_tile(wt, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4PH);  \
+        else if (wt_kind == WT_Q4P)                                                     \
+            quads_tile(wt, sc, xqi, xdi, xs, xci, k, b, yi, ys, 1, y_f32, M, WT_Q4P);   \
+        else                                                                            \
+            quads_tile(wt, sc, xqi, xdi, xs, xci, k, b, yi, ys, bf, y_f32, M, WT_INT8P); \
         break;
             if (!quads && m - i0 > LINEAR_GROUP) {
                 switch (m - i0 < TILE_ROWS ? m - i0 : TILE_ROWS) {
@@ -1944,7 +1908,6 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *x
 #undef PAIRS_CASE
         }
     }
-    free(dec);
 }
 #endif
 

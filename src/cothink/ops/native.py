@@ -393,14 +393,18 @@ def takes_pairs(weight: torch.Tensor) -> bool:
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     """A bfloat16 or int8 weight [N, K] (N a multiple of PAIR_TILE, K of 16) in the layout `linear`
-    reads as pairs: int32 (bfloat16 pairs) or int16 (int8 pairs) [N, K / 2] holding, per tile of
-    PAIR_TILE outputs, [K / 2][PAIR_TILE] pairs (w[o][2p], w[o][2p + 1]). The same bytes as the weight,
-    reordered: the products read the outputs of a tile along the vector lanes (native.c WT_BF16P,
-    WT_INT8P)."""
+    reads in tiles of PAIR_TILE outputs, the outputs along the vector lanes (native.c WT_BF16P,
+    WT_INT8P): int32 [N, K / 2] holding per tile [K / 2][PAIR_TILE] bfloat16 pairs (w[o][2p],
+    w[o][2p + 1]); int16 [N, K / 2] holding per tile [K / 4][PAIR_TILE] quads of int8 weights
+    (w[o][4q] .. w[o][4q + 3]) plus 128 as unsigned bytes, the order VPDPBUSD multiplies them in. The
+    same bytes as the weight, reordered (and, int8, each one's top bit flipped)."""
     n, k = weight.shape
     if weight.dtype not in PAIRS_OF or n % PAIR_TILE or k % 16:
         raise ValueError(f"pack_pairs: a bfloat16 or int8 [N, K] weight with N % {PAIR_TILE} == 0 and "
                          f"K % 16 == 0, not {tuple(weight.shape)} {weight.dtype}")
+    if weight.dtype == torch.int8:
+        quads = weight.reshape(n // PAIR_TILE, PAIR_TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+        return (quads.view(torch.uint8) ^ 0x80).view(torch.int16).reshape(n, k // 2)
     tiles = weight.reshape(n // PAIR_TILE, PAIR_TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
     return tiles.view(PAIRS_OF[weight.dtype]).reshape(n, k // 2)
 
