@@ -988,18 +988,14 @@ static inline void transpose16x16(__m512i *r) {
     }
 }
 
-/* A shared run's keys a .. a + c - 1 (c <= CHUNK) of key head kh, laid out as the prefill kernel lays out
-   a block (prefill_pack): the keys in pairs along the lanes, kp[p * CHUNK + x], and the values in pairs
-   of keys, vp[x / 2 * d + e], zeros past c; 16 x 16 transposes of the keys' pairs and VPERMT2W
-   interleaves of value rows (element by element this took as long as the chunk's scores) */
-static void pack_shared_chunk(const AttentionJob *j, int64_t a, int64_t c, int64_t kh, uint32_t *kp, uint32_t *vp) {
-    int64_t d = j->d, pairs = d / 2, row = (int64_t)sizeof(bf16) * d;
-    const char *kr[CHUNK], *vr[CHUNK];
-    for (int64_t x = 0; x < c; x++) {
-        int64_t at = (j->slots[a + x] * j->hkv + kh) * row;
-        kr[x] = (const char *)j->pool_k + at;
-        vr[x] = (const char *)j->pool_v + at;
-    }
+/* A block of c <= CHUNK bfloat16 keys and values of d channels (rows kr[x], vr[x]) as the prefill
+   kernel and the shared runs read it: the keys in pairs along the lanes, kp[p * CHUNK + x], and the
+   values in pairs of keys, vp[x / 2 * d + e], zeros past c; 16 x 16 transposes of the keys' pairs and
+   VPERMT2W interleaves of value rows (element by element the packing took as long as a shared chunk's
+   scores) */
+static void pack_block(const char *const *kr, const char *const *vr, int64_t c, int64_t d, uint32_t *kp,
+                       uint32_t *vp) {
+    int64_t pairs = d / 2;
     for (int64_t kb = 0; kb < CHUNK; kb += 16) {
         int64_t p0 = 0;
         for (; p0 + 16 <= pairs; p0 += 16) {
@@ -1023,6 +1019,19 @@ static void pack_shared_chunk(const AttentionJob *j, int64_t a, int64_t c, int64
             if (e + 16 < d) _mm512_storeu_si512(vp + x / 2 * d + e + 16, _mm512_permutex2var_epi16(v0, hi, v1));
         }
     }
+}
+
+/* A shared run's keys a .. a + c - 1 (c <= CHUNK) of key head kh, read through their pool slots, packed
+   (`pack_block`) */
+static void pack_shared_chunk(const AttentionJob *j, int64_t a, int64_t c, int64_t kh, uint32_t *kp, uint32_t *vp) {
+    int64_t row = (int64_t)sizeof(bf16) * j->d;
+    const char *kr[CHUNK], *vr[CHUNK];
+    for (int64_t x = 0; x < c; x++) {
+        int64_t at = (j->slots[a + x] * j->hkv + kh) * row;
+        kr[x] = (const char *)j->pool_k + at;
+        vr[x] = (const char *)j->pool_v + at;
+    }
+    pack_block(kr, vr, c, j->d, kp, vp);
 }
 static void shared_tasks(void *ctx, int64_t begin, int64_t end) {
     const SharedJob *sj = ctx;
@@ -1748,7 +1757,6 @@ static void quantize_groups(const bf16 *x, int64_t k, int8_t *q, float *d, float
    four codes (inputs 2p .. 2p + 3) in lane j: word j of pair p, then word j of pair p + 1 */
 static const uint16_t Q4_QUADS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
                                       8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-
 
 /* A WT_Q4P or WT_INT8P tile's products for NR rows (constant after inlining) of 8-bit x
    (`quantize_groups`: per group of Q4_GROUP inputs the codes xq and their scale xd): per group d = xq_g
@@ -2853,19 +2861,13 @@ static void prefill_pack(void *ctx, int64_t begin, int64_t end) {
     }
     for (int64_t b = begin; b < end; b++) {
         int64_t h = b / j->blocks, k0 = (b % j->blocks) * CHUNK;
-        uint32_t *kp = j->kp + b * pairs * CHUNK;
-        bf16 *vp = (bf16 *)(j->vp + b * PREFILL_PAIRS * d);
-        for (int64_t c = 0; c < CHUNK; c++) {
-            if (k0 + c < j->keys) {
-                const uint32_t *kr = (const uint32_t *)((const bf16 *)j->k + (k0 + c) * j->ks + h * d);
-                const bf16 *vr = (const bf16 *)j->v + (k0 + c) * j->vs + h * d;
-                for (int64_t p = 0; p < pairs; p++) kp[p * CHUNK + c] = kr[p];
-                for (int64_t e = 0; e < d; e++) vp[(c / 2 * d + e) * 2 + c % 2] = vr[e];
-            } else {
-                for (int64_t p = 0; p < pairs; p++) kp[p * CHUNK + c] = 0;
-                for (int64_t e = 0; e < d; e++) vp[(c / 2 * d + e) * 2 + c % 2] = 0;
-            }
+        int64_t c = j->keys - k0 < CHUNK ? j->keys - k0 : CHUNK;
+        const char *kr[CHUNK], *vr[CHUNK];
+        for (int64_t x = 0; x < c; x++) {
+            kr[x] = (const char *)((const bf16 *)j->k + (k0 + x) * j->ks + h * d);
+            vr[x] = (const char *)((const bf16 *)j->v + (k0 + x) * j->vs + h * d);
         }
+        pack_block(kr, vr, c, d, j->kp + b * pairs * CHUNK, j->vp + b * PREFILL_PAIRS * d);
     }
 }
 
