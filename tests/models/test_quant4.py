@@ -143,10 +143,11 @@ def test_4bit_pairs_stay_within_the_bound_for_any_threads_and_batch(k):
     weights = Int4Weights.quantize(torch.randn(n, k))
     pairs, scales = native.pack_q4_pairs(weights.packed, weights.scale)
     assert pairs.dtype == torch.uint16 and pairs.shape == (n, k // 4) and scales.shape == (3, k // 32, 2, 32)
-    # tile 1, group 3, pair 5, byte 7: outputs 32 + 3 (low nibble) and 32 + 16 + 3 (high), input 96 + 10 + 1
-    byte = int(pairs.view(torch.uint8).view(3, k // 32, 16, 32)[1, 3, 5, 7])
+    # tile 1, group 3, four inputs 5, byte 4 * 3 + 2: outputs 32 + 3 (low nibble) and 32 + 16 + 3 (high),
+    # input 96 + 20 + 2
+    byte = int(pairs.view(torch.uint8).view(3, k // 32, 8, 64)[1, 3, 5, 14])
     codes = weights.codes()
-    assert (byte & 15, byte >> 4) == (int(codes[35, 107]), int(codes[51, 107]))
+    assert (byte & 15, byte >> 4) == (int(codes[35, 118]), int(codes[51, 118]))
     assert torch.equal(scales[1, 3, :, 5], weights.scale[37, 3])
     bias = torch.randn(n).bfloat16()
     assert native.linear_fits(pairs, bias, scales) and native.linear_fits(pairs, None, scales)

@@ -1670,10 +1670,12 @@ static inline __attribute__((always_inline)) void pairs_tile(const void *wt, con
  * products and the lm_head (ms per step of m rows, 8-bit x / bfloat16 x with the weights widened to
  * bfloat16 pairs): m = 1 5.4-6.7 / 5.8-6.0 (three alternations: level within the noise), 32 21.1 / 30.1. */
 /* WT_Q4P: 4-bit weights (WT_Q4's codes, scales and offsets, below) in tiles of PAIR_TILE outputs, for
- * bfloat16 x (native.py `pack_q4_pairs`). Tile t holds per group g of Q4_GROUP inputs 16 pairs of 32
- * bytes: byte j of pair p holds in its low nibble the code of output j / 2 at input Q4_GROUP g + 2p + j % 2
- * and in its high nibble that of output 16 + j / 2; two pairs (64 bytes), one VPERMW (Q4_QUADS), a mask
- * and a shift give each output's four codes in a lane, for VPDPBUSD. The tile's scales are
+ * bfloat16 x (native.py `pack_q4_pairs`). Tile t holds per group g of Q4_GROUP inputs and four inputs
+ * 4u .. 4u + 3 of it a 64-byte vector in the order VPDPBUSD multiplies: byte 4j + i holds in its low
+ * nibble the code of output j at input Q4_GROUP g + 4u + i and in its high nibble that of output 16 + j;
+ * a mask, and a shift and a mask, give each output's four codes in a lane (stored in pairs of inputs, a
+ * VPERMW per vector put them there: bench/linears.py's 121 SmolLM2 4-bit linears, builds alternating
+ * twice, 1 row 5.98 / 6.09 -> 5.93 / 5.74 ms, 32 rows 20.5 / 20.6 -> 19.6 / 19.5). The tile's scales are
  * [k / Q4_GROUP][2][PAIR_TILE]: per group the outputs' scales, then their offsets. x is taken as 8-bit
  * codes per group of Q4_GROUP inputs (`quantize_groups`, as GGUF's Q4 x Q8 dot products take it): per
  * group d = xq_g . q_g in exact int32 sums, then per output acc += d (scale_g xd_g) and, apart, off +=
@@ -1753,31 +1755,27 @@ static void quantize_groups(const bf16 *x, int64_t k, int8_t *q, float *d, float
     }
 }
 
-/* VPERMW order of two WT_Q4P pairs (64 bytes: pair p's 16 words, then pair p + 1's) that puts output j's
-   four codes (inputs 2p .. 2p + 3) in lane j: word j of pair p, then word j of pair p + 1 */
-static const uint16_t Q4_QUADS[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-
 /* A WT_Q4P or WT_INT8P tile's products for NR rows (constant after inlining) of 8-bit x
    (`quantize_groups`: per group of Q4_GROUP inputs the codes xq and their scale xd): per group d = xq_g
    . w_g by VPDPBUSD (exact int32 sums; the weights the unsigned side: 4-bit codes as they are, int8 ones
-   plus 128, whose 128 sum(xq_g) xc takes off), then per output acc += d xd_g (4-bit: times scale_g, and
-   apart off += offset_g xsum_g, xsum the 8-bit x's group sums). KIND (a constant): WT_Q4P (sm the tile's
-   float32 scales and offsets), WT_Q4PH (halves) or WT_INT8P (sm the outputs' bfloat16 scales, applied
-   as WT_INT8 applies them) */
+   plus 128, whose 128 sum(xq_g) xc the sums start from, negated), then per output acc += d xd_g (4-bit:
+   times scale_g, and apart off += offset_g xsum_g, xsum the 8-bit x's group sums). KIND (a constant):
+   WT_Q4P (sm the tile's float32 scales and offsets), WT_Q4PH (halves) or WT_INT8P (sm the outputs'
+   bfloat16 scales, applied as WT_INT8 applies them) */
 static inline __attribute__((always_inline)) void quads_rows(const void *wt, const void *sm,
                                                                const int8_t *xq, const float *xd, const float *xsum,
                                                                const int32_t *xc, int64_t k, const void *bias,
                                                                void *y, int64_t ys, int bf, int y_f32,
                                                                const int nr, const int kind) {
     const int i8 = kind == WT_INT8P, half = kind == WT_Q4PH;
-    const __m512i order = _mm512_loadu_si512(Q4_QUADS), low = _mm512_set1_epi8(0x0f);
+    const __m512i low = _mm512_set1_epi8(0x0f);
     __m512 a0[LINEAR_GROUP], a1[LINEAR_GROUP];
     __m512i d0[LINEAR_GROUP], d1[LINEAR_GROUP];
     for (int i = 0; i < nr; i++) a0[i] = a1[i] = _mm512_setzero_ps();
     int64_t groups = k / Q4_GROUP;
     for (int64_t g = 0; g < groups; g++) {
-        for (int i = 0; i < nr; i++) d0[i] = d1[i] = _mm512_setzero_si512();
+        for (int i = 0; i < nr; i++) /* int8: the sums less 128 sum(xq_g) from the start (exact in int32) */
+            d0[i] = d1[i] = i8 ? _mm512_set1_epi32(-xc[i * groups + g]) : _mm512_setzero_si512();
         for (int64_t u = 0; u < Q4_GROUP / 4; u++) { /* inputs 4u .. 4u + 3 of the group */
             __m512i w0, w1;
             if (i8) { /* two vectors of 64 bytes as they are */
@@ -1789,7 +1787,7 @@ static inline __attribute__((always_inline)) void quads_rows(const void *wt, con
             } else {
                 const uint8_t *b = (const uint8_t *)wt + (g * (Q4_GROUP / 2) + 2 * u) * PAIR_TILE;
                 prefetch_weight(b);
-                __m512i c = _mm512_permutexvar_epi16(order, _mm512_loadu_si512(b));
+                __m512i c = _mm512_loadu_si512(b);
                 w0 = _mm512_and_si512(c, low);
                 w1 = _mm512_and_si512(_mm512_srli_epi16(c, 4), low);
             }
@@ -1803,10 +1801,9 @@ static inline __attribute__((always_inline)) void quads_rows(const void *wt, con
         }
         if (i8) {
             for (int i = 0; i < nr; i++) {
-                __m512i c = _mm512_set1_epi32(xc[i * groups + g]);
                 __m512 dx = _mm512_set1_ps(xd[i * groups + g]);
-                a0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d0[i], c)), dx, a0[i]);
-                a1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(d1[i], c)), dx, a1[i]);
+                a0[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d0[i]), dx, a0[i]);
+                a1[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d1[i]), dx, a1[i]);
             }
             continue;
         }

@@ -446,9 +446,9 @@ def pack_q4_pairs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A 4-bit weight (uint8 [N, K / 2] with float32 scales and offsets [N, K / Q4_GROUP, 2], as `linear`
     takes it; N a multiple of PAIR_TILE) in the layout `linear` reads as pairs (native.c WT_Q4P): uint16
-    [N, K / 4] holding, per tile of PAIR_TILE outputs and group of Q4_GROUP inputs, 16 pairs of 32 bytes,
-    byte j of pair p holding the code of output j // 2 at input 2p + j % 2 in its low nibble and that of
-    output 16 + j // 2 in its high one; and the scales as [N / PAIR_TILE, K / Q4_GROUP, 2, PAIR_TILE] (per
+    [N, K / 4] holding, per tile of PAIR_TILE outputs, group of Q4_GROUP inputs and four inputs 4u .. 4u + 3
+    of it, 64 bytes, byte 4j + i holding the code of output j at input 4u + i in its low nibble and that of
+    output 16 + j in its high one; and the scales as [N / PAIR_TILE, K / Q4_GROUP, 2, PAIR_TILE] (per
     tile and group the outputs' scales, then their offsets). The same codes and scales, reordered.
     `half`: the scales as float16 (native.c WT_Q4PH: a sixth fewer bytes, the same results), for scales
     that are halves exactly (`halves_exact`; else ValueError)."""
@@ -463,10 +463,9 @@ def pack_q4_pairs(
         raise ValueError("pack_q4_pairs: half scales asked of scales or offsets that are not all halves")
     bytes_ = weight.view(n, groups, Q4_GROUP // 2)
     codes = torch.cat([bytes_ & 0x0F, bytes_ >> 4], dim=-1)  # [N, groups, Q4_GROUP], inputs in order
-    # [tiles, half of the tile, output, group, pair, input of the pair] -> [tiles, group, pair, half, byte]
-    tiles = codes.view(n // PAIR_TILE, 2, PAIR_TILE // 2, groups, Q4_GROUP // 2, 2).permute(0, 3, 4, 1, 2, 5)
-    tiles = tiles.reshape(n // PAIR_TILE, groups, Q4_GROUP // 2, 2, PAIR_TILE)
-    packed = (tiles[..., 0, :] | (tiles[..., 1, :] << 4)).contiguous()
+    # [tiles, tile half, output, group, four inputs, input] -> [tiles, group, four, half, output, input]
+    tiles = codes.view(n // PAIR_TILE, 2, PAIR_TILE // 2, groups, Q4_GROUP // 4, 4).permute(0, 3, 4, 1, 2, 5)
+    packed = (tiles[:, :, :, 0] | (tiles[:, :, :, 1] << 4)).contiguous()
     scales = scale.view(n // PAIR_TILE, PAIR_TILE, groups, 2).permute(0, 2, 3, 1)
     scales = (scales.half() if half else scales).contiguous()
     return packed.view(torch.uint16).reshape(n, half_k // 2), scales
