@@ -1847,7 +1847,10 @@ static inline __attribute__((always_inline)) void quads_rows(const void *wt, con
 }
 
 /* Rows a pass of quads_rows takes: four rows' 16 accumulators stay in registers (eight spilled: 30
- * SmolLM2 4-bit layers at 32 rows 24.6-28.6 -> 21.8-22.2 ms) */
+ * SmolLM2 4-bit layers at 32 rows 24.6-28.6 -> 21.8-22.2 ms). Each pass unmasks its tile's 4-bit codes
+ * again: unpacking a tile once per product for all passes into a buffer read as int8 pairs was slower
+ * (bench/linears.py int4, alternating builds twice, ms: 8 rows 8.49 / 8.49 -> 10.62 / 10.90, 32 rows
+ * 19.29 / 21.87 -> 22.08 / 23.32) */
 #define QUAD_ROWS 4
 static inline __attribute__((always_inline)) void quads_tile(const void *wt, const void *sm,
                                                                const int8_t *xq, const float *xd, const float *xsum,
