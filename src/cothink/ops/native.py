@@ -403,10 +403,17 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pack_pairs: a bfloat16 or int8 [N, K] weight with N % {PAIR_TILE} == 0 and "
                          f"K % 16 == 0, not {tuple(weight.shape)} {weight.dtype}")
     if weight.dtype == torch.int8:
-        quads = weight.reshape(n // PAIR_TILE, PAIR_TILE, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-        return (quads.view(torch.uint8) ^ 0x80).view(torch.int16).reshape(n, k // 2)
+        unsigned = _tile_quads(weight).contiguous().view(torch.uint8) ^ 0x80
+        return unsigned.view(torch.int16).reshape(n, k // 2)
     tiles = weight.reshape(n // PAIR_TILE, PAIR_TILE, k // 2, 2).permute(0, 2, 1, 3).contiguous()
     return tiles.view(PAIRS_OF[weight.dtype]).reshape(n, k // 2)
+
+
+def _tile_quads(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N / PAIR_TILE, K / 4, PAIR_TILE, 4]: per tile of outputs and four inputs, each output's
+    four weights together, the order VPDPBUSD multiplies them in (int8 and 4-bit pairs)."""
+    n, k = weight.shape
+    return weight.reshape(n // PAIR_TILE, PAIR_TILE, k // 4, 4).permute(0, 2, 1, 3)
 
 
 def f32_tiles() -> bool:
@@ -462,10 +469,9 @@ def pack_q4_pairs(
     if half and not halves_exact(scale):
         raise ValueError("pack_q4_pairs: half scales asked of scales or offsets that are not all halves")
     bytes_ = weight.view(n, groups, Q4_GROUP // 2)
-    codes = torch.cat([bytes_ & 0x0F, bytes_ >> 4], dim=-1)  # [N, groups, Q4_GROUP], inputs in order
-    # [tiles, tile half, output, group, four inputs, input] -> [tiles, group, four, half, output, input]
-    tiles = codes.view(n // PAIR_TILE, 2, PAIR_TILE // 2, groups, Q4_GROUP // 4, 4).permute(0, 3, 4, 1, 2, 5)
-    packed = (tiles[:, :, :, 0] | (tiles[:, :, :, 1] << 4)).contiguous()
+    codes = torch.cat([bytes_ & 0x0F, bytes_ >> 4], dim=-1).view(n, -1)  # [N, K], inputs in order
+    quads = _tile_quads(codes)  # the tile's outputs 0-15 in the low nibbles, 16-31 in the high ones
+    packed = (quads[:, :, : PAIR_TILE // 2] | (quads[:, :, PAIR_TILE // 2 :] << 4)).contiguous()
     scales = scale.view(n // PAIR_TILE, PAIR_TILE, groups, 2).permute(0, 2, 3, 1)
     scales = (scales.half() if half else scales).contiguous()
     return packed.view(torch.uint16).reshape(n, half_k // 2), scales
