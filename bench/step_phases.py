@@ -7,8 +7,9 @@
 
 Per generated token, in ms: on the event-loop thread the scheduler's planning (`schedule`, with
 sampling), `prepare` (the step's geometry), `commit` and `postprocess`; on the compute thread the
-forward pass, split into the fused decoder layers (one C call, where the model takes it), the C
-linears called outside it (the lm_head when the layers are fused; every linear otherwise) and the
+forward pass, split into the fused decoder layers (one C call, where the model takes it; with the
+final norm and the lm_head where every row wants logits and they take the C kernels), the C linears
+called outside it (the lm_head of a fused step that does not run it; every linear otherwise) and the
 rest (embedding, norms, the torch ops of the per-module path); and what none of these timers saw
 (thread hand-offs, the event loop, the stream's consumer). With --coroutines N > 1 the prompt is a
 context block that N coroutines read, each generating --tokens in a block of its own, all in the same

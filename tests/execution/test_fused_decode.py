@@ -183,6 +183,41 @@ def test_fused_decode_runs_only_steps_the_c_kernels_would_run_whole(tiny_model, 
     assert fused_calls == [NATIVE_MAX_ROWS]
 
 
+@pytest.mark.parametrize(("name", "dtype"), [("llama3", torch.float32), ("qwen35", torch.bfloat16)])
+def test_the_fused_call_makes_the_logits_where_every_row_wants_them(
+    tiny_model, fused_calls, c_linears, monkeypatch, name, dtype
+):
+    """A decode step whose rows all want logits gets them from the fused call: the final norm and the
+    lm_head run inside it (no C linear called from Python). A step with a row that wants none runs its
+    layers in the call and the norm and lm_head as modules, on the rows that want them. Both give the
+    per-module path's bits (llama3: tied embeddings; qwen35: zero-centred norms)."""
+    fused, modules = (tiny_model(name).runner(dtype=dtype) for _ in range(2))
+    modules.fused_decode = None
+    assert fused.fused_decode.head is not None
+    python_linears: list[int] = []  # rows of each C linear called from Python
+    real = native.linear
+
+    def counting(x, *args, **kwargs):
+        python_linears.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(native, "linear", counting)
+    results = []
+    for runner in (fused, modules):
+        blocks = [runner.new_block() for _ in range(2)]
+        runner.step([StepItem(b, ids(3, seed=i)) for i, b in enumerate(blocks)])
+        python_linears.clear()
+        every = runner.step([StepItem(b, [5 + i], logits="last") for i, b in enumerate(blocks)])
+        assert (python_linears == []) == (runner is fused)
+        python_linears.clear()
+        some = runner.step([StepItem(blocks[0], [7], logits="last"), StepItem(blocks[1], [8], logits="none")])
+        if runner is fused:
+            assert python_linears == [1]  # the lm_head, from Python, on the one row that wants logits
+        results.append([*every, *some])
+    assert fused_calls == [2, 2]
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
 @pytest.mark.parametrize(
     ("name", "limits"),
     [

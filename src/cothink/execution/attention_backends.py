@@ -5,9 +5,10 @@ and calls its `attach(model)` once. Then, per step:
 
     ViewBatch(...)                         the step's geometry (execution/step.py: items, key runs, slots)
       -> backend.prepare(batch)            once: decides the step's path, builds its tables -> metadata
-      -> model(ids, batch, rows, metadata.layers)
+      -> model(ids, batch, rows, metadata.layers, ..., metadata.to_logits)
            per attention layer: batch.attention(layer, q, k, v) -> backend.forward(layer, q, k, v, metadata)
-           (or, where metadata.layers is set, every decoder layer in that one call)
+           (or, where metadata.layers is set, every decoder layer in that one call; where
+           metadata.to_logits is set and every row wants logits, the final norm and lm_head too)
       -> sample, batch.commit()
 
 A step (execution/step.py) gives each item the key runs its view exposes (each block before the
@@ -90,6 +91,9 @@ class StepMetadata:
     # the decoder layers in one call, in place of the modules (CausalLM.forward's `layers`); None:
     # the modules, with `forward` per attention layer
     layers: DecoderLayers | None = None
+    # the layers, the final norm and the lm_head in that one call, from the embeddings to every row's
+    # float32 logits (CausalLM.forward's `to_logits`); None: the norm and lm_head as modules
+    to_logits: DecoderLayers | None = None
 
 
 class ExecutionBackend(Protocol):
@@ -379,11 +383,12 @@ class NativeBackend(TorchBackend):
         if (self.fused is not None and len(items) == len(batch.plans) and batch.rows <= self.fused.max_rows
                 and batch.vision is None):
             step.path = "fused"
-            step.layers = self.fused.layers(FusedStep(
+            fused = FusedStep(
                 pool_k=batch.store.pool.k, pool_v=batch.store.pool.v, store_slots=step.store_slots,
                 key_cos=batch.key_rotation[0], key_sin=batch.key_rotation[1], plan=plan,
                 scale=batch.scale, items=len(items), linear_decode=batch.linear_decode,
-            ))
+            )
+            step.layers, step.to_logits = self.fused.layers(fused), self.fused.logits(fused)
         return step
 
     def decode_plan(self, plans: list[ItemPlan], pool: torch.Tensor) -> native.DecodePlan | None:

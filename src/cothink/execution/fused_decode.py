@@ -8,9 +8,11 @@ or fewer where a linear takes the C kernel only for fewer rows; a float32 or bfl
 or Qwen3.5 model whose linears all take the C kernel, with weights of the model dtype, int8 or
 4-bit), the native backend runs the layers in one call that makes the same kernel
 calls in the same order: the result is the same to the bit, and the step loses the Python around
-them. The backend's `prepare` decides it and builds the step's input (`FusedStep`); for the Qwen3.5
-hybrid, the step's Gated DeltaNet bookkeeping (each item's state before its token, buffers for the
-new state, conv tail and records) comes from the step's `linear_decode`, called during the forward.
+them. Where every row wants its logits and the final norm and the lm_head take the C kernels too, the
+same call makes the logits (`logits`). The backend's `prepare` decides it and builds the step's input
+(`FusedStep`); for the Qwen3.5 hybrid, the step's Gated DeltaNet bookkeeping (each item's state
+before its token, buffers for the new state, conv tail and records) comes from the step's
+`linear_decode`, called during the forward.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cothink.execution.native_modules import NATIVE_MAX_ROWS, NativeLinear, token_shape
+from cothink.execution.native_modules import NATIVE_MAX_ROWS, NativeLinear, NativeRMSNorm, token_shape
 from cothink.execution.step import LinearDecode
 from cothink.models.transformer import CausalLM, DecoderLayers, ForwardContext, GatedDeltaNet
 from cothink.ops import native
@@ -49,14 +51,26 @@ class FusedStep:
 Operands = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # NativeLinear.operands()
 
 
+@dataclass(frozen=True, slots=True)
+class Head:
+    """The final norm and the lm_head as the fused call runs them after the layers (`native.CtHead`)."""
+
+    norm: torch.Tensor  # the final norm's weight
+    operands: Operands  # the lm_head's
+    weights: int  # its storage kind (`native.weight_kind`)
+    vocab: int
+    max_rows: int  # rows up to which the lm_head takes the C kernel
+
+
 class FusedDecode:
     """Runs a model's decoder layers in one C call (`for_model`; the native backend's `prepare`
     decides per step and builds its `FusedStep`)."""
 
     def __init__(self, model: CausalLM, weights: int, params: list[dict[str, torch.Tensor | None]],
-                 linears: list[dict[str, Operands]]):
+                 linears: list[dict[str, Operands]], head: Head | None = None):
         """Each layer's tensors by native.CtLayer field (`_layer_params`, `_layer_linears`): the
-        layer table points into them."""
+        layer table points into them. `head`: the final norm and lm_head the call also runs (None:
+        the layers only)."""
         cfg = model.config
         self.weights = weights  # the linears' storage kind (`native.weight_kind`)
         g = cfg.gdn
@@ -69,6 +83,8 @@ class FusedDecode:
         layers = model.model.layers
         kv_slot = {layer: i for i, layer in enumerate(cfg.attention_layers)}  # the key pool's order
         self._tensors = (params, linears)
+        self.head = head
+        self._head_linear = native.CtLinear(*map(_pointer, head.operands)) if head is not None else None
         self.table = (native.CtLayer * len(layers))(*[
             native.CtLayer(
                 kv_slot=kv_slot.get(i, -1),
@@ -113,16 +129,23 @@ class FusedDecode:
         tensors = [t for p in params for t in p.values() if t is not None]
         if any(t.dtype != dtype or not t.is_contiguous() for t in tensors):
             return None
-        return cls(model, storage.pop(), params, [_layer_linears(layer) for layer in layers])
+        layer_linears = [_layer_linears(layer) for layer in layers]
+        return cls(model, storage.pop(), params, layer_linears, _head(model, dtype))
 
-    def __call__(self, x: torch.Tensor, step: FusedStep) -> torch.Tensor:
-        """x [T, hidden] after the embedding -> after the last decoder layer (updated in place)."""
+    def __call__(self, x: torch.Tensor, step: FusedStep, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] after the embedding -> after the last decoder layer (updated in place); with
+        `logits` [T, vocab] float32 (a `head`, at most its max_rows), every row's logits into it too."""
         x = x.contiguous()
         steps = {i: step.linear_decode(i, mixer, x.dtype) for i, mixer in self.linear_mixers.items()}
         linear_io, _items = self._linear_io(steps, step.items)  # the item arrays live through the call
+        head = None
+        if logits is not None:
+            assert self.head is not None and x.shape[0] <= self.head.max_rows
+            head = native.CtHead(_pointer(self.head.norm), self._head_linear, self.head.weights,
+                                 self.head.vocab, logits.data_ptr())
         native.decode_layers(
             x, self.table, self.shape, step.pool_k, step.pool_v, step.store_slots, step.key_cos,
-            step.key_sin, step.plan, step.scale, self.weights, linear_io,
+            step.key_sin, step.plan, step.scale, self.weights, linear_io, head,
         )
         return x
 
@@ -131,6 +154,21 @@ class FusedDecode:
 
         def run(x: torch.Tensor, _ctx: ForwardContext) -> torch.Tensor:
             return self(x, step)
+
+        return run
+
+    def logits(self, step: FusedStep) -> DecoderLayers | None:
+        """The step from its embeddings to every row's float32 logits in the one call (CausalLM.forward's
+        `to_logits`), or None where the final norm and lm_head do not run in it (no `head`, or more rows
+        than its lm_head takes in the C kernel)."""
+        head = self.head
+        if head is None or step.items > head.max_rows:
+            return None
+
+        def run(x: torch.Tensor, _ctx: ForwardContext) -> torch.Tensor:
+            out = torch.empty(x.shape[0], head.vocab, dtype=torch.float32)
+            self(x, step, out)
+            return out
 
         return run
 
@@ -158,6 +196,25 @@ class FusedDecode:
                 items=ctypes.cast(per_item, ctypes.POINTER(native.CtLinearItem)),
             )
         return io, held
+
+
+def _head(model: CausalLM, dtype: torch.dtype) -> Head | None:
+    """The final norm and lm_head as the fused call runs them, or None where the per-module path would
+    not run them in the C kernels (`NativeRMSNorm`'s and `NativeLinear.float_forward`'s conditions) or
+    the norm differs from the layers' (the call's norm takes the layers' eps and centring)."""
+    norm, lm_head, cfg = model.model.norm, model.lm_head, model.config
+    if not isinstance(norm, NativeRMSNorm) or not isinstance(lm_head, NativeLinear):
+        return None
+    if norm.eps != cfg.rms_norm_eps or norm.zero_centred != cfg.zero_centred_norm:
+        return None
+    weight = norm.weight.data
+    if weight.dtype != dtype or not weight.is_contiguous() or not lm_head.takes_dtype(dtype):
+        return None
+    operands = lm_head.operands()
+    if lm_head.native_rows < 1 or any(t is not None and not t.is_contiguous() for t in operands):
+        return None
+    kind = native.weight_kind(*operands[:2])
+    return Head(weight, operands, kind, lm_head.out_features, lm_head.native_rows)
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:

@@ -320,7 +320,7 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self.model(
                 torch.tensor(ids, device=self.device), batch, batch.logit_rows().to(self.device),
-                batch.metadata.layers, batch.vision,
+                batch.metadata.layers, batch.vision, batch.metadata.to_logits,
             )
         out, row = [], 0
         for item in batch.items:

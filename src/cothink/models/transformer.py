@@ -352,14 +352,19 @@ class CausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, ctx: ForwardContext, logit_rows: torch.Tensor,
         layers: DecoderLayers | None = None, vision: VisionInput | None = None,
+        to_logits: DecoderLayers | None = None,
     ) -> torch.Tensor:
         """input_ids [T] -> float32 logits for the rows `logit_rows` (distinct ascending indices into
         T). `layers`, if given, runs the decoder layers in place of the modules (a backend that runs
-        them in one call: the native backend's fused decode step). `vision`, if given, gives the
-        image placeholders their features (and DeepStack features after the first layers)."""
+        them in one call: the native backend's fused decode step); `to_logits`, if given, runs them
+        and the final norm and lm_head, to every row's logits, where every row wants them. `vision`,
+        if given, gives the image placeholders their features (and DeepStack features after the
+        first layers)."""
         x = self.model.embed_tokens(input_ids)
         if vision is not None:
             x = vision.embed(x)
+        if to_logits is not None and logit_rows.numel() == x.shape[0]:
+            return to_logits(x, ctx)
         if layers is not None:
             x = layers(x, ctx)
         else:

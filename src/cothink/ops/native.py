@@ -62,7 +62,7 @@ F32_TILES = os.environ.get("COTHINK_F32_TILES", "1") != "0"
 # COTHINK_8BIT_ACTIVATIONS=0 keeps those layers on the plain kernels' bfloat16 activations (`takes_pairs`)
 ACTIVATIONS_8BIT = os.environ.get("COTHINK_8BIT_ACTIVATIONS", "1") != "0"
 # CT_ABI_VERSION in native.c: the interface (signatures, tables) this module calls
-ABI_VERSION = 16
+ABI_VERSION = 17
 SOURCE = Path(__file__).with_name("native.c")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # weight storage the C linear reads (WT_* in native.c): the model dtypes, int8 with row scales,
@@ -96,7 +96,7 @@ _SIGNATURES = {
     "ct_linear": [_P, _I, _P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int, ctypes.c_int, ctypes.c_int, _I],
     "ct_head_rms_norm": [_P, _I, _I, _P, _P, _I, _I, _I, _F, ctypes.c_int, ctypes.c_int],
     "ct_sigmoid_gate": [_P, _P, _I, _I, _P, _I, _I, _I, ctypes.c_int],
-    "ct_decode_layers": [_P, _I, _I, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int, _I],
+    "ct_decode_layers": [_P, _I, _I, _P, _P, _P, _P, _P, ctypes.c_int, ctypes.c_int, _I],
     "ct_q4_dequant": [_P, _P, _P, ctypes.c_int, _I, _I, _I, _I],
     "ct_helper_grains": [],
     "ct_linear_tiles": [],
@@ -163,7 +163,14 @@ class CtLinearIO(ctypes.Structure):
     _fields_ = [("rows", _P), ("g", _P), ("beta", _P), ("items", ctypes.POINTER(CtLinearItem))]
 
 
-STRUCTS = (CtLinear, CtLayer, CtShape, CtStepKeys, CtLinearItem, CtLinearIO)
+class CtHead(ctypes.Structure):
+    """A step's logits after its last layer: the final norm's weight, the lm_head (storage `wt`, `vocab`
+    outputs) and the float32 rows [T, vocab] it writes."""
+
+    _fields_ = [("norm", _P), ("linear", CtLinear), ("wt", _I), ("vocab", _I), ("logits", _P)]
+
+
+STRUCTS = (CtLinear, CtLayer, CtShape, CtStepKeys, CtLinearItem, CtLinearIO, CtHead)
 
 
 class _CtField(ctypes.Structure):
@@ -877,6 +884,7 @@ def decode_layers(
     x: torch.Tensor, layers: ctypes.Array[CtLayer], shape: LayerShape, pool_k: torch.Tensor,
     pool_v: torch.Tensor, store_slots: torch.Tensor, key_cos: torch.Tensor, key_sin: torch.Tensor,
     plan: DecodePlan, scale: float, weights: int, linear_io: ctypes.Array[CtLinearIO] | None = None,
+    head: CtHead | None = None,
 ) -> None:
     """Every decoder layer of a decode step in one call, x [T, hidden] (contiguous) updated in place:
     per layer the calls of the per-module path (norm, mixer, norm with the residual, gate/up `linear`,
@@ -887,8 +895,10 @@ def decode_layers(
     4-bit, or in pairs); an
     attention layer's keys are pool_k[kv_slot], pool_v[kv_slot] [S, Hkv, D], this step's go to
     `store_slots` rotated by key_cos/key_sin and the items attend as `plan`; a Gated DeltaNet layer
-    reads and writes the buffers of its entry of `linear_io`. Every tensor they point to must outlive
-    the call."""
+    reads and writes the buffers of its entry of `linear_io`. With a `head`, the same call then writes
+    every row's float32 logits as the per-module path makes them (`rms_norm` with the final norm's
+    weight, then `linear(..., float_out=True)` with the lm_head). Every tensor they point to must
+    outlive the call."""
     keys = CtStepKeys(
         pool_k=pool_k.data_ptr(), pool_v=pool_v.data_ptr(), pool_layer=pool_k.stride(0),
         store_slots=store_slots.data_ptr(), key_cos=key_cos.data_ptr(), key_sin=key_sin.data_ptr(),
@@ -900,7 +910,7 @@ def decode_layers(
     )
     _library().ct_decode_layers(
         x.data_ptr(), x.shape[0], len(layers), layers, ctypes.byref(shape.struct), ctypes.byref(keys),
-        linear_io, DTYPES[x.dtype], weights, _threads(),
+        linear_io, None if head is None else ctypes.byref(head), DTYPES[x.dtype], weights, _threads(),
     )
 
 
