@@ -93,12 +93,12 @@ class CompiledForward:
 
     def forward(
         self, input_ids: torch.Tensor, ctx: Any, logit_rows: torch.Tensor, layers: Any = None,
-        vision: Any = None,
+        vision: Any = None, to_logits: Any = None,
     ) -> torch.Tensor:
-        # `layers` (the fused decode step) and `vision` are None here: the probe runs text-only steps
-        # with the C kernels off
+        # `layers` and `to_logits` (the fused decode step) and `vision` are None here: the probe runs
+        # text-only steps with the C kernels off
         if not self.compiled or logit_rows.numel() == 0:
-            return self.eager(self.model, input_ids, ctx, logit_rows, layers, vision)
+            return self.eager(self.model, input_ids, ctx, logit_rows, layers, vision, to_logits)
         _STEP_CONTEXT[0] = ctx
         try:
             return self.graph(self.graph_model, input_ids, logit_rows)

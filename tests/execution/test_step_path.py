@@ -128,7 +128,7 @@ def test_the_fused_step_gets_a_typed_input_built_by_prepare(monkeypatch):
     seen: list[object] = []
     real = FusedDecode.__call__
     monkeypatch.setattr(FusedDecode, "__call__",
-                        lambda self, x, step: seen.append(step) or real(self, x, step))
+                        lambda self, x, step, *rest: seen.append(step) or real(self, x, step, *rest))
     batch = runner.prepare([StepItem(block, [3], logits="last")])
     assert batch.path == "fused" and batch.metadata.layers is not None
     runner.commit(runner.forward(batch))

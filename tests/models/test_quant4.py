@@ -16,6 +16,7 @@ from reference import random_ids
 
 import cothink
 from cothink.errors import UnsupportedModelError
+from cothink.execution.fused_decode import FusedDecode
 from cothink.execution.native_modules import NATIVE_MAX_ROWS, NativeCpuLinear, NativeInt4Linear
 from cothink.models.packing import CpuLinear
 from cothink.models.quant4 import (
@@ -320,6 +321,9 @@ def test_int4_model_is_its_dequantized_model(tiny_model, record_error):
     # the lm_head (int8, activations rounded to bfloat16) as one float32 weight on both sides
     head = q.model.lm_head.dequantized(torch.float32)
     q.model.lm_head = NativeCpuLinear(head, None) if native.available() else CpuLinear(head, None)
+    if q.fused_decode is not None:  # the fused step read the lm_head it had: it takes the new one
+        q.fused_decode = FusedDecode.for_model(q.model)
+        assert q.fused_decode is not None and q.fused_decode.head is not None
     dense.model.lm_head = CpuLinear(head.clone(), None)
     ids = random_ids(24, seed=7)
     got, want = _logits(q, ids), _logits(dense, ids)

@@ -125,9 +125,11 @@ class ModelRunner:
 
     @property
     def fused_decode(self) -> FusedDecode | None:
-        """The backend's fused decode step: small decode steps' decoder layers in one C call
-        (execution/fused_decode.py; results identical to the per-module path). None where it never
-        applies; set it to None to switch it off for this runner."""
+        """The backend's fused decode step: small decode steps' decoder layers (and the final norm and
+        lm_head) in one C call (execution/fused_decode.py; results identical to the per-module path).
+        None where it never applies; set it to None to switch it off for this runner. It reads the
+        model's modules when the runner is built: after replacing one, set a new
+        `FusedDecode.for_model(runner.model)`."""
         return self.backend.fused
 
     @fused_decode.setter
