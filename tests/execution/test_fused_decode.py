@@ -5,6 +5,7 @@ run wholly in the C kernels."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -21,6 +22,20 @@ pytestmark = pytest.mark.skipif(not native.available(), reason="cothink's C kern
 def fused_calls(monkeypatch) -> list[int]:
     """Rows of every fused decode call (the real kernel runs)."""
     return count_fused_decode_rows(monkeypatch)
+
+
+@pytest.fixture
+def python_linears(monkeypatch) -> list[int]:
+    """Rows of every C linear called from Python, outside a fused call (the real kernel runs)."""
+    calls: list[int] = []
+    real = native.linear
+
+    def counting(x, *args, **kwargs):
+        calls.append(x.shape[0])
+        return real(x, *args, **kwargs)
+
+    monkeypatch.setattr(native, "linear", counting)
+    return calls
 
 
 @pytest.fixture
@@ -185,7 +200,7 @@ def test_fused_decode_runs_only_steps_the_c_kernels_would_run_whole(tiny_model, 
 
 @pytest.mark.parametrize(("name", "dtype"), [("llama3", torch.float32), ("qwen35", torch.bfloat16)])
 def test_the_fused_call_makes_the_logits_where_every_row_wants_them(
-    tiny_model, fused_calls, c_linears, monkeypatch, name, dtype
+    tiny_model, fused_calls, c_linears, python_linears, name, dtype
 ):
     """A decode step whose rows all want logits gets them from the fused call: the final norm and the
     lm_head run inside it (no C linear called from Python). A step with a row that wants none runs its
@@ -194,14 +209,6 @@ def test_the_fused_call_makes_the_logits_where_every_row_wants_them(
     fused, modules = (tiny_model(name).runner(dtype=dtype) for _ in range(2))
     modules.fused_decode = None
     assert fused.fused_decode.head is not None
-    python_linears: list[int] = []  # rows of each C linear called from Python
-    real = native.linear
-
-    def counting(x, *args, **kwargs):
-        python_linears.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(native, "linear", counting)
     results = []
     for runner in (fused, modules):
         blocks = [runner.new_block() for _ in range(2)]
@@ -216,6 +223,27 @@ def test_the_fused_call_makes_the_logits_where_every_row_wants_them(
         results.append([*every, *some])
     assert fused_calls == [2, 2]
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_step_wider_than_the_lm_head_takes_in_c_runs_the_head_as_modules(
+    tiny_model, fused_calls, python_linears
+):
+    """More rows than the lm_head takes in the C kernel (`Head.max_rows`): the layers still run in the
+    fused call, the final norm and the lm_head as modules; the same logits either way."""
+    runner = tiny_model("llama").runner()
+    fused = runner.fused_decode
+    blocks = [runner.new_block() for _ in range(2)]
+    runner.step([StepItem(b, ids(3, seed=i)) for i, b in enumerate(blocks)])
+    out = []
+    for max_rows in (fused.head.max_rows, 1):
+        fused.head = dataclasses.replace(fused.head, max_rows=max_rows)
+        python_linears.clear()
+        out.append(runner.step([StepItem(b, [5 + i], logits="last") for i, b in enumerate(blocks)]))
+        for b in blocks:
+            runner.truncate(b, 3)
+        assert python_linears == ([] if max_rows > 1 else [2])
+    assert fused_calls == [2, 2]
+    assert all(torch.equal(a, b) for a, b in zip(*out))
 
 
 @pytest.mark.parametrize(
