@@ -7,7 +7,7 @@
  * (below, `parallel_for`: a helper team of our own, or torch's OpenMP team), the rest run on the
  * calling thread.
  * ct_decode_layers chains them over all decoder layers of a small decode step (Llama, Qwen3, the
- * Qwen3.5 hybrid).
+ * Qwen3.5 hybrid), and its final norm and lm_head.
  *
  * Tensors arrive as data pointers with their row strides (elements); the last dimension is always
  * contiguous. `bf` selects the storage type: 0 float32, 1 bfloat16. Arithmetic is float32, and every

@@ -4,7 +4,7 @@ A decode step on CPU is bound by dispatch, not arithmetic: an RMSNorm of one row
 (~18 us), a view attention of one query ~200 us around a ~40 us kernel. The kernels here do each unit
 in one call; `linear` runs the products of steps of a few rows, where torch's bfloat16 kernel on a
 CPU without bfloat16 arithmetic costs a GEMV per row; `decode_layers` chains them over every decoder
-layer of a small Llama-family decode step (execution/fused_decode.py). They are plain C (no torch
+layer of a small Llama-family decode step, and its final norm and lm_head (execution/fused_decode.py). They are plain C (no torch
 headers, so they build in about a second with the system compiler and its OpenMP, for this machine's
 CPU); the products and the attentions split their work over the caller's torch thread count (or the
 count `team_threads` sets: a step run on the event loop, whose torch ops stay on one thread), the
