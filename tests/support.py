@@ -55,6 +55,7 @@ __all__ = [
     "ATOL", "FULL", "LINEAR", "LINEAR_ONLY_GENERATE_BROKEN", "NO", "QUICK_KERNEL_BUILD", "TINY_SPECS",
     "VOCAB", "WORDS", "YES",
     "Recorder", "Replay", "Spec", "TinyModel", "Zoo", "ZOO", "check_greedy", "count_fused_decode_rows",
+    "count_native_rows",
     "fast_and_eager", "fresh_runner", "ids", "load_runner", "make_engine", "make_tokenizer", "max_err",
     "one_torch_thread", "perturb", "prefill_then_decode", "random_ids", "record_error", "replay",
     "running_server", "smollm2_dir", "smollm2_runner", "snapshot", "sse_events", "tiny_chat_model_dir",
@@ -645,20 +646,25 @@ def write_blocks_with_random_views(
     return blocks
 
 
-def count_fused_decode_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Wrap the fused decode step (the real kernel still runs); the returned list gets the rows of every
-    call."""
+def count_native_rows(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Wrap the C kernel `cothink.ops.native.<name>` (the real kernel still runs); the returned list gets
+    the rows (first dimension of the first argument) of every call."""
     from cothink.ops import native
 
     calls: list[int] = []
-    real = native.decode_layers
+    real = getattr(native, name)
 
     def counting(x, *args, **kwargs):
         calls.append(x.shape[0])
         return real(x, *args, **kwargs)
 
-    monkeypatch.setattr(native, "decode_layers", counting)
+    monkeypatch.setattr(native, name, counting)
     return calls
+
+
+def count_fused_decode_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every fused decode step (`count_native_rows` of `decode_layers`)."""
+    return count_native_rows(monkeypatch, "decode_layers")
 
 
 # ---- recording an engine's steps and replaying them one item at a time --------------------------------

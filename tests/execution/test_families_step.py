@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import ATOL, max_err, random_ids, reference_logits
+from support import count_native_rows
 
 from cothink.execution.step import StepItem
 from cothink.models.moe import Experts, Router
@@ -82,14 +83,7 @@ def test_mla_decode_runs_in_the_native_kernel(tiny_model, monkeypatch):
     if not native.available():
         pytest.skip("cothink's C kernels are not available")
     tm = tiny_model("kimi_latent32")
-    calls: list[int] = []
-    real = native.decode_attention
-
-    def counting(q, *args, **kwargs):
-        calls.append(q.shape[0])
-        return real(q, *args, **kwargs)
-
-    monkeypatch.setattr(native, "decode_attention", counting)
+    calls = count_native_rows(monkeypatch, "decode_attention")
     context = random_ids(20, seed=1)
     for backend in ("native", "torch"):
         runner = tm.runner(attention_backend=backend)

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 import torch
-from support import count_fused_decode_rows, ids
+from support import count_fused_decode_rows, count_native_rows, ids
 
 from cothink.execution.step import StepItem
 from cothink.models import packing
@@ -27,15 +27,7 @@ def fused_calls(monkeypatch) -> list[int]:
 @pytest.fixture
 def python_linears(monkeypatch) -> list[int]:
     """Rows of every C linear called from Python, outside a fused call (the real kernel runs)."""
-    calls: list[int] = []
-    real = native.linear
-
-    def counting(x, *args, **kwargs):
-        calls.append(x.shape[0])
-        return real(x, *args, **kwargs)
-
-    monkeypatch.setattr(native, "linear", counting)
-    return calls
+    return count_native_rows(monkeypatch, "linear")
 
 
 @pytest.fixture

@@ -4,13 +4,13 @@ A decode step on CPU is bound by dispatch, not arithmetic: an RMSNorm of one row
 (~18 us), a view attention of one query ~200 us around a ~40 us kernel. The kernels here do each unit
 in one call; `linear` runs the products of steps of a few rows, where torch's bfloat16 kernel on a
 CPU without bfloat16 arithmetic costs a GEMV per row; `decode_layers` chains them over every decoder
-layer of a small Llama-family decode step, and its final norm and lm_head (execution/fused_decode.py). They are plain C (no torch
-headers, so they build in about a second with the system compiler and its OpenMP, for this machine's
-CPU); the products and the attentions split their work over the caller's torch thread count (or the
-count `team_threads` sets: a step run on the event loop, whose torch ops stay on one thread), the
-attentions on OpenMP's threads (the runtime torch loaded: one team with torch's ops), the products
-and the fused step on helper threads of their own (native.c says why), the rest run on the calling
-thread.
+layer of a small Llama-family decode step, and its final norm and lm_head (execution/fused_decode.py).
+They are plain C (no torch headers, so they build in about a second with the system compiler and its
+OpenMP, for this machine's CPU); the products and the attentions split their work over the caller's
+torch thread count (or the count `team_threads` sets: a step run on the event loop, whose torch ops
+stay on one thread), the attentions on OpenMP's threads (the runtime torch loaded: one team with
+torch's ops), the products and the fused step on helper threads of their own (native.c says why), the
+rest run on the calling thread.
 
 `available()` is False, and every caller keeps its torch path, when the kernels are switched off
 (`COTHINK_NATIVE=0` in the environment, or `native.ENABLED = False`), when no C compiler is found
