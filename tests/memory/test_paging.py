@@ -146,3 +146,32 @@ def test_span_from_pages_matches_the_slots(store):
                 assert (span is not None) == contiguous
                 if span is not None:
                     assert span == (int(expect[0]), int(expect[-1]) + 1)
+
+
+def test_slots_come_from_a_table_kept_until_the_pages_change(store):
+    """A block's slots are sliced from one table per page list: two reads under the same pages share
+    it, and every change of the list (a new page, a copy-on-write copy of a shared tail page, a
+    truncation) gives slots that follow the new pages."""
+    a, b = store.new_block("a"), store.new_block("b")
+    for n in range(1, 3 * PAGE):  # in turns: a's pages are not consecutive (slots, not a span)
+        _write(store, a, n, 1.0)
+        _write(store, b, n, 2.0)
+
+    def expect(block, stop):
+        return [block.pages[i // PAGE] * PAGE + i % PAGE for i in range(stop)]
+
+    first, again = store.slots(a, 0, a.length), store.slots(a, 1, a.length)
+    assert first.untyped_storage().data_ptr() == again.untyped_storage().data_ptr()
+    assert first.tolist() == expect(a, a.length)
+    child = store.fork(a)  # shares a's tail page: the child's next write copies it
+    _write(store, child, child.length + 1, 3.0)
+    assert child.pages[-1] != a.pages[-1]
+    assert store.slots(child, 0, child.length).tolist() == expect(child, child.length)
+    assert store.slots(a, 0, a.length).tolist() == expect(a, a.length)
+    _write(store, a, a.length + PAGE, 4.0)  # a new page
+    assert store.slots(a, 0, a.length).tolist() == expect(a, a.length)
+    store.truncate(a, PAGE + 1)
+    _write(store, b, b.length + 2 * PAGE, 5.0)  # b takes the pages a gave back
+    _write(store, a, 3 * PAGE, 6.0)
+    assert store.slots(a, 0, a.length).tolist() == expect(a, a.length)
+    assert (store.pool.k[:, store.slots(a, 0, a.length)][:, -1] == 6.0).all()

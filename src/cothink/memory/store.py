@@ -96,6 +96,8 @@ class BlockStore:
         self.spilled_bytes = 0  # kept up to date by whoever spills blocks
         # vision features encoded and waiting to be written (held and dropped by the works that own them)
         self.vision_bytes = 0
+        # per block id: its page list when its slot table was built, and the table (`_slot_table`)
+        self._slot_tables: dict[int, tuple[list[int], torch.Tensor]] = {}
 
     # ---- lifecycle -------------------------------------------------------------------------
     def new_block(self, name: str | None = None) -> Block:
@@ -137,6 +139,7 @@ class BlockStore:
         block.pages, block.linear, block.tokens, block.vision = [], [], [], []
         block.freed = True
         del self.blocks[block.id]
+        self._slot_tables.pop(block.id, None)
 
     def fork(self, block: Block, name: str | None = None) -> Block:
         """A copy-on-write copy: pages and GDN records are shared until either side writes where
@@ -258,14 +261,21 @@ class BlockStore:
             return torch.arange(*span, device=device), span
         if stop <= start:
             return torch.empty(0, dtype=torch.long, device=device), None
-        # each page's slots, a page a row, then the run's: in numpy, one tensor made (a step plans
-        # this for every writer whose pages are not consecutive: decoding coroutines' blocks
-        # take pages in turns)
-        ps = self.page_size
-        first = start // ps
-        rows = np.asarray(block.pages[first : (stop - 1) // ps + 1], dtype=np.int64)[:, None] * ps
-        slots = torch.from_numpy((rows + np.arange(ps)).reshape(-1)[start - first * ps : stop - first * ps])
-        return (slots if device.type == "cpu" else slots.to(device)), None
+        return self._slot_table(block)[start:stop], None
+
+    def _slot_table(self, block: Block) -> torch.Tensor:
+        """Every slot of the block's pages in order ([pages x page_size] long), kept until its page list
+        changes: a step plans the slots of every writer whose pages are not consecutive (decoding
+        coroutines' blocks take pages in turns), and a decoding writer's list changes once a page,
+        so most steps slice the table rather than build it (views of a table are never written)."""
+        cached = self._slot_tables.get(block.id)
+        if cached is not None and cached[0] == block.pages:
+            return cached[1]
+        pages = list(block.pages)
+        rows = np.asarray(pages, dtype=np.int64)[:, None] * self.page_size
+        table = torch.from_numpy((rows + np.arange(self.page_size)).reshape(-1)).to(self.pool.k.device)
+        self._slot_tables[block.id] = (pages, table)
+        return table
 
     # ---- accounting -------------------------------------------------------------------------
     @property
