@@ -48,7 +48,10 @@ reads (every linear, lm_head included); limit = GB/s / bytes, and cothink's best
 the limit measured in that decode's process (a VM's read rate moves with its neighbours).
 
 Writes peers.json (machine: CPU, commit, torch; settings; per engine its best figures, every
-round's, and its agreement with cothink) and peers.png to --out, and prints the table.
+round's, and its agreement with cothink; per workload cothink / the best peer) and peers.png to --out,
+and prints the tables: the best figures, then cothink / the best peer of each workload, as the ratio
+of the two bests and round by round (each round's two processes minutes apart: this VM's speed moves
+by 10-30% between rounds, so the two bests may come from spells of different speed).
 Install the peers with `pip install -e .[peers]` (llama-cpp-python builds llama.cpp from source:
 ~20 minutes on 2 cores).
 """
@@ -58,6 +61,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -228,6 +232,48 @@ def best_of(rounds: list[Figures]) -> Figures:
     )
 
 
+def by_workload(f: Figures) -> dict[str, float | None]:
+    """A process's tokens/s by workload name: "decode", "prefill N" (each length), "batch"."""
+    return {"decode": f.decode_tok_s, **{f"prefill {n}": v for n, v in sorted(f.prefill_tok_s.items())},
+            "batch": f.batch_tok_s}
+
+
+@dataclass
+class Ratio:
+    """cothink against the peer with the best figure of one workload: the ratio of the two bests, and
+    the ratio within each round (cothink's process and the peer's minutes apart, where the two bests may
+    come from different rounds, and this VM's speed moves by 10-30% between them) with its median."""
+
+    workload: str
+    peer: str
+    of_bests: float
+    rounds: list[float]
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.rounds) if self.rounds else None
+
+
+def ratios(results: dict[str, EngineResult]) -> list[Ratio]:
+    """Per workload cothink has a figure for, its Ratio to the best peer (none where no peer has one)."""
+    ref = results.get("cothink")
+    if ref is None or ref.best is None:
+        return []
+    out = []
+    for workload, mine in by_workload(ref.best).items():
+        peers = [(v, r) for r in results.values() if r.engine != "cothink" and r.best is not None
+                 and (v := by_workload(r.best).get(workload))]
+        if not mine or not peers:
+            continue
+        best, peer = max(peers, key=lambda p: p[0])
+        # rounds pair by index: a round's processes ran one after another (an engine's failed round
+        # ends its list, so its rounds so far are still the first ones)
+        rounds = [a / b for x, y in zip(ref.rounds, peer.rounds)
+                  if (a := by_workload(x).get(workload)) and (b := by_workload(y).get(workload))]
+        out.append(Ratio(workload, peer.engine, mine / best, rounds))
+    return out
+
+
 def agreement(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -275,11 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     for result in results.values():
         if result.best and ref_ids:
             result.agreement = agreement(result.best.decode_ids, ref_ids)
-    print_table(args, results)
+    against = ratios(results)
+    print_table(args, results, against)
     limit = reference.best.stream_limit_tok_s if reference and reference.best else None
     data = {"benchmark": "peers", "machine": info, "model": args.model, "folder": str(folder),
             "settings": settings, "stream_limit_tok_s": limit,
-            "engines": {e: asdict(r) for e, r in results.items()}}
+            "engines": {e: asdict(r) for e, r in results.items()},
+            "ratios": [{**asdict(r), "median": r.median} for r in against]}
     json_path = C.write_json(args.out / "peers.json", data)
     png = plot(args, results, args.out / "peers.png")
     print(f"wrote {json_path}" + (f" and {png}" if png else ""))
@@ -290,7 +338,7 @@ def _cell(x: float | None) -> str:
     return "n/a" if x is None else f"{x:,.1f}"
 
 
-def print_table(args: argparse.Namespace, results: dict[str, EngineResult]) -> None:
+def print_table(args: argparse.Namespace, results: dict[str, EngineResult], against: list[Ratio]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -308,6 +356,14 @@ def print_table(args: argparse.Namespace, results: dict[str, EngineResult]) -> N
                       "" if r.agreement is None else str(r.agreement))
     console = Console(width=200)
     console.print(table)
+    if against:
+        pairs = Table(title="cothink / the best peer: of the two bests, and within each round")
+        for col in ("workload", "best peer", "of bests", "round by round", "median of rounds"):
+            pairs.add_column(col)
+        for r in against:
+            pairs.add_row(r.workload, r.peer, f"{r.of_bests:.2f}", " / ".join(f"{x:.2f}" for x in r.rounds),
+                          "n/a" if r.median is None else f"{r.median:.2f}")
+        console.print(pairs)
     ref = results.get("cothink")
     limit = ref.best.stream_limit_tok_s if ref and ref.best else None
     if limit and ref.best.decode_tok_s:

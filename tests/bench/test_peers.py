@@ -58,6 +58,7 @@ def test_peers_quick_reports_cothink_and_a_missing_engine(peers, tiny_folder, tm
     assert best["decode_tok_s"] > 0 and best["batch_tok_s"] > 0
     assert set(best["prefill_tok_s"]) == {"16", "40"} and all(v > 0 for v in best["prefill_tok_s"].values())
     assert len(best["decode_ids"]) == 5 and cothink["agreement"] == 5
+    assert data["ratios"] == []  # no peer ran: nothing to hold cothink against
     assert llama["status"] == "missing" and llama["best"] is None and llama["rounds"] == []
     assert (tmp_path / "peers.png").stat().st_size > 0
 
@@ -144,3 +145,31 @@ def test_best_of_reads_the_limit_beside_the_best_decode(peers):
     best = peers.best_of([slow, fast])
     assert best.decode_tok_s == 48.0 and best.prefill_tok_s == {512: 600.0}
     assert best.stream_gb_s == 31.0 and best.stream_limit_tok_s == pytest.approx(31e9 / 500)
+
+
+def test_ratios_pair_each_round_with_the_best_peers(peers):
+    """cothink / the best peer per workload: of the two bests, and round by round (cothink's round i
+    against the peer's round i), with their median; a peer without the workload's figure is skipped."""
+    def result(engine, rounds):
+        r = peers.EngineResult(engine, "ok", rounds=rounds)
+        r.best = peers.best_of(rounds)
+        return r
+
+    f = peers.Figures
+    results = {
+        "cothink": result("cothink", [f(decode_tok_s=100.0, prefill_tok_s={512: 900.0}, batch_tok_s=700.0),
+                                      f(decode_tok_s=80.0, prefill_tok_s={512: 1000.0}, batch_tok_s=600.0),
+                                      f(decode_tok_s=90.0, prefill_tok_s={512: 950.0}, batch_tok_s=650.0)]),
+        "slow": result("slow", [f(decode_tok_s=50.0, prefill_tok_s={512: 2000.0}),
+                                f(decode_tok_s=50.0, prefill_tok_s={512: 500.0}),
+                                f(decode_tok_s=50.0, prefill_tok_s={512: 500.0})]),
+        "fast": result("fast", [f(decode_tok_s=100.0, prefill_tok_s={512: 1000.0}, batch_tok_s=500.0),
+                                f(decode_tok_s=40.0, prefill_tok_s={512: 1000.0}, batch_tok_s=400.0)]),
+    }
+    got = {r.workload: r for r in peers.ratios(results)}
+    assert set(got) == {"decode", "prefill 512", "batch"}
+    assert got["decode"].peer == "fast" and got["decode"].of_bests == 1.0
+    assert got["decode"].rounds == [1.0, 2.0] and got["decode"].median == 1.5  # the peer's two rounds
+    assert got["prefill 512"].peer == "slow" and got["prefill 512"].of_bests == 0.5
+    assert got["prefill 512"].rounds == [0.45, 2.0, 1.9] and got["prefill 512"].median == 1.9
+    assert got["batch"].peer == "fast" and got["batch"].rounds == [1.4, 1.5]
