@@ -380,18 +380,17 @@ def plot(args: argparse.Namespace, results: dict[str, EngineResult], path: Path)
     ref = results.get("cothink")
     if ref is None or ref.best is None:
         return None
-    def figures(f: Figures) -> list[float | None]:
-        return [f.decode_tok_s, *(f.prefill_tok_s.get(n) for n in args.prefill), f.batch_tok_s]
-
-    labels = ["decode b=1", *(f"prefill {n}" for n in args.prefill), f"{args.batch_seqs} seqs"]
-    base = figures(ref.best)
+    base = by_workload(ref.best)
+    names = {"decode": "decode b=1", "batch": f"{args.batch_seqs} seqs"}
+    labels = [names.get(w, w) for w in base]
     shown = [r for r in results.values() if r.best is not None]
     fig = Figure(figsize=(8, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
     width = 0.8 / max(1, len(shown))
     for i, r in enumerate(shown):
-        vals = [(v / b) if v and b else 0.0 for v, b in zip(figures(r.best), base)]
+        mine = by_workload(r.best)
+        vals = [(v / b) if (v := mine.get(w)) and b else 0.0 for w, b in base.items()]
         ax.bar([x + i * width for x in range(len(labels))], vals, width, label=r.engine)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks([x + width * (len(shown) - 1) / 2 for x in range(len(labels))], labels)

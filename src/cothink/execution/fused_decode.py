@@ -53,13 +53,14 @@ Operands = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # Nati
 
 @dataclass(frozen=True, slots=True)
 class Head:
-    """The final norm and the lm_head as the fused call runs them after the layers (`native.CtHead`)."""
+    """The final norm and the lm_head as the fused call runs them after the layers: `struct` points into
+    `norm` and `operands` (held here so they outlive it); a call sets only its logits buffer."""
 
     norm: torch.Tensor  # the final norm's weight
     operands: Operands  # the lm_head's
-    weights: int  # its storage kind (`native.weight_kind`)
     vocab: int
     max_rows: int  # rows up to which the lm_head takes the C kernel
+    struct: native.CtHead
 
 
 class FusedDecode:
@@ -84,7 +85,6 @@ class FusedDecode:
         kv_slot = {layer: i for i, layer in enumerate(cfg.attention_layers)}  # the key pool's order
         self._tensors = (params, linears)
         self.head = head
-        self._head_linear = native.CtLinear(*map(_pointer, head.operands)) if head is not None else None
         self.table = (native.CtLayer * len(layers))(*[
             native.CtLayer(
                 kv_slot=kv_slot.get(i, -1),
@@ -141,8 +141,8 @@ class FusedDecode:
         head = None
         if logits is not None:
             assert self.head is not None and x.shape[0] <= self.head.max_rows
-            head = native.CtHead(_pointer(self.head.norm), self._head_linear, self.head.weights,
-                                 self.head.vocab, logits.data_ptr())
+            head = self.head.struct
+            head.logits = logits.data_ptr()  # (steps run one at a time, on the compute thread)
         native.decode_layers(
             x, self.table, self.shape, step.pool_k, step.pool_v, step.store_slots, step.key_cos,
             step.key_sin, step.plan, step.scale, self.weights, linear_io, head,
@@ -213,8 +213,9 @@ def _head(model: CausalLM, dtype: torch.dtype) -> Head | None:
     operands = lm_head.operands()
     if lm_head.native_rows < 1 or any(t is not None and not t.is_contiguous() for t in operands):
         return None
-    kind = native.weight_kind(*operands[:2])
-    return Head(weight, operands, kind, lm_head.out_features, lm_head.native_rows)
+    struct = native.CtHead(_pointer(weight), native.CtLinear(*map(_pointer, operands)),
+                           native.weight_kind(*operands[:2]), lm_head.out_features, None)
+    return Head(weight, operands, lm_head.out_features, lm_head.native_rows, struct)
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:
