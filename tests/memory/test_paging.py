@@ -175,3 +175,20 @@ def test_slots_come_from_a_table_kept_until_the_pages_change(store):
     _write(store, a, 3 * PAGE, 6.0)
     assert store.slots(a, 0, a.length).tolist() == expect(a, a.length)
     assert (store.pool.k[:, store.slots(a, 0, a.length)][:, -1] == 6.0).all()
+
+
+def test_a_freed_block_gives_its_pages_back_in_order(store):
+    """A block freed (or truncated) and one of as many pages written next: the new block takes the
+    same pages in the same order, so its consecutive pages stay one slot range (a span, read as a
+    view) rather than a gathered list."""
+    a = store.new_block("a")
+    _write(store, a, 3 * PAGE, 1.0)
+    pages = list(a.pages)
+    assert store.span(a, 0, a.length) is not None
+    store.free(a)
+    b = store.new_block("b")
+    _write(store, b, 3 * PAGE, 2.0)
+    assert b.pages == pages and store.span(b, 0, b.length) == (pages[0] * PAGE, pages[0] * PAGE + 3 * PAGE)
+    store.truncate(b, PAGE)
+    _write(store, b, 3 * PAGE, 3.0)
+    assert b.pages == pages

@@ -71,6 +71,12 @@ class KVPool:
         if self.refcount[page] == 0:
             self._free.append(page)
 
+    def release_pages(self, pages: list[int]) -> None:
+        """Release a block's pages, last first: the next allocation of as many pages takes them back in
+        their order, so a run of consecutive pages stays one slot range (read as a view, not gathered)."""
+        for page in reversed(pages):
+            self.release(page)
+
     def copy_page(self, src: int, dst: int) -> None:
         s = slice(src * self.page_size, (src + 1) * self.page_size)
         d = slice(dst * self.page_size, (dst + 1) * self.page_size)

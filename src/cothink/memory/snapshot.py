@@ -423,8 +423,7 @@ def restore_block(
                 rec.summary, rec.summary_covers = get("summary"), covers
             linear.append(rec)
     except KeyError as exc:
-        for page in block.pages[had:]:
-            store.pool.release(page)
+        store.pool.release_pages(block.pages[had:])
         del block.pages[had:]
         raise SnapshotError(f"snapshot is missing tensor {exc.args[0]!r}") from None
     for old in block.linear:
@@ -475,8 +474,7 @@ def spill_block(store: BlockStore, block: Block, path: Path, identity: ModelIden
     and version stay, so views and caches that name it stay valid. `reload_block` brings it back."""
     capture = capture_blocks(store, [block], identity)
     write_snapshot(path, capture)
-    for page in block.pages:
-        store.pool.release(page)  # a fork sharing the page keeps it
+    store.pool.release_pages(block.pages)  # a fork sharing a page keeps it
     for rec in block.linear:
         rec.release()
     block.pages, block.linear = [], []

@@ -128,8 +128,7 @@ class BlockStore:
 
     def free(self, block: Block) -> None:
         self.check(block)
-        for page in block.pages:
-            self.pool.release(page)
+        self.pool.release_pages(block.pages)
         for rec in block.linear:
             rec.release()  # copy-on-write sharers keep the rows they read
         if block.spilled is not None:
@@ -191,8 +190,7 @@ class BlockStore:
 
     def _drop_pages_after(self, block: Block, n: int) -> None:
         keep = -(-n // self.page_size)
-        for page in block.pages[keep:]:
-            self.pool.release(page)
+        self.pool.release_pages(block.pages[keep:])
         del block.pages[keep:]
 
     # ---- pages ------------------------------------------------------------------------------
