@@ -53,6 +53,20 @@ def _torch_threads(request: pytest.FixtureRequest):
         torch.set_num_threads(before)
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """On a pytest-xdist worker: hand the worker's largest errors to the controller's summary."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        output["logit_errors"] = [[group, name, err] for (group, name), err in ERRORS.items()]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    """On the pytest-xdist controller: merge a finished worker's errors (the largest per key)."""
+    for group, name, err in getattr(node, "workeroutput", {}).get("logit_errors", []):
+        ERRORS[(group, name)] = max(ERRORS.get((group, name), 0.0), err)
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     """Largest error seen per (test group, model name), from the `record_error` fixture."""
     if not ERRORS:
