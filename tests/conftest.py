@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from support import ERRORS, record_error, tiny_model  # noqa: F401  (session fixtures for every test)
+from support import ERRORS, keep_largest_error, record_error, tiny_model  # noqa: F401  (session fixtures)
 
 # ---- quiet transformers: kernel fallback notices, progress bars, generation hints -------------
 warnings.filterwarnings("ignore", message=".*falling back to its reference PyTorch implementation.*")
@@ -64,7 +64,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def pytest_testnodedown(node: Any, error: Any) -> None:
     """On the pytest-xdist controller: merge a finished worker's errors (the largest per key)."""
     for group, name, err in getattr(node, "workeroutput", {}).get("logit_errors", []):
-        ERRORS[(group, name)] = max(ERRORS.get((group, name), 0.0), err)
+        keep_largest_error(group, name, err)
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

@@ -484,15 +484,16 @@ def tiny_model() -> Zoo:
 ERRORS: dict[tuple[str, str], float] = {}
 
 
+def keep_largest_error(group: str, name: str, err: float) -> float:
+    """Keep err for the session summary if it is the largest of its (group, model name); -> err."""
+    ERRORS[(group, name)] = max(ERRORS.get((group, name), 0.0), err)
+    return err
+
+
 @pytest.fixture(scope="session")
 def record_error():
     """record_error(group, model_name, err) -> err: keep the largest error for the session summary."""
-
-    def record(group: str, name: str, err: float) -> float:
-        ERRORS[(group, name)] = max(ERRORS.get((group, name), 0.0), err)
-        return err
-
-    return record
+    return keep_largest_error
 
 
 @pytest.fixture(autouse=True, scope="module")
