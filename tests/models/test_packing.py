@@ -8,9 +8,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cothink.execution.native_modules import NATIVE_MAX_ROWS, NativeCpuLinear, NativeInt8Linear
+from cothink.execution.native_modules import (
+    NATIVE_MAX_ROWS,
+    PAIRS_MAX_ROWS,
+    NativeCpuLinear,
+    NativeInt8Linear,
+    NativePackedLinear,
+)
 from cothink.models import packing
-from cothink.models.packing import WIDEN_MIN_ROWS, CpuLinear
+from cothink.models.packing import WIDEN_MIN_ROWS, CpuLinear, PackedLinear
 from cothink.ops import native
 
 
@@ -60,6 +66,28 @@ def test_few_rows_run_in_the_c_kernel_independent_of_the_batch(dtype, monkeypatc
     assert lin.native_rows == NATIVE_MAX_ROWS
     lin(torch.randn(NATIVE_MAX_ROWS + 1, 64).to(dtype))
     assert len(called) == 4
+
+
+@pytest.mark.skipif(not native.bf16_pairs(), reason="bfloat16 pairs: CPUs with AVX-512 BF16 and no AMX tiles")
+def test_bfloat16_in_pairs_takes_every_row_count_with_a_decode_steps_sums(monkeypatch):
+    """A oneDNN-packed bfloat16 linear whose C copy is in pairs runs every product of bfloat16 rows in
+    C, prefill-sized ones too (a GEMM from 24 rows on): each row's result the same to the bit as that
+    row alone (as a decode step computes it), within a bfloat16 rounding of the float64 product; other
+    inputs (float32 rows) take the packed weight."""
+    x, w, b = _data(130, 96, 64, torch.bfloat16, seed=9)
+    called, kernel = [], native.linear
+    monkeypatch.setattr(native, "linear", lambda *a, **kw: called.append(1) or kernel(*a, **kw))
+    lin = NativePackedLinear.of(PackedLinear(w, b))
+    assert lin.native_rows == PAIRS_MAX_ROWS
+    whole = lin(x)
+    assert len(called) == 1 and whole.dtype == torch.bfloat16 and whole.shape == (130, 96)
+    for row in (0, 23, 24, 77, 129):
+        assert torch.equal(lin(x[row:row + 1]), whole[row:row + 1])
+    ref = _reference(x, w, b)
+    sums = F.linear(x.double().abs(), w.double().abs())
+    assert ((whole.double() - ref).abs() <= ref.abs() * 2**-8 + sums * 64 * 2**-24 + 1e-6).all()
+    called.clear()
+    assert lin(x.float()).dtype == torch.float32 and not called
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

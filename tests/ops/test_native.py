@@ -324,22 +324,23 @@ def test_linear_is_the_float32_product_rounded_once(dtype, k):
 @pytest.mark.parametrize("k", [48, 144, 576])
 def test_bfloat16_pairs_are_the_float32_product_rounded_once(k):
     """A bfloat16 weight in pairs (`pack_pairs`: the same bytes, tiles of PAIR_TILE outputs): row
-    counts below, at and across groups of 8 up to NATIVE_MAX_ROWS, with and without a bias, an input
-    with a row stride, two tiles: the float32 sum (within the summation bound) rounded to bfloat16
-    once, against the float64 product; every row the
-    same to the bit alone as in the batch; `float_out` the same values. Weights that do not fit the
-    layout are refused."""
+    counts below, at and across groups of 8 up to NATIVE_MAX_ROWS and across the GEMM of wider steps
+    (from 24 rows: blocks of 48 rows, six at a time, panels of two tiles and an odd tile's half
+    panel), with and without a bias, an input with a row stride, three tiles: the float32 sum (within
+    the summation bound) rounded to bfloat16 once, against the float64 product; every row the same to
+    the bit alone as in the batch (a prefill chunk's products are a decode step's); `float_out` the
+    same values. Weights that do not fit the layout are refused."""
     g = torch.Generator().manual_seed(6)
-    w = torch.randn(2 * native.PAIR_TILE, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(3 * native.PAIR_TILE, k, generator=g).to(torch.bfloat16)
     b = torch.randn(w.shape[0], generator=g).to(torch.bfloat16)
     pairs = native.pack_pairs(w)
     assert pairs.dtype == torch.int32 and pairs.shape == (w.shape[0], k // 2)
     # pair p of output o of tile t sits at [t, p, o]: (w[o][2p], w[o][2p + 1])
-    tiles = pairs.view(torch.bfloat16).reshape(2, k // 2, native.PAIR_TILE, 2)
+    tiles = pairs.view(torch.bfloat16).reshape(3, k // 2, native.PAIR_TILE, 2)
     assert torch.equal(tiles[1, 3, 5], w[native.PAIR_TILE + 5, 6:8])
     assert native.linear_fits(pairs, b) and not native.linear_fits(pairs, b.float())
-    x_all = torch.randn(33, 2 * k, generator=g).to(torch.bfloat16)[:, :k]  # row stride 2k
-    for rows in (1, 8, 9, 17, 32, 33):
+    x_all = torch.randn(101, 2 * k, generator=g).to(torch.bfloat16)[:, :k]  # row stride 2k
+    for rows in (1, 8, 9, 17, 23, 24, 32, 33, 49, 101):
         x = x_all[:rows]
         for bias in (None, b):
             got = native.linear(x, pairs, bias)
@@ -347,7 +348,8 @@ def test_bfloat16_pairs_are_the_float32_product_rounded_once(k):
             sums = F.linear(x.double().abs(), w.double().abs())  # float32 summation: k 2^-24 of it
             assert got.dtype == torch.bfloat16 and got.shape == (rows, w.shape[0])
             assert ((got.double() - ref).abs() <= ref.abs() * 2**-8 + sums * k * 2**-24 + 1e-6).all()
-            assert torch.equal(native.linear(x[-1:], pairs, bias), got[-1:])
+            for row in {0, rows // 2, rows - 1}:
+                assert torch.equal(native.linear(x[row:row + 1], pairs, bias), got[row:row + 1])
             wide = native.linear(x, pairs, bias, float_out=True)
             assert wide.dtype == torch.float32 and torch.equal(wide, got.float())
     with pytest.raises(ValueError, match="does not fit"):

@@ -14,8 +14,8 @@ products: within float32 rounding, models/quant4.py).
 `use_torch_modules` puts the plain modules back. The eager modules (`fast=False`) are never replaced.
 
 NATIVE_MAX_ROWS: rows up to which the C linear runs a product (and a decode step can take the fused
-decode step, execution/fused_decode.py); an int8 or 4-bit weight in pairs takes any rows
-(PAIRS_8BIT_MAX_ROWS). Measured on a 2-core AMD EPYC Zen 3 with AVX2
+decode step, execution/fused_decode.py); a bfloat16, int8 or 4-bit weight in pairs takes any rows
+(PAIRS_MAX_ROWS). Measured on a 2-core AMD EPYC Zen 3 with AVX2
 (`bench/linears.py`): each weight element is read once per 8 rows, bfloat16 widened in registers,
 float32 sums in a fixed order per output (a row's result is the same to the bit in any batch up to
 this size); against `F.linear`, bfloat16 1.1x at one row and 2.0-3.7x at 2-8 rows, float32 1.7x and
@@ -52,15 +52,17 @@ NATIVE_MAX_ROWS = 32
 # (NativePackedLinear where the weight is not in pairs: AMX tiles, or an output count not a multiple of
 # PAIR_TILE): oneDNN's product is faster beyond. Measured on a 2-core AMD EPYC Zen 4 (SmolLM2's shapes,
 # C / oneDNN time): 0.7-1.2x at 1-2 rows, 0.9-1.3x at 4, 2-5x at 8-32; up to 4 the fused step around
-# the kernel wins the dispatch back. A weight in pairs (`native.pack_pairs`) takes NATIVE_MAX_ROWS:
-# 30 layers' products of 8 / 32 rows 7.5 / 19.9 ms against oneDNN's 10.6 / 22.1 (native.c WT_BF16P).
+# the kernel wins the dispatch back. A weight in pairs (`native.pack_pairs`) takes PAIRS_MAX_ROWS.
 PACKED_NATIVE_MAX_ROWS = 4
-# An int8 or 4-bit weight in pairs (8-bit activations on VNNI: native.c WT_INT8P, WT_Q4P) takes every
-# product in C, prefill chunks too, with the same 8-bit activations as the decode: 30 SmolLM2 4-bit
-# layers' products at 512 rows 212 ms against 277 for the dequantized weight in oneDNN's bfloat16 GEMM,
-# at 64 rows 30 against 61 (2-core Zen 4). (A float32 weight in tiles does not: beyond NATIVE_MAX_ROWS
-# its products stay on the plain path, equal to it to the bit; NativeCpuLinear.)
-PAIRS_8BIT_MAX_ROWS = 1 << 62
+# A weight in pairs takes every product in C, prefill chunks too. bfloat16 (native.c WT_BF16P): from
+# 24 rows on as a GEMM of six rows by 64 outputs (`pairs_wide_tasks`), each row's result the same to the
+# bit as in a decode step; SmolLM2's products 1.2x oneDNN's packed GEMM at 48 rows, 1.02-1.04x at 512
+# (2-core Zen 4, docs/benchmarks.md). int8 or 4-bit (8-bit activations on VNNI: WT_INT8P, WT_Q4P), with
+# the same 8-bit activations as the decode: 30 SmolLM2 4-bit layers' products at 512 rows 212 ms
+# against 277 for the dequantized weight in oneDNN's bfloat16 GEMM, at 64 rows 30 against 61. (A
+# float32 weight in tiles does not: beyond NATIVE_MAX_ROWS its products stay on the plain path, equal
+# to it to the bit; NativeCpuLinear.)
+PAIRS_MAX_ROWS = 1 << 62
 
 
 class NativeRMSNorm(RMSNorm):
@@ -239,10 +241,11 @@ class NativePackedLinear(NativeLinear, PackedLinear):
     has the CPU's bfloat16 dot products (AVX-512 BF16 pairs or AMX tiles; `native.use_bf16_decode`,
     unless COTHINK_BF16_DECODE=0): no per-call dispatch, so a decode step can take the fused step (SmolLM2
     bfloat16 decode 1.5x on an AMD EPYC Zen 4, docs/benchmarks.md). It keeps the weight beside
-    oneDNN's packed one, which wider steps (prefill chunks) still use: the linears' memory twice
+    oneDNN's packed one, which takes the products the C kernel does not: the linears' memory twice
     (docs/runtime.md). Where `native.bf16_pairs` (AVX-512 BF16 without AMX tiles) that copy is in
-    pairs (`native.pack_pairs`) and takes products of up to NATIVE_MAX_ROWS rows, so that steps of
-    many coroutines take the fused step too; else the plain weight, up to PACKED_NATIVE_MAX_ROWS."""
+    pairs (`native.pack_pairs`) and takes every product of bfloat16 rows (PAIRS_MAX_ROWS: steps of
+    many coroutines take the fused step, and prefill chunks the same sums as a decode step); else the
+    plain weight, up to PACKED_NATIVE_MAX_ROWS, oneDNN's packed one beyond."""
 
     @classmethod
     def of(cls, other: PackedLinear) -> NativePackedLinear:
@@ -250,7 +253,7 @@ class NativePackedLinear(NativeLinear, PackedLinear):
         weight = other.packed.to_dense().contiguous()  # the weight, exactly: a reorder is a copy
         if native.takes_pairs(weight):
             layer._w = native.pack_pairs(weight)
-            layer._fit_native(torch.bfloat16, NATIVE_MAX_ROWS)
+            layer._fit_native(torch.bfloat16, PAIRS_MAX_ROWS)
         else:
             layer._w = weight
             layer._fit_native(torch.bfloat16, PACKED_NATIVE_MAX_ROWS)
@@ -289,7 +292,7 @@ class NativeInt8Linear(NativeLinear, Int8Linear):
         bias_dtype = None if self.bias is None else self.bias.dtype  # C reads the bias in x's dtype
         if native.takes_pairs(self.weight_int8):
             self._pairs = native.pack_pairs(self.weight_int8)
-            self._fit_native(bias_dtype, PAIRS_8BIT_MAX_ROWS)
+            self._fit_native(bias_dtype, PAIRS_MAX_ROWS)
         else:
             self._fit_native(bias_dtype)
 
@@ -333,7 +336,7 @@ class NativeInt4Linear(NativeLinear, Int4Linear):
         if activations == torch.bfloat16 and native.takes_pairs(self.weight_packed) and (
                 self.bias is None or self.bias.dtype == torch.bfloat16):
             self._pairs = native.pack_q4_pairs(self.weight_packed, self.weight_scale, half_scales)
-            self._fit_native(torch.bfloat16, PAIRS_8BIT_MAX_ROWS)
+            self._fit_native(torch.bfloat16, PAIRS_MAX_ROWS)
         else:  # the C kernel reads the bias in x's dtype
             self._fit_native(None if self.bias is None else self.bias.dtype)
 

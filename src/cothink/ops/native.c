@@ -933,20 +933,24 @@ static inline __attribute__((always_inline)) void score_rows_f32(const float *co
 /* scores s[r][0 .. CHUNK - 1] of `rows` query rows q[r] against a chunk's packed keys kp, six rows per
    pass over the keys (24 accumulators): bfloat16 pairs (bf: `depth` pairs, kp[p * CHUNK + c]) or float32
    (`depth` channels, kp[e * CHUNK + c]) */
+/* CALL(NR) for NR = n, 1 <= n <= 6, NR a constant in each call (the kernels' row counts unrolled) */
+#define UP_TO_SIX(n, CALL)                                                                               \
+    switch (n) {                                                                                         \
+    case 6: CALL(6); break;                                                                              \
+    case 5: CALL(5); break;                                                                              \
+    case 4: CALL(4); break;                                                                              \
+    case 3: CALL(3); break;                                                                              \
+    case 2: CALL(2); break;                                                                              \
+    default: CALL(1);                                                                                    \
+    }
+
 static void chunk_scores(const void *const *q, int64_t rows, const void *kp, int64_t depth, float *s, int bf) {
 #define SCORE(NR) (bf ? score_rows((const uint32_t *const *)qr, kp, depth, sr, NR) \
                       : score_rows_f32((const float *const *)qr, kp, depth, sr, NR))
     for (int64_t r0 = 0; r0 < rows; r0 += 6) {
         const void *const *qr = q + r0;
         float *sr = s + r0 * CHUNK;
-        switch (rows - r0 < 6 ? rows - r0 : 6) {
-        case 6: SCORE(6); break;
-        case 5: SCORE(5); break;
-        case 4: SCORE(4); break;
-        case 3: SCORE(3); break;
-        case 2: SCORE(2); break;
-        default: SCORE(1);
-        }
+        UP_TO_SIX(rows - r0 < 6 ? rows - r0 : 6, SCORE)
     }
 #undef SCORE
 }
@@ -1938,6 +1942,79 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *x
         }
     }
 }
+
+/* Wider products of a WT_BF16P weight (PAIRS_WIDE_MIN_ROWS rows or more: prefill chunks, steps of many
+ * coroutines) as a GEMM: tasks of up to PAIRS_WIDE_BLOCK rows of x against a panel of two tiles (64
+ * outputs; one where a weight ends in an odd tile), six rows at a time: per pair four weight vectors, a
+ * broadcast pair per row and 24 VDPBF16PS into 24 accumulators, where pairs_tile takes two vectors
+ * and twelve broadcasts. A task's first six rows prefetch the panel's two streams as pairs_tile does.
+ * Each output's lane sums its pairs in order from zero, as in pairs_tile: a row's result is the same to
+ * the bit as alone (a decode step's). Measured on a 2-core Zen 4, SmolLM2's linears (bench/linears.py;
+ * ad hoc, alternating in one process, per-round medians): against pairs_tile 1.06x at 24 and 32 rows,
+ * 0.95x at 16 (hence PAIRS_WIDE_MIN_ROWS); against oneDNN's packed bfloat16 GEMM, which took these
+ * products before, 1.2x at 48 rows, 1.04x at 128, 1.02-1.04x at 512 (in cache 1.1x). */
+#define PAIRS_WIDE_ROWS 6
+#define PAIRS_WIDE_BLOCK 48
+#define PAIRS_WIDE_MIN_ROWS 24
+
+typedef struct {
+    const bf16 *x; /* [m, k], row stride xs */
+    const void *w, *bias;
+    void *y;
+    int64_t xs, ys, m, n, k;
+    int y_f32;
+} PairsWideJob;
+
+/* NR rows (xr, row stride xs in pairs) x TILES tiles (wt: the first, the next pairs * PAIR_TILE after
+   it) of a WT_BF16P weight, NR and TILES constant after inlining; y and the bias bfloat16; `lead`: prefetch
+   the tiles' streams ahead */
+static inline __attribute__((always_inline)) void pairs_wide(const uint32_t *xr, int64_t xs, const uint32_t *wt,
+                                                              int64_t pairs, const void *bias, void *y, int64_t ys,
+                                                              int y_f32, int lead, const int nr, const int tiles) {
+    __m512 acc[PAIRS_WIDE_ROWS][4];
+    const uint32_t *w1 = wt + pairs * PAIR_TILE;
+    for (int i = 0; i < nr; i++)
+        for (int u = 0; u < 2 * tiles; u++) acc[i][u] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh w[4];
+        for (int u = 0; u < 2 * tiles; u++) {
+            const uint32_t *b = (u < 2 ? wt : w1) + p * PAIR_TILE + 16 * (u % 2);
+            if (lead) prefetch_weight(b);
+            w[u] = (__m512bh)_mm512_loadu_si512(b);
+        }
+        for (int i = 0; i < nr; i++) {
+            __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xr[i * xs + p]);
+            for (int u = 0; u < 2 * tiles; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], w[u], xb);
+        }
+    }
+    int64_t y_size = y_f32 ? 4 : 2;
+    for (int i = 0; i < nr; i++)
+        for (int u = 0; u < 2 * tiles; u++)
+            tile_out(acc[i][u], NULL, bias ? (const bf16 *)bias + 16 * u : NULL,
+                     (char *)y + (i * ys + 16 * u) * y_size, 1, y_f32);
+}
+
+/* tasks begin .. end-1 of a PairsWideJob: task t is row block t % blocks of panel t / blocks */
+static void pairs_wide_tasks(void *ctx, int64_t begin, int64_t end) {
+    const PairsWideJob *j = ctx;
+    int64_t pairs = j->k / 2, blocks = (j->m + PAIRS_WIDE_BLOCK - 1) / PAIRS_WIDE_BLOCK;
+    int64_t y_size = j->y_f32 ? 4 : 2;
+    for (int64_t t = begin; t < end; t++) {
+        int64_t o = t / blocks * 2 * PAIR_TILE, r0 = t % blocks * PAIRS_WIDE_BLOCK;
+        int64_t r1 = r0 + PAIRS_WIDE_BLOCK < j->m ? r0 + PAIRS_WIDE_BLOCK : j->m;
+        int two = j->n - o > PAIR_TILE;
+        const uint32_t *wt = (const uint32_t *)j->w + o * pairs;
+        const void *bias = j->bias ? (const bf16 *)j->bias + o : NULL;
+        for (int64_t i = r0; i < r1; i += PAIRS_WIDE_ROWS) {
+            const uint32_t *xr = (const uint32_t *)(j->x + i * j->xs);
+            void *y = (char *)j->y + (i * j->ys + o) * y_size;
+#define WIDE(NR) (two ? pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, i == r0, NR, 2) \
+                      : pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, i == r0, NR, 1))
+            UP_TO_SIX(r1 - i < PAIRS_WIDE_ROWS ? r1 - i : PAIRS_WIDE_ROWS, WIDE)
+#undef WIDE
+        }
+    }
+}
 #endif
 
 /* linear_group_q4 with 16-lane fused multiply-adds: per group d = x . q over 16 lanes, then
@@ -2297,7 +2374,8 @@ static int64_t linear_grain(int64_t n, int64_t threads) {
  * of Q4_GROUP for 4-bit (Python checks). Float32 sums in a fixed order per output, so a row's result
  * does not depend on the others nor on `threads`; bfloat16 results
  * rounded once, after the bias. A decode-sized product is bound by reading the weight: it is read
- * once, whatever m, its rows split over up to `threads` threads. */
+ * once, whatever m, its rows split over up to `threads` threads. A bfloat16 weight in pairs takes
+ * PAIRS_WIDE_MIN_ROWS rows or more as a GEMM instead (pairs_wide_tasks: the same sums). */
 /* ct_linear's inputs made ready: x's rows in the kernel's form (below), each row whole on one thread */
 typedef struct {
     const void *x;
@@ -2352,6 +2430,15 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
                int64_t ys, int64_t m, int64_t n, int64_t k, int bf, int wt, int y_f32, int64_t threads) {
     int64_t groups = k / Q4_GROUP;
     int own = m <= HELPER_TEAM_ROWS; /* a decode-sized product on the helpers, a prefill chunk's on OpenMP's */
+#if LINEAR_BF16_PAIRS
+    if (wt == WT_BF16P && bf && m >= PAIRS_WIDE_MIN_ROWS && xs % 2 == 0) { /* x read where it is */
+        PairsWideJob job = {x, w, bias, y, xs, ys, m, n, k, y_f32};
+        int64_t panels = (n + 2 * PAIR_TILE - 1) / (2 * PAIR_TILE);
+        parallel_for(pairs_wide_tasks, &job, panels * ((m + PAIRS_WIDE_BLOCK - 1) / PAIRS_WIDE_BLOCK), 1, threads,
+                     own);
+        return;
+    }
+#endif
     LinearPrep prep = {x, xs, k, bf, wt, LINEAR_CODES_ONLY(wt, bf) ? NULL : malloc((size_t)(m * k) * sizeof(float)),
                        malloc((size_t)(m * groups + 1) * sizeof(float)), NULL, NULL, NULL};
     if (WT_Q4_PAIRS(wt) || wt == WT_INT8P) {
