@@ -52,7 +52,7 @@ def dense_weight(module: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     if hasattr(module, "weight_packed"):  # 4-bit
         return module.weights.dequantize().to(dtype)
     weight = getattr(module, "weight", None)
-    return weight if isinstance(weight, torch.Tensor) else module.packed.to_dense()
+    return weight if isinstance(weight, torch.Tensor) else module.dense_weight()
 
 
 def stored_bytes(module: torch.nn.Module, dense: torch.Tensor) -> int:

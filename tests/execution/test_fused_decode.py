@@ -267,11 +267,12 @@ def test_switching_the_kernels_off_takes_the_module_path(tiny_model, fused_calls
 def test_packed_bfloat16_linears_take_the_c_kernel_where_it_has_bfloat16_dot_products(
         tiny_model, fused_calls, monkeypatch):
     """Where oneDNN has bfloat16 kernels the linears are prepacked for it; where the C kernel has the
-    CPU's bfloat16 dot products as well (AVX-512 BF16, AMX), products of up to a limit run in C on
-    a copy of the weight (the packed one, unpacked: the same values; in pairs where `bf16_pairs`,
-    then up to NATIVE_MAX_ROWS rows, else plain, up to PACKED_NATIVE_MAX_ROWS), wider ones in oneDNN,
-    and a decode step of up to that many rows takes the fused step, to the bit of the per-module
-    path; a wider one does not. With COTHINK_BF16_DECODE=0 the linears stay oneDNN's."""
+    CPU's bfloat16 dot products as well (AVX-512 BF16, AMX), products run in C on the weight: where
+    `bf16_pairs`, in pairs in place of oneDNN's packing (the same values), every product; else a copy of
+    the plain weight beside the packed one, up to PACKED_NATIVE_MAX_ROWS rows, wider ones in oneDNN.
+    A decode step of up to NATIVE_MAX_ROWS rows (pairs) or that limit takes the fused step, to the bit
+    of the per-module path; a wider one does not. `use_torch_modules` puts oneDNN's packed linears
+    back. With COTHINK_BF16_DECODE=0 the linears stay oneDNN's."""
     from cothink.execution.native_modules import (
         NATIVE_MAX_ROWS,
         PACKED_NATIVE_MAX_ROWS,
@@ -292,18 +293,22 @@ def test_packed_bfloat16_linears_take_the_c_kernel_where_it_has_bfloat16_dot_pro
     lin = linears[0]
     pairs = native.bf16_pairs()
     limit = NATIVE_MAX_ROWS if pairs else PACKED_NATIVE_MAX_ROWS
-    dense = lin.packed.to_dense()
+    dense = lin.dense_weight()
     assert torch.equal(lin.operands()[0], native.pack_pairs(dense) if pairs else dense)
+    assert (lin.packed is None) == pairs  # in pairs: one copy of the weight
     x = torch.randn(NATIVE_MAX_ROWS + 1, lin.in_features).to(torch.bfloat16)
     small = x[:limit]
     assert torch.equal(lin(small), native.linear(small, *lin.operands()[::2]))
     wider = x[: limit + 1]
-    assert torch.equal(lin(wider), packing.PackedLinear.forward(lin, wider))  # oneDNN's product
+    if pairs:  # every product in C
+        assert torch.equal(lin(wider), native.linear(wider, *lin.operands()[::2]))
+    else:
+        assert torch.equal(lin(wider), packing.PackedLinear.forward(lin, wider))  # oneDNN's product
     assert fused.fused_decode is not None
     assert fused.fused_decode.weights == native.WEIGHT_TYPES[torch.int32 if pairs else torch.bfloat16]
     assert fused.fused_decode.max_rows == limit
     _same_conversation(fused, modules, fused_calls)
-    fused_calls.clear()  # a decode step wider than the C products: the per-module path, oneDNN's
+    fused_calls.clear()  # a decode step wider than the fused step takes: the per-module path
     blocks = [fused.new_block() for _ in range(limit + 1)]
     fused.step([StepItem(b, ids(2, seed=i)) for i, b in enumerate(blocks)])
     fused.step([StepItem(b, [5], logits="last") for b in blocks])
@@ -312,6 +317,7 @@ def test_packed_bfloat16_linears_take_the_c_kernel_where_it_has_bfloat16_dot_pro
     use_torch_modules(modules.model)
     restored = [m for m in modules.model.modules() if isinstance(m, packing.FastLinear)]
     assert all(type(m) is packing.PackedLinear for m in restored)
+    assert torch.equal(restored[0].dense_weight(), dense)
 
 
 async def test_background_prefill_beside_an_interactive_generation_keeps_the_fused_step():

@@ -72,13 +72,16 @@ def test_few_rows_run_in_the_c_kernel_independent_of_the_batch(dtype, monkeypatc
 def test_bfloat16_in_pairs_takes_every_row_count_with_a_decode_steps_sums(monkeypatch):
     """A oneDNN-packed bfloat16 linear whose C copy is in pairs runs every product of bfloat16 rows in
     C, prefill-sized ones too (a GEMM from 24 rows on): each row's result the same to the bit as that
-    row alone (as a decode step computes it), within a bfloat16 rounding of the float64 product; other
-    inputs (float32 rows) take the packed weight."""
+    row alone (as a decode step computes it), within a bfloat16 rounding of the float64 product. It
+    holds the pairs only (no oneDNN copy): other inputs (float32 rows, a strided last dimension) run
+    F.linear on the weight unpacked, and its plain module (`plain`, as `use_torch_modules` puts back)
+    is the packed linear of the same weight."""
     x, w, b = _data(130, 96, 64, torch.bfloat16, seed=9)
     called, kernel = [], native.linear
     monkeypatch.setattr(native, "linear", lambda *a, **kw: called.append(1) or kernel(*a, **kw))
-    lin = NativePackedLinear.of(PackedLinear(w, b))
-    assert lin.native_rows == PAIRS_MAX_ROWS
+    packed = PackedLinear(w, b)
+    lin = NativePackedLinear.of(packed)
+    assert lin.native_rows == PAIRS_MAX_ROWS and lin.packed is None and torch.equal(lin.dense_weight(), w)
     whole = lin(x)
     assert len(called) == 1 and whole.dtype == torch.bfloat16 and whole.shape == (130, 96)
     for row in (0, 23, 24, 77, 129):
@@ -87,7 +90,11 @@ def test_bfloat16_in_pairs_takes_every_row_count_with_a_decode_steps_sums(monkey
     sums = F.linear(x.double().abs(), w.double().abs())
     assert ((whole.double() - ref).abs() <= ref.abs() * 2**-8 + sums * 64 * 2**-24 + 1e-6).all()
     called.clear()
-    assert lin(x.float()).dtype == torch.float32 and not called
+    assert torch.equal(lin(x.float()), F.linear(x.float(), w.float(), b.float())) and not called
+    strided = x.t().contiguous().t()
+    assert torch.equal(lin(strided), F.linear(strided, w, b)) and not called
+    plain = lin.plain()
+    assert type(plain) is PackedLinear and torch.equal(plain(x), packed(x))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

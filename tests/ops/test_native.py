@@ -338,6 +338,7 @@ def test_bfloat16_pairs_are_the_float32_product_rounded_once(k):
     # pair p of output o of tile t sits at [t, p, o]: (w[o][2p], w[o][2p + 1])
     tiles = pairs.view(torch.bfloat16).reshape(3, k // 2, native.PAIR_TILE, 2)
     assert torch.equal(tiles[1, 3, 5], w[native.PAIR_TILE + 5, 6:8])
+    assert torch.equal(native.unpack_pairs(pairs), w)  # the same bytes, back in their order
     assert native.linear_fits(pairs, b) and not native.linear_fits(pairs, b.float())
     x_all = torch.randn(101, 2 * k, generator=g).to(torch.bfloat16)[:, :k]  # row stride 2k
     for rows in (1, 8, 9, 17, 23, 24, 32, 33, 49, 101):

@@ -240,31 +240,45 @@ class NativePackedLinear(NativeLinear, PackedLinear):
     """PackedLinear with its products of a few rows in the C kernel (limits below), where that
     has the CPU's bfloat16 dot products (AVX-512 BF16 pairs or AMX tiles; `native.use_bf16_decode`,
     unless COTHINK_BF16_DECODE=0): no per-call dispatch, so a decode step can take the fused step (SmolLM2
-    bfloat16 decode 1.5x on an AMD EPYC Zen 4, docs/benchmarks.md). It keeps the weight beside
-    oneDNN's packed one, which takes the products the C kernel does not: the linears' memory twice
-    (docs/runtime.md). Where `native.bf16_pairs` (AVX-512 BF16 without AMX tiles) that copy is in
-    pairs (`native.pack_pairs`) and takes every product of bfloat16 rows (PAIRS_MAX_ROWS: steps of
-    many coroutines take the fused step, and prefill chunks the same sums as a decode step); else the
-    plain weight, up to PACKED_NATIVE_MAX_ROWS, oneDNN's packed one beyond."""
+    bfloat16 decode 1.5x on an AMD EPYC Zen 4, docs/benchmarks.md). Where `native.bf16_pairs`
+    (AVX-512 BF16 without AMX tiles) it holds the weight in pairs (`native.pack_pairs`) in place of
+    oneDNN's packed one, and takes every product of bfloat16 rows (PAIRS_MAX_ROWS: steps of many
+    coroutines take the fused step, and prefill chunks the same sums as a decode step); inputs the C
+    kernel does not take (float32 rows, a strided last dimension) run F.linear on the weight unpacked.
+    Else it keeps the plain weight beside oneDNN's packed one (the linears' memory twice,
+    docs/runtime.md) for products of up to PACKED_NATIVE_MAX_ROWS rows, oneDNN's beyond."""
 
     @classmethod
     def of(cls, other: PackedLinear) -> NativePackedLinear:
         layer = super().of(other)
-        weight = other.packed.to_dense().contiguous()  # the weight, exactly: a reorder is a copy
+        weight = other.dense_weight().contiguous()  # the weight, exactly: a reorder is a copy
         if native.takes_pairs(weight):
             layer._w = native.pack_pairs(weight)
             layer._fit_native(torch.bfloat16, PAIRS_MAX_ROWS)
+            layer.packed = None  # the pairs take its products: one copy of the weight
         else:
             layer._w = weight
             layer._fit_native(torch.bfloat16, PACKED_NATIVE_MAX_ROWS)
         return layer
+
+    def plain(self) -> PackedLinear:
+        """The PackedLinear this stands in for (`use_torch_modules`): the packed weight, packed again
+        from the pairs where this holds none."""
+        if self.packed is None:
+            return PackedLinear(self.dense_weight(), self.bias)
+        return PackedLinear.of(self)
+
+    def dense_weight(self) -> torch.Tensor:
+        return native.unpack_pairs(self._w) if self.packed is None else super().dense_weight()
 
     def operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         return self._w, None, self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self._native_rows_of(x)
-        return super().forward(x) if y is None else y
+        if y is not None:
+            return y
+        return self.plain_forward(x) if self.packed is None else super().forward(x)
 
 
 class NativeInt8Linear(NativeLinear, Int8Linear):
@@ -409,7 +423,7 @@ def use_native_modules(model: CausalLM) -> None:
 def use_torch_modules(model: CausalLM) -> None:
     """Put the plain torch modules back, in place, wherever native ones were swapped in."""
     _replace(model, {fast: _MAKE[plain](plain) for plain, fast in _NATIVE.items()}
-             | {NativePackedLinear: PackedLinear.of})
+             | {NativePackedLinear: NativePackedLinear.plain})
 
 
 def has_native_modules(model: nn.Module) -> bool:

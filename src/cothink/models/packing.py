@@ -73,11 +73,19 @@ class PackedLinear(FastLinear):
         layer.register_buffer("bias", other.bias)
         return layer
 
+    def dense_weight(self) -> torch.Tensor:
+        """The [out, in] bfloat16 weight (a copy: the packed one unpacked)."""
+        return self.packed.to_dense()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16 or x.device.type != "cpu":  # not the fast path's input: plain math
-            bias = None if self.bias is None else self.bias.to(x.dtype)
-            return F.linear(x, self.packed.to_dense().to(x.dtype), bias)
+            return self.plain_forward(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+    def plain_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """F.linear on the dense weight in x's dtype (inputs the packed product does not take)."""
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dense_weight().to(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, prepacked bf16"

@@ -416,6 +416,17 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     return tiles.view(PAIRS_OF[weight.dtype]).reshape(n, k // 2)
 
 
+
+def unpack_pairs(pairs: torch.Tensor) -> torch.Tensor:
+    """A bfloat16 weight in pairs (`pack_pairs`: int32 [N, K / 2]) as it was: bfloat16 [N, K], the same
+    bytes in their first order."""
+    n, half = pairs.shape
+    if pairs.dtype != PAIRS_OF[torch.bfloat16] or n % PAIR_TILE:
+        raise ValueError(f"unpack_pairs: a bfloat16 weight in pairs, int32 [N, K / 2] with "
+                         f"N % {PAIR_TILE} == 0, not {tuple(pairs.shape)} {pairs.dtype}")
+    tiles = pairs.view(torch.bfloat16).reshape(n // PAIR_TILE, half, PAIR_TILE, 2).permute(0, 2, 1, 3)
+    return tiles.reshape(n, 2 * half)
+
 def _tile_quads(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [N / PAIR_TILE, K / 4, PAIR_TILE, 4]: per tile of outputs and four inputs, each output's
     four weights together, the order VPDPBUSD multiplies them in (int8 and 4-bit pairs)."""
