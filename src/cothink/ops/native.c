@@ -930,9 +930,6 @@ static inline __attribute__((always_inline)) void score_rows_f32(const float *co
         for (int u = 0; u < CHUNK_VECS; u++) _mm512_storeu_ps(s + i * CHUNK + 16 * u, acc[i][u]);
 }
 
-/* scores s[r][0 .. CHUNK - 1] of `rows` query rows q[r] against a chunk's packed keys kp, six rows per
-   pass over the keys (24 accumulators): bfloat16 pairs (bf: `depth` pairs, kp[p * CHUNK + c]) or float32
-   (`depth` channels, kp[e * CHUNK + c]) */
 /* CALL(NR) for NR = n, 1 <= n <= 6, NR a constant in each call (the kernels' row counts unrolled) */
 #define UP_TO_SIX(n, CALL)                                                                               \
     switch (n) {                                                                                         \
@@ -944,6 +941,9 @@ static inline __attribute__((always_inline)) void score_rows_f32(const float *co
     default: CALL(1);                                                                                    \
     }
 
+/* scores s[r][0 .. CHUNK - 1] of `rows` query rows q[r] against a chunk's packed keys kp, six rows per
+   pass over the keys (24 accumulators): bfloat16 pairs (bf: `depth` pairs, kp[p * CHUNK + c]) or float32
+   (`depth` channels, kp[e * CHUNK + c]) */
 static void chunk_scores(const void *const *q, int64_t rows, const void *kp, int64_t depth, float *s, int bf) {
 #define SCORE(NR) (bf ? score_rows((const uint32_t *const *)qr, kp, depth, sr, NR) \
                       : score_rows_f32((const float *const *)qr, kp, depth, sr, NR))
