@@ -2834,57 +2834,69 @@ static inline __m512 exp2_16(__m512 x) {
 #define PREFILL_PAIRS (CHUNK / 2)
 
 /* The prefill's online softmax over a block of CHUNK raw dot products per query row (s, row r at
-   s + r CHUNK), row r seeing the first visible[r] (0 for a later token's block) of them, in three passes,
-   softmax_chunk's results within float32 rounding: each row's new running max m[r] (of the scaled
+   s + r CHUNK), row r seeing the first visible[r] (0 for a later token's block) of them, 16 rows at a
+   time, softmax_chunk's results within float32 rounding: each row's new running max m[r] (of the scaled
    scores: the max over raw ones times scale, which scale > 0 keeps in order); the rescales of what came
    before, exp(m_old - m_new), 16 rows a vector (per row, the scalar exponential's dependent chain
    outweighed the row's vector work); then per row p = exp(s scale - m) by exp2_16 (scale and log2(e)
    in one multiply-subtract) written straight to pb as bfloat16 pairs (0 past visible; P V takes them
    rounded, as torch's flash kernel does), their float32 sum into l. pb NULL (a float32 run): p in
-   place of s, unrounded. */
+   place of s, unrounded. The 16 rows' maxima and sums come out of their 16-lane partials by fold16x16
+   (the same pairing of lanes as _mm512_reduce_max_ps / _add_ps, so the same bits; a row's reduction
+   was a dependent chain of shuffles: the attention of a 512-token chunk over 2048 keys 1.025x, over
+   512 1.01x, bench/prefill_attention.py's shapes on two Zen 4 cores, alternating in one process). */
 static void prefill_softmax(float *s, const int64_t *visible, int64_t rows, float scale, float *m,
                             float *l, float *rescale, float *top, uint32_t *pb) {
-    for (int64_t r = 0; r < rows; r++) {
-        __m512 top16 = _mm512_set1_ps(-INFINITY);
-        for (int64_t x = 0; x < visible[r]; x += 16)
-            top16 = _mm512_mask_max_ps(top16, lanes_below(visible[r] - x), top16, _mm512_loadu_ps(s + r * CHUNK + x));
-        float t = visible[r] ? _mm512_reduce_max_ps(top16) * scale : m[r];
-        top[r] = t > m[r] ? t : m[r];
-    }
-    for (int64_t r0 = 0; r0 < rows; r0 += 16) { /* exp16 takes -inf (a first block's m) to 0 */
-        __mmask16 in = lanes_below(rows - r0);
-        __m512 m0 = _mm512_maskz_loadu_ps(in, m + r0), m1 = _mm512_maskz_loadu_ps(in, top + r0);
-        _mm512_mask_storeu_ps(rescale + r0, in, exp16(_mm512_sub_ps(m0, m1)));
-        _mm512_mask_storeu_ps(m + r0, in, m1);
-    }
     const __m512 k2 = _mm512_set1_ps(scale * 1.44269504f);
-    for (int64_t r = 0; r < rows; r++) {
-        uint32_t *pr = pb ? pb + r * PREFILL_PAIRS : NULL;
-        float *sr = s + r * CHUNK;
-        if (visible[r] == 0) { /* (row r saw keys before this block: m is finite, its rescale 1) */
-            if (pr)
-                memset(pr, 0, PREFILL_PAIRS * sizeof(uint32_t));
-            else
-                memset(sr, 0, CHUNK * sizeof(float));
-            rescale[r] = 1.0f;
-            continue;
+    for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+        int64_t n = rows - r0 < 16 ? rows - r0 : 16;
+        __mmask16 in = lanes_below(n), seen = 0;
+        v16 part[16];
+        for (int64_t i = 0; i < 16; i++) { /* each row's maximum over the keys it sees, folded below */
+            __m512 top16 = _mm512_set1_ps(-INFINITY);
+            int64_t r = r0 + i, vis = i < n ? visible[r] : 0;
+            for (int64_t x = 0; x < vis; x += 16)
+                top16 = _mm512_mask_max_ps(top16, lanes_below(vis - x), top16, _mm512_loadu_ps(s + r * CHUNK + x));
+            if (vis) seen |= (__mmask16)(1u << i);
+            part[i] = (v16)top16;
         }
-        const __m512 t2 = _mm512_set1_ps(m[r] * 1.44269504f);
-        __m512 sum16 = _mm512_setzero_ps();
-        for (int64_t x = 0; x < CHUNK; x += 32) {
-            __m512 p0 = _mm512_maskz_mov_ps(lanes_below(visible[r] - x),
-                                            exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + x), k2, t2)));
-            __m512 p1 = _mm512_maskz_mov_ps(lanes_below(visible[r] - x - 16),
-                                            exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + x + 16), k2, t2)));
-            sum16 = _mm512_add_ps(sum16, _mm512_add_ps(p0, p1));
-            if (pr) {
-                _mm512_storeu_si512(pr + x / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-            } else {
-                _mm512_storeu_ps(sr + x, p0);
-                _mm512_storeu_ps(sr + x + 16, p1);
+        __m512 m0 = _mm512_maskz_loadu_ps(in, m + r0);
+        __m512 t = _mm512_mask_mul_ps(m0, seen, (__m512)fold16x16(part, FOLD_MAX), _mm512_set1_ps(scale));
+        __m512 m1 = _mm512_max_ps(t, m0); /* (t NaN: m, as the scalar comparison keeps it) */
+        _mm512_mask_storeu_ps(top + r0, in, m1);
+        /* exp16 takes -inf (a first block's m) to 0; a row that sees none of this block keeps its sum */
+        _mm512_mask_storeu_ps(rescale + r0, in, _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), seen, exp16(_mm512_sub_ps(m0, m1))));
+        _mm512_mask_storeu_ps(m + r0, in, m1);
+        for (int64_t i = 0; i < 16; i++) {
+            int64_t r = r0 + i, vis = i < n ? visible[r] : 0;
+            uint32_t *pr = pb ? pb + r * PREFILL_PAIRS : NULL;
+            float *sr = s + r * CHUNK;
+            __m512 sum16 = _mm512_setzero_ps();
+            if (i < n && vis == 0) { /* (row r saw keys before this block: m is finite) */
+                if (pr)
+                    memset(pr, 0, PREFILL_PAIRS * sizeof(uint32_t));
+                else
+                    memset(sr, 0, CHUNK * sizeof(float));
+            } else if (i < n) {
+                const __m512 t2 = _mm512_set1_ps(m[r] * 1.44269504f);
+                for (int64_t x = 0; x < CHUNK; x += 32) {
+                    __m512 p0 = _mm512_maskz_mov_ps(lanes_below(vis - x),
+                                                    exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + x), k2, t2)));
+                    __m512 p1 = _mm512_maskz_mov_ps(lanes_below(vis - x - 16),
+                                                    exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + x + 16), k2, t2)));
+                    sum16 = _mm512_add_ps(sum16, _mm512_add_ps(p0, p1));
+                    if (pr) {
+                        _mm512_storeu_si512(pr + x / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+                    } else {
+                        _mm512_storeu_ps(sr + x, p0);
+                        _mm512_storeu_ps(sr + x + 16, p1);
+                    }
+                }
             }
+            part[i] = (v16)sum16;
         }
-        l[r] = l[r] * rescale[r] + _mm512_reduce_add_ps(sum16);
+        __m512 l0 = _mm512_maskz_loadu_ps(in, l + r0), r1 = _mm512_maskz_loadu_ps(in, rescale + r0);
+        _mm512_mask_storeu_ps(l + r0, in, _mm512_add_ps(_mm512_mul_ps(l0, r1), (__m512)fold16x16(part, FOLD_ADD)));
     }
 }
 
