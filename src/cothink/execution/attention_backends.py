@@ -33,13 +33,14 @@ the step timeline (scheduler/accounting.py StepRecord.path).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
 from cothink.errors import InvalidParameterError
-from cothink.execution.fused_decode import FusedDecode, FusedStep
+from cothink.execution.fused_decode import FusedDecode, FusedStep, LinearDecoder
 from cothink.execution.native_modules import use_native_modules, use_torch_modules
 from cothink.execution.step import ItemPlan, KeyRun, Rows, RunKey, ViewBatch, row_index
 from cothink.models.transformer import CausalLM, DecoderLayers
@@ -87,13 +88,22 @@ class StepMetadata:
     """What a backend's `prepare` built for one step; its `forward` reads it in every layer."""
 
     path: str  # which code runs the step: "fused", "native", "torch" or "reference"
-    batch: ViewBatch  # the step's geometry
+    # the step's geometry, held weakly: the batch holds this (ViewBatch.metadata), and a reference back
+    # would make every step's plans a cycle that only the garbage collector frees (its collections
+    # then took ~1% of a 32-coroutine step's time, ~3 ms each)
+    batch_ref: weakref.ref[ViewBatch]
     # the decoder layers in one call, in place of the modules (CausalLM.forward's `layers`); None:
     # the modules, with `forward` per attention layer
     layers: DecoderLayers | None = None
     # the layers, the final norm and the lm_head in that one call, from the embeddings to every row's
     # float32 logits (CausalLM.forward's `to_logits`); None: the norm and lm_head as modules
     to_logits: DecoderLayers | None = None
+
+    @property
+    def batch(self) -> ViewBatch:
+        batch = self.batch_ref()
+        assert batch is not None, "a step's metadata outlived its batch"
+        return batch
 
 
 class ExecutionBackend(Protocol):
@@ -227,7 +237,8 @@ class TorchBackend:
         """Single-token items (decoding coroutines) attend in one padded batch instead of a Python
         loop over items and blocks; prefill chunks, and a lone decode item, loop."""
         runs = DecodeRuns.build(decode, batch.store.device) if len(decode) > 1 else None
-        return TorchStep(path=path, batch=batch, decode=runs, looped=_others(batch, decode if runs else []))
+        looped = _others(batch, decode if runs else [])
+        return TorchStep(path=path, batch_ref=weakref.ref(batch), decode=runs, looped=looped)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 metadata: StepMetadata) -> torch.Tensor:
@@ -374,7 +385,7 @@ class NativeBackend(TorchBackend):
         else:
             decode_runs, looped, items = None, _others(batch, decode), decode
         step = NativeStep(
-            path=self.name, batch=batch, decode=decode_runs, looped=looped,
+            path=self.name, batch_ref=weakref.ref(batch), decode=decode_runs, looped=looped,
             # the kernel writes keys slot by slot: every new slot in one index tensor
             store_slots=torch.cat([p.new_slots for p in batch.plans]) if batch.has_attention else None,
             plan=plan, items=items,
@@ -386,7 +397,7 @@ class NativeBackend(TorchBackend):
             fused = FusedStep(
                 pool_k=batch.store.pool.k, pool_v=batch.store.pool.v, store_slots=step.store_slots,
                 key_cos=batch.key_rotation[0], key_sin=batch.key_rotation[1], plan=plan,
-                scale=batch.scale, items=len(items), linear_decode=batch.linear_decode,
+                scale=batch.scale, items=len(items), linear_decode=_weakly(batch.linear_decode),
             )
             step.layers, step.to_logits = self.fused.layers(fused), self.fused.logits(fused)
         return step
@@ -498,3 +509,9 @@ def select_backend(name: str | ExecutionBackend, device: torch.device | str) -> 
         return NativeBackend()
     # the torch path (its kernel falls back to the math off CPU)
     return TorchBackend()
+
+
+def _weakly(method: LinearDecoder) -> LinearDecoder:
+    """A batch's bound method that does not keep the batch alive (the batch holds what holds it)."""
+    ref = weakref.WeakMethod(method)
+    return lambda *args: ref()(*args)  # type: ignore[misc]

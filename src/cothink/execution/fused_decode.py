@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -179,10 +180,10 @@ class FusedDecode:
         left empty), and the per-item arrays they point to."""
         if not steps:
             return None, []
-        io = (native.CtLinearIO * len(self.table))()
+        io = _array_type(native.CtLinearIO, len(self.table))()
         held = []
         for i, step in steps.items():
-            per_item = (native.CtLinearItem * items)(*[
+            per_item = _array_type(native.CtLinearItem, items)(*[
                 native.CtLinearItem(
                     tail=before.tail.data_ptr(), tail_stride=before.tail.stride(0),
                     state=before.state.data_ptr(), state_out=after.state.data_ptr(),
@@ -193,10 +194,18 @@ class FusedDecode:
             held.append(per_item)
             io[i] = native.CtLinearIO(
                 rows=step.rows.data_ptr(), g=step.g.data_ptr(), beta=step.beta.data_ptr(),
-                items=ctypes.cast(per_item, ctypes.POINTER(native.CtLinearItem)),
+                # (a pointer to the first item: ctypes.cast would tie the array and the pointer in a cycle)
+                items=ctypes.pointer(per_item[0]),
             )
         return io, held
 
+
+
+@cache
+def _array_type(item: type[ctypes.Structure], n: int) -> type[ctypes.Array]:
+    """`item * n`, kept: ctypes holds array types weakly, and a type freed each step is work for Python's
+    cycle collector (a type object always sits in reference cycles)."""
+    return item * n
 
 def _head(model: CausalLM, dtype: torch.dtype) -> Head | None:
     """The final norm and lm_head as the fused call runs them, or None where the per-module path would
