@@ -200,12 +200,12 @@ class FusedDecode:
         return io, held
 
 
-
 @cache
 def _array_type(item: type[ctypes.Structure], n: int) -> type[ctypes.Array]:
     """`item * n`, kept: ctypes holds array types weakly, and a type freed each step is work for Python's
     cycle collector (a type object always sits in reference cycles)."""
     return item * n
+
 
 def _head(model: CausalLM, dtype: torch.dtype) -> Head | None:
     """The final norm and lm_head as the fused call runs them, or None where the per-module path would
