@@ -980,7 +980,7 @@ typedef struct {
 #if defined(__AVX512VNNI__)
 #define SHARED_RUNS 1
 static void prefill_softmax(float *s, const int64_t *visible, int64_t rows, float scale, float *m, float *l,
-                            float *rescale, float *top, uint32_t *pb);
+                            float *rescale, uint32_t *pb);
 static void block_values(float *o, const void *p, const float *rescale, const void *v, int64_t vs, int64_t n,
                          int64_t d, int64_t rows, int bf);
 
@@ -1068,7 +1068,6 @@ static void shared_tasks(void *ctx, int64_t begin, int64_t end) {
     float *m = malloc((size_t)most * sizeof(float)), *l = malloc((size_t)most * sizeof(float));
     float *rescale = malloc((size_t)most * sizeof(float));
     float *qf = malloc((size_t)d * sizeof(float)), *qr = malloc((size_t)d * sizeof(float));
-    float *top = malloc((size_t)most * sizeof(float));
     int64_t *visible = malloc((size_t)most * sizeof(int64_t));
     uint32_t *pb = malloc((size_t)(most * CHUNK / 2) * sizeof(uint32_t));
     uint32_t *vp = malloc((size_t)(CHUNK / 2 * d) * sizeof(uint32_t));
@@ -1099,7 +1098,7 @@ static void shared_tasks(void *ctx, int64_t begin, int64_t end) {
             pack_shared_chunk(j, a, c, kh, kp, vp);
             chunk_scores((const void *const *)qrows, rows, kp, d / 2, s, 1);
             for (int64_t r = 0; r < rows; r++) visible[r] = c;
-            prefill_softmax(s, visible, rows, j->scale, m, l, rescale, top, pb);
+            prefill_softmax(s, visible, rows, j->scale, m, l, rescale, pb);
             block_values(acc, pb, rescale, vp, 0, c, d, rows, 1);
         }
         for (int64_t i = first; i < last; i++) { /* the readers' partials, head by head */
@@ -1121,7 +1120,6 @@ static void shared_tasks(void *ctx, int64_t begin, int64_t end) {
     free(rescale);
     free(qf);
     free(qr);
-    free(top);
     free(visible);
     free(pb);
     free(vp);
@@ -2846,7 +2844,7 @@ static inline __m512 exp2_16(__m512 x) {
    was a dependent chain of shuffles: the attention of a 512-token chunk over 2048 keys 1.025x, over
    512 1.01x, bench/prefill_attention.py's shapes on two Zen 4 cores, alternating in one process). */
 static void prefill_softmax(float *s, const int64_t *visible, int64_t rows, float scale, float *m,
-                            float *l, float *rescale, float *top, uint32_t *pb) {
+                            float *l, float *rescale, uint32_t *pb) {
     const __m512 k2 = _mm512_set1_ps(scale * 1.44269504f);
     for (int64_t r0 = 0; r0 < rows; r0 += 16) {
         int64_t n = rows - r0 < 16 ? rows - r0 : 16;
@@ -2863,34 +2861,35 @@ static void prefill_softmax(float *s, const int64_t *visible, int64_t rows, floa
         __m512 m0 = _mm512_maskz_loadu_ps(in, m + r0);
         __m512 t = _mm512_mask_mul_ps(m0, seen, (__m512)fold16x16(part, FOLD_MAX), _mm512_set1_ps(scale));
         __m512 m1 = _mm512_max_ps(t, m0); /* (t NaN: m, as the scalar comparison keeps it) */
-        _mm512_mask_storeu_ps(top + r0, in, m1);
         /* exp16 takes -inf (a first block's m) to 0; a row that sees none of this block keeps its sum */
         _mm512_mask_storeu_ps(rescale + r0, in, _mm512_mask_mov_ps(_mm512_set1_ps(1.0f), seen, exp16(_mm512_sub_ps(m0, m1))));
         _mm512_mask_storeu_ps(m + r0, in, m1);
         for (int64_t i = 0; i < 16; i++) {
-            int64_t r = r0 + i, vis = i < n ? visible[r] : 0;
+            __m512 sum16 = _mm512_setzero_ps();
+            part[i] = (v16)sum16;
+            if (i >= n) continue;
+            int64_t r = r0 + i, vis = visible[r];
             uint32_t *pr = pb ? pb + r * PREFILL_PAIRS : NULL;
             float *sr = s + r * CHUNK;
-            __m512 sum16 = _mm512_setzero_ps();
-            if (i < n && vis == 0) { /* (row r saw keys before this block: m is finite) */
+            if (vis == 0) { /* (row r saw keys before this block: m is finite) */
                 if (pr)
                     memset(pr, 0, PREFILL_PAIRS * sizeof(uint32_t));
                 else
                     memset(sr, 0, CHUNK * sizeof(float));
-            } else if (i < n) {
-                const __m512 t2 = _mm512_set1_ps(m[r] * 1.44269504f);
-                for (int64_t x = 0; x < CHUNK; x += 32) {
-                    __m512 p0 = _mm512_maskz_mov_ps(lanes_below(vis - x),
-                                                    exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + x), k2, t2)));
-                    __m512 p1 = _mm512_maskz_mov_ps(lanes_below(vis - x - 16),
-                                                    exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + x + 16), k2, t2)));
-                    sum16 = _mm512_add_ps(sum16, _mm512_add_ps(p0, p1));
-                    if (pr) {
-                        _mm512_storeu_si512(pr + x / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
-                    } else {
-                        _mm512_storeu_ps(sr + x, p0);
-                        _mm512_storeu_ps(sr + x + 16, p1);
-                    }
+                continue;
+            }
+            const __m512 t2 = _mm512_set1_ps(m[r] * 1.44269504f);
+            for (int64_t x = 0; x < CHUNK; x += 32) {
+                __m512 p0 = _mm512_maskz_mov_ps(lanes_below(vis - x),
+                                                exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + x), k2, t2)));
+                __m512 p1 = _mm512_maskz_mov_ps(lanes_below(vis - x - 16),
+                                                exp2_16(_mm512_fmsub_ps(_mm512_loadu_ps(sr + x + 16), k2, t2)));
+                sum16 = _mm512_add_ps(sum16, _mm512_add_ps(p0, p1));
+                if (pr) {
+                    _mm512_storeu_si512(pr + x / 2, (__m512i)_mm512_cvtne2ps_pbh(p1, p0));
+                } else {
+                    _mm512_storeu_ps(sr + x, p0);
+                    _mm512_storeu_ps(sr + x + 16, p1);
                 }
             }
             part[i] = (v16)sum16;
@@ -3022,7 +3021,6 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
     int64_t end = j->causal ? shift + t1 : j->keys;
     const void *qrows[rows]; /* query row r: token t0 + r / g, head h g + r % g */
     int64_t visible[rows], size = j->bf ? 2 : 4;
-    float top[rows];
     for (int64_t r = 0; r < rows; r++)
         qrows[r] = (const char *)j->q + ((t0 + r / g) * j->qs + (h * g + r % g) * d) * size;
     for (int64_t r = 0; r < rows; r++) {
@@ -3037,7 +3035,7 @@ static void prefill_task(const PrefillJob *j, int64_t task, float *s, uint32_t *
             int64_t v = j->causal ? shift + t0 + r / g + 1 - k0 : n;
             visible[r] = v > n ? n : (v < 0 ? 0 : v);
         }
-        prefill_softmax(s, visible, rows, j->scale, m, l, rescale, top, j->bf ? pb : NULL);
+        prefill_softmax(s, visible, rows, j->scale, m, l, rescale, j->bf ? pb : NULL);
         if (j->bf)
             block_values(o, pb, rescale, j->vp + block * PREFILL_PAIRS * d, 0, n, d, rows, 1);
         else

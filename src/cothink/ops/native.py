@@ -416,7 +416,6 @@ def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     return tiles.view(PAIRS_OF[weight.dtype]).reshape(n, k // 2)
 
 
-
 def unpack_pairs(pairs: torch.Tensor) -> torch.Tensor:
     """A bfloat16 weight in pairs (`pack_pairs`: int32 [N, K / 2]) as it was: bfloat16 [N, K], the same
     bytes in their first order."""
@@ -426,6 +425,7 @@ def unpack_pairs(pairs: torch.Tensor) -> torch.Tensor:
                          f"N % {PAIR_TILE} == 0, not {tuple(pairs.shape)} {pairs.dtype}")
     tiles = pairs.view(torch.bfloat16).reshape(n // PAIR_TILE, half, PAIR_TILE, 2).permute(0, 2, 1, 3)
     return tiles.reshape(n, 2 * half)
+
 
 def _tile_quads(weight: torch.Tensor) -> torch.Tensor:
     """[N, K] -> [N / PAIR_TILE, K / 4, PAIR_TILE, 4]: per tile of outputs and four inputs, each output's
