@@ -359,6 +359,24 @@ def test_bfloat16_pairs_are_the_float32_product_rounded_once(k):
         native.pack_pairs(w[:40])  # not whole tiles
 
 
+@pytest.mark.skipif(not native.bf16_pairs(), reason="bfloat16 pairs: CPUs with AVX-512 BF16 and no AMX tiles")
+def test_bfloat16_pairs_deal_a_decode_steps_panels_to_the_threads(torch_threads):
+    """A step of 24 to 48 rows (many coroutines' decode) takes a bfloat16 weight in pairs panel by panel,
+    its tiles dealt to the threads (9 tiles on 2 threads: 4 panels of two tiles and one tile; on 3: 3
+    and 3), each thread prefetching its next panel, the panels left taken by whichever thread is free:
+    every row the same to the bit as alone, on 1, 2 and 3 threads."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(9 * native.PAIR_TILE, 96, generator=g).to(torch.bfloat16)
+    b = torch.randn(w.shape[0], generator=g).to(torch.bfloat16)
+    pairs = native.pack_pairs(w)
+    x = torch.randn(48, 96, generator=g).to(torch.bfloat16)
+    alone = torch.cat([native.linear(x[r:r + 1], pairs, b) for r in range(48)])
+    for threads in (1, 2, 3):
+        torch_threads(threads)
+        for rows in (24, 31, 48):
+            assert torch.equal(native.linear(x[:rows], pairs, b), alone[:rows]), (threads, rows)
+
+
 @pytest.mark.skipif(not native.f32_tiles(), reason="float32 tiles: CPUs with AVX-512")
 @pytest.mark.parametrize("k", [48, 576])
 def test_float32_tiles_are_the_float32_product(k, torch_threads, monkeypatch):

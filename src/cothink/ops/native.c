@@ -1950,7 +1950,8 @@ static void linear_rows_pairs(const bf16 *xb, const float *xsum, const int8_t *x
  * the bit as alone (a decode step's). Measured on a 2-core Zen 4, SmolLM2's linears (bench/linears.py;
  * ad hoc, alternating in one process, per-round medians): against pairs_tile 1.06x at 24 and 32 rows,
  * 0.95x at 16 (hence PAIRS_WIDE_MIN_ROWS); against oneDNN's packed bfloat16 GEMM, which took these
- * products before, 1.2x at 48 rows, 1.04x at 128, 1.02-1.04x at 512 (in cache 1.1x). */
+ * products before, 1.2x at 48 rows, 1.04x at 128, 1.02-1.04x at 512 (in cache 1.1x).
+ * Up to PAIRS_WIDE_BLOCK rows (a decode step of many coroutines) a panel is one task: pairs_wide_panels. */
 #define PAIRS_WIDE_ROWS 6
 #define PAIRS_WIDE_BLOCK 48
 #define PAIRS_WIDE_MIN_ROWS 24
@@ -1961,20 +1962,32 @@ typedef struct {
     void *y;
     int64_t xs, ys, m, n, k;
     int y_f32;
+    int64_t doubles, singles; /* panels: `doubles` of two tiles, then `singles` of one */
+    int64_t stride;           /* pairs_wide_panels: its tasks */
+    atomic_uchar *claimed;    /* pairs_wide_panels: per panel, taken */
 } PairsWideJob;
+
+/* the first output of a PairsWideJob's panel, and its tiles */
+static inline int64_t wide_panel_at(const PairsWideJob *j, int64_t panel, int *tiles) {
+    *tiles = panel < j->doubles ? 2 : 1;
+    return (panel < j->doubles ? 2 * panel : j->doubles + panel) * PAIR_TILE;
+}
 
 /* NR rows (xr, row stride xs in pairs) x TILES tiles (wt: the first, the next pairs * PAIR_TILE after
    it) of a WT_BF16P weight, NR and TILES constant after inlining; y and the bias bfloat16; `lead`: prefetch
-   the tiles' streams ahead */
+   the tiles' streams ahead; `pre` (or NULL): per pair, prefetch its next pre_step bytes */
 static inline __attribute__((always_inline)) void pairs_wide(const uint32_t *xr, int64_t xs, const uint32_t *wt,
                                                               int64_t pairs, const void *bias, void *y, int64_t ys,
-                                                              int y_f32, int lead, const int nr, const int tiles) {
+                                                              int y_f32, int lead, const char *pre, int64_t pre_step,
+                                                              const int nr, const int tiles) {
     __m512 acc[PAIRS_WIDE_ROWS][4];
     const uint32_t *w1 = wt + pairs * PAIR_TILE;
     for (int i = 0; i < nr; i++)
         for (int u = 0; u < 2 * tiles; u++) acc[i][u] = _mm512_setzero_ps();
     for (int64_t p = 0; p < pairs; p++) {
         __m512bh w[4];
+        if (pre)
+            for (int64_t o = 0; o < pre_step; o += 64) __builtin_prefetch(pre + p * pre_step + o, 0, 2);
         for (int u = 0; u < 2 * tiles; u++) {
             const uint32_t *b = (u < 2 ? wt : w1) + p * PAIR_TILE + 16 * (u % 2);
             if (lead) prefetch_weight(b);
@@ -1998,20 +2011,82 @@ static void pairs_wide_tasks(void *ctx, int64_t begin, int64_t end) {
     int64_t pairs = j->k / 2, blocks = (j->m + PAIRS_WIDE_BLOCK - 1) / PAIRS_WIDE_BLOCK;
     int64_t y_size = j->y_f32 ? 4 : 2;
     for (int64_t t = begin; t < end; t++) {
-        int64_t o = t / blocks * 2 * PAIR_TILE, r0 = t % blocks * PAIRS_WIDE_BLOCK;
+        int tiles;
+        int64_t o = wide_panel_at(j, t / blocks, &tiles), r0 = t % blocks * PAIRS_WIDE_BLOCK;
         int64_t r1 = r0 + PAIRS_WIDE_BLOCK < j->m ? r0 + PAIRS_WIDE_BLOCK : j->m;
-        int two = j->n - o > PAIR_TILE;
         const uint32_t *wt = (const uint32_t *)j->w + o * pairs;
         const void *bias = j->bias ? (const bf16 *)j->bias + o : NULL;
         for (int64_t i = r0; i < r1; i += PAIRS_WIDE_ROWS) {
             const uint32_t *xr = (const uint32_t *)(j->x + i * j->xs);
             void *y = (char *)j->y + (i * j->ys + o) * y_size;
-#define WIDE(NR) (two ? pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, i == r0, NR, 2) \
-                      : pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, i == r0, NR, 1))
+#define WIDE(NR)                                                                                      \
+    (tiles == 2 ? pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, i == r0, NULL, 0, NR, 2) \
+                : pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, i == r0, NULL, 0, NR, 1))
             UP_TO_SIX(r1 - i < PAIRS_WIDE_ROWS ? r1 - i : PAIRS_WIDE_ROWS, WIDE)
 #undef WIDE
         }
     }
+}
+
+/* Rows' passes of a PairsWideJob's panel that prefetch the next one's weight, a share each */
+#define PAIRS_WIDE_PREFETCH_PASSES 4
+
+/* Every row of panel `panel` of a PairsWideJob; passes 1 .. PAIRS_WIDE_PREFETCH_PASSES prefetch panel
+   `next`'s weight (-1: none); `lead`: the first pass prefetches this panel's streams ahead */
+static void wide_panel(const PairsWideJob *j, int64_t panel, int64_t next, int lead) {
+    int64_t pairs = j->k / 2, y_size = j->y_f32 ? 4 : 2, passes = (j->m + PAIRS_WIDE_ROWS - 1) / PAIRS_WIDE_ROWS;
+    int tiles, next_tiles = 0;
+    int64_t o = wide_panel_at(j, panel, &tiles), step = 0;
+    const uint32_t *wt = (const uint32_t *)j->w + o * pairs;
+    const void *bias = j->bias ? (const bf16 *)j->bias + o : NULL;
+    const char *nw = NULL;
+    int64_t shares = passes - 1 < PAIRS_WIDE_PREFETCH_PASSES ? passes - 1 : PAIRS_WIDE_PREFETCH_PASSES;
+    if (next >= 0 && shares > 0) { /* a pass's share of each pair's weight lines, whole lines */
+        nw = (const char *)((const uint32_t *)j->w + wide_panel_at(j, next, &next_tiles) * pairs);
+        step = (next_tiles * PAIR_TILE * 4 / 64 + shares - 1) / shares * 64;
+    }
+    for (int64_t i = 0, pass = 0; i < j->m; i += PAIRS_WIDE_ROWS, pass++) {
+        const uint32_t *xr = (const uint32_t *)(j->x + i * j->xs);
+        void *y = (char *)j->y + (i * j->ys + o) * y_size;
+        int64_t from = (pass - 1) * step * pairs; /* the share's first byte */
+        const char *pre = nw && pass >= 1 && from < next_tiles * PAIR_TILE * 4 * pairs ? nw + from : NULL;
+#define WIDE(NR)                                                                                     \
+    (tiles == 2 ? pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, lead && !i, pre, step, NR, 2) \
+                : pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, lead && !i, pre, step, NR, 1))
+        UP_TO_SIX(j->m - i < PAIRS_WIDE_ROWS ? j->m - i : PAIRS_WIDE_ROWS, WIDE)
+#undef WIDE
+    }
+}
+
+/* the first panel from `panel` on in steps of `stride` that this call takes (j->claimed), or past the last */
+static int64_t claim_panel(const PairsWideJob *j, int64_t panel, int64_t stride) {
+    int64_t panels = j->doubles + j->singles;
+    while (panel < panels && atomic_exchange(&j->claimed[panel], 1)) panel += stride;
+    return panel;
+}
+
+/* A PairsWideJob of one row block (m <= PAIRS_WIDE_BLOCK: a decode step of many coroutines) by panels:
+ * task k of `stride` takes panels k, k + stride, .., each panel's passes prefetching the next it takes, so
+ * that panel's first pass finds its weight near rather than waiting on memory (with tasks of a panel
+ * each, taken in turns, the next was unknown); then, from the last, any panel not yet taken (a thread
+ * that joins late or runs slower). Measured on a 2-core Zen 4 (SmolLM2 bfloat16, ad hoc: the fused decode
+ * layers of 24, 28 and 32 coroutines over a 256-token context, this and the tasks of a panel each
+ * alternating step by step in one process, medians of 4-6 runs): 1.11x, 1.06x, 1.10x. Prefill chunks
+ * (128 and 512 rows, whose panels have many passes) took 0.99x and 0.98x of their products' time this
+ * way: their row blocks stay tasks of their own. */
+static void pairs_wide_panels(void *ctx, int64_t begin, int64_t end) {
+    const PairsWideJob *j = ctx;
+    int64_t panels = j->doubles + j->singles;
+    for (int64_t k = begin; k < end; k++) {
+        for (int64_t panel = claim_panel(j, k, j->stride), lead = 1; panel < panels; lead = 0) {
+            int64_t next = panel + j->stride;
+            while (next < panels && atomic_load(&j->claimed[next])) next += j->stride;
+            wide_panel(j, panel, next < panels ? next : -1, (int)lead);
+            panel = claim_panel(j, next, j->stride);
+        }
+    }
+    for (int64_t panel = panels - 1; panel >= 0; panel--)
+        if (!atomic_exchange(&j->claimed[panel], 1)) wide_panel(j, panel, -1, 1);
 }
 #endif
 
@@ -2430,10 +2505,22 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
     int own = m <= HELPER_TEAM_ROWS; /* a decode-sized product on the helpers, a prefill chunk's on OpenMP's */
 #if LINEAR_BF16_PAIRS
     if (wt == WT_BF16P && bf && m >= PAIRS_WIDE_MIN_ROWS && xs % 2 == 0) { /* x read where it is */
-        PairsWideJob job = {x, w, bias, y, xs, ys, m, n, k, y_f32};
-        int64_t panels = (n + 2 * PAIR_TILE - 1) / (2 * PAIR_TILE);
-        parallel_for(pairs_wide_tasks, &job, panels * ((m + PAIRS_WIDE_BLOCK - 1) / PAIRS_WIDE_BLOCK), 1, threads,
-                     own);
+        int64_t tiles = (n + PAIR_TILE - 1) / PAIR_TILE;
+        PairsWideJob job = {x, w, bias, y, xs, ys, m, n, k, y_f32, tiles / 2, tiles % 2, threads, NULL};
+        if (m > PAIRS_WIDE_BLOCK) {
+            int64_t blocks = (m + PAIRS_WIDE_BLOCK - 1) / PAIRS_WIDE_BLOCK;
+            parallel_for(pairs_wide_tasks, &job, (job.doubles + job.singles) * blocks, 1, threads, own);
+            return;
+        }
+        /* as many tiles per task as can be: panels of two tiles, a multiple of the tasks, then single
+           tiles (o_proj's 18 tiles on two threads: 9 and 9, where 9 panels took 5 and 4) */
+        job.doubles = tiles / (2 * threads) * threads;
+        job.singles = tiles - 2 * job.doubles;
+        int64_t panels = job.doubles + job.singles;
+        job.stride = panels < threads ? panels : threads;
+        job.claimed = calloc((size_t)panels, sizeof *job.claimed);
+        parallel_for(pairs_wide_panels, &job, job.stride, 1, threads, own);
+        free(job.claimed);
         return;
     }
 #endif
