@@ -710,6 +710,18 @@ static inline __attribute__((always_inline)) void attend_chunk(
     }
 }
 
+/* Prefetch (into L2) the `bytes` from p, a line at a time. The decode attention's keys and values come
+ * from memory: a step's weights pass through the caches between two steps' reads of them. Requested
+ * a chunk's rows at once rather than each as its turn comes, their latencies overlap. On a 2-core Zen 4
+ * (SmolLM2, ad hoc: the fused decode layers with and without, alternating step by step in one process,
+ * medians of 3-6 runs): 32 bfloat16 coroutines over a 256-token context and up to 64 tokens of their
+ * own, their own runs 1.16x, the shared run's blocks 1.14x, the layers 1.02x; one stream over 256 and
+ * 2000 keys, the layers 1.04x and 1.12x (float32 1.03x and 1.13x). Prefetching the shared run's next
+ * chunk rather than this one's gained nothing. */
+static inline void prefetch_lines(const char *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 2);
+}
+
 /* The arguments of ct_decode_attention, for its items split over threads. */
 typedef struct {
     const void *q;
@@ -1047,7 +1059,7 @@ static void pack_block(const char *const *kr, const char *const *vr, int64_t c, 
 }
 
 /* A shared run's keys a .. a + c - 1 (c <= CHUNK) of key head kh, read through their pool slots, packed
-   (`pack_block`) */
+   (`pack_block`); their rows are prefetched first (prefetch_lines) */
 static void pack_shared_chunk(const AttentionJob *j, int64_t a, int64_t c, int64_t kh, uint32_t *kp, uint32_t *vp) {
     int64_t row = (int64_t)sizeof(bf16) * j->d;
     const char *kr[CHUNK], *vr[CHUNK];
@@ -1055,6 +1067,8 @@ static void pack_shared_chunk(const AttentionJob *j, int64_t a, int64_t c, int64
         int64_t at = (j->slots[a + x] * j->hkv + kh) * row;
         kr[x] = (const char *)j->pool_k + at;
         vr[x] = (const char *)j->pool_v + at;
+        prefetch_lines(kr[x], row);
+        prefetch_lines(vr[x], row);
     }
     pack_block(kr, vr, c, j->d, kp, vp);
 }
@@ -1182,6 +1196,11 @@ static inline __attribute__((always_inline)) void attention_item(const Attention
         }
         for (int64_t a = key_start[r]; a < key_start[r + 1]; a += CHUNK) {
             int64_t c = key_start[r + 1] - a < CHUNK ? key_start[r + 1] - a : CHUNK;
+            for (int64_t x = 0; x < c; x++) { /* the chunk's rows of these key heads, requested together */
+                int64_t at = (slots[a + x] * hkv + kh0) * d * size;
+                prefetch_lines(pool_k + at, (kh1 - kh0) * d * size);
+                prefetch_lines(pool_v + at, (kh1 - kh0) * d * size);
+            }
             for (int64_t kh = kh0; kh < kh1; kh++) {
                 for (int64_t x = 0; x < c; x++) {
                     int64_t at = (slots[a + x] * hkv + kh) * d * size;
