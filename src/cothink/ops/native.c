@@ -2024,36 +2024,15 @@ static inline __attribute__((always_inline)) void pairs_wide(const uint32_t *xr,
                      (char *)y + (i * ys + 16 * u) * y_size, 1, y_f32);
 }
 
-/* tasks begin .. end-1 of a PairsWideJob: task t is row block t % blocks of panel t / blocks */
-static void pairs_wide_tasks(void *ctx, int64_t begin, int64_t end) {
-    const PairsWideJob *j = ctx;
-    int64_t pairs = j->k / 2, blocks = (j->m + PAIRS_WIDE_BLOCK - 1) / PAIRS_WIDE_BLOCK;
-    int64_t y_size = j->y_f32 ? 4 : 2;
-    for (int64_t t = begin; t < end; t++) {
-        int tiles;
-        int64_t o = wide_panel_at(j, t / blocks, &tiles), r0 = t % blocks * PAIRS_WIDE_BLOCK;
-        int64_t r1 = r0 + PAIRS_WIDE_BLOCK < j->m ? r0 + PAIRS_WIDE_BLOCK : j->m;
-        const uint32_t *wt = (const uint32_t *)j->w + o * pairs;
-        const void *bias = j->bias ? (const bf16 *)j->bias + o : NULL;
-        for (int64_t i = r0; i < r1; i += PAIRS_WIDE_ROWS) {
-            const uint32_t *xr = (const uint32_t *)(j->x + i * j->xs);
-            void *y = (char *)j->y + (i * j->ys + o) * y_size;
-#define WIDE(NR)                                                                                      \
-    (tiles == 2 ? pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, i == r0, NULL, 0, NR, 2) \
-                : pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, i == r0, NULL, 0, NR, 1))
-            UP_TO_SIX(r1 - i < PAIRS_WIDE_ROWS ? r1 - i : PAIRS_WIDE_ROWS, WIDE)
-#undef WIDE
-        }
-    }
-}
-
 /* Rows' passes of a PairsWideJob's panel that prefetch the next one's weight, a share each */
 #define PAIRS_WIDE_PREFETCH_PASSES 4
 
-/* Every row of panel `panel` of a PairsWideJob; passes 1 .. PAIRS_WIDE_PREFETCH_PASSES prefetch panel
-   `next`'s weight (-1: none); `lead`: the first pass prefetches this panel's streams ahead */
-static void wide_panel(const PairsWideJob *j, int64_t panel, int64_t next, int lead) {
-    int64_t pairs = j->k / 2, y_size = j->y_f32 ? 4 : 2, passes = (j->m + PAIRS_WIDE_ROWS - 1) / PAIRS_WIDE_ROWS;
+/* Rows r0 .. r1-1 of panel `panel` of a PairsWideJob, six at a time; passes 1 .. PAIRS_WIDE_PREFETCH_PASSES
+   prefetch panel `next`'s weight (-1: none); `lead`: the first pass prefetches this panel's streams ahead.
+   Inlined: where `next` is -1 (a prefill chunk's tasks) the passes keep no prefetch branch */
+static inline __attribute__((always_inline)) void wide_panel(const PairsWideJob *j, int64_t panel, int64_t r0,
+                                                              int64_t r1, int64_t next, int lead) {
+    int64_t pairs = j->k / 2, y_size = j->y_f32 ? 4 : 2, passes = (r1 - r0 + PAIRS_WIDE_ROWS - 1) / PAIRS_WIDE_ROWS;
     int tiles, next_tiles = 0;
     int64_t o = wide_panel_at(j, panel, &tiles), step = 0;
     const uint32_t *wt = (const uint32_t *)j->w + o * pairs;
@@ -2064,16 +2043,27 @@ static void wide_panel(const PairsWideJob *j, int64_t panel, int64_t next, int l
         nw = (const char *)((const uint32_t *)j->w + wide_panel_at(j, next, &next_tiles) * pairs);
         step = (next_tiles * PAIR_TILE * 4 / 64 + shares - 1) / shares * 64;
     }
-    for (int64_t i = 0, pass = 0; i < j->m; i += PAIRS_WIDE_ROWS, pass++) {
+    for (int64_t i = r0, pass = 0; i < r1; i += PAIRS_WIDE_ROWS, pass++) {
         const uint32_t *xr = (const uint32_t *)(j->x + i * j->xs);
         void *y = (char *)j->y + (i * j->ys + o) * y_size;
         int64_t from = (pass - 1) * step * pairs; /* the share's first byte */
         const char *pre = nw && pass >= 1 && from < next_tiles * PAIR_TILE * 4 * pairs ? nw + from : NULL;
-#define WIDE(NR)                                                                                     \
-    (tiles == 2 ? pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, lead && !i, pre, step, NR, 2) \
-                : pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, lead && !i, pre, step, NR, 1))
-        UP_TO_SIX(j->m - i < PAIRS_WIDE_ROWS ? j->m - i : PAIRS_WIDE_ROWS, WIDE)
+        int first = lead && !pass;
+#define WIDE(NR)                                                                                    \
+    (tiles == 2 ? pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, first, pre, step, NR, 2) \
+                : pairs_wide(xr, j->xs / 2, wt, pairs, bias, y, j->ys, j->y_f32, first, pre, step, NR, 1))
+        UP_TO_SIX(r1 - i < PAIRS_WIDE_ROWS ? r1 - i : PAIRS_WIDE_ROWS, WIDE)
 #undef WIDE
+    }
+}
+
+/* tasks begin .. end-1 of a PairsWideJob: task t is row block t % blocks of panel t / blocks */
+static void pairs_wide_tasks(void *ctx, int64_t begin, int64_t end) {
+    const PairsWideJob *j = ctx;
+    int64_t blocks = (j->m + PAIRS_WIDE_BLOCK - 1) / PAIRS_WIDE_BLOCK;
+    for (int64_t t = begin; t < end; t++) {
+        int64_t r0 = t % blocks * PAIRS_WIDE_BLOCK;
+        wide_panel(j, t / blocks, r0, r0 + PAIRS_WIDE_BLOCK < j->m ? r0 + PAIRS_WIDE_BLOCK : j->m, -1, 1);
     }
 }
 
@@ -2100,12 +2090,12 @@ static void pairs_wide_panels(void *ctx, int64_t begin, int64_t end) {
         for (int64_t panel = claim_panel(j, k, j->stride), lead = 1; panel < panels; lead = 0) {
             int64_t next = panel + j->stride;
             while (next < panels && atomic_load(&j->claimed[next])) next += j->stride;
-            wide_panel(j, panel, next < panels ? next : -1, (int)lead);
+            wide_panel(j, panel, 0, j->m, next < panels ? next : -1, (int)lead);
             panel = claim_panel(j, next, j->stride);
         }
     }
     for (int64_t panel = panels - 1; panel >= 0; panel--)
-        if (!atomic_exchange(&j->claimed[panel], 1)) wide_panel(j, panel, -1, 1);
+        if (!atomic_exchange(&j->claimed[panel], 1)) wide_panel(j, panel, 0, j->m, -1, 1);
 }
 #endif
 
@@ -2524,18 +2514,17 @@ void ct_linear(const void *x, int64_t xs, const void *w, const void *scale, cons
     int own = m <= HELPER_TEAM_ROWS; /* a decode-sized product on the helpers, a prefill chunk's on OpenMP's */
 #if LINEAR_BF16_PAIRS
     if (wt == WT_BF16P && bf && m >= PAIRS_WIDE_MIN_ROWS && xs % 2 == 0) { /* x read where it is */
-        int64_t tiles = (n + PAIR_TILE - 1) / PAIR_TILE;
-        PairsWideJob job = {x, w, bias, y, xs, ys, m, n, k, y_f32, tiles / 2, tiles % 2, threads, NULL};
+        /* panels of two tiles, then single ones. Dealt (a decode step's rows), as many tiles per thread as
+           can be: the panels of two a multiple of the threads (o_proj's 18 tiles on two threads: 9 and 9,
+           where 9 panels took 5 and 4); a prefill chunk's tasks take one tile alone at most */
+        int64_t tiles = (n + PAIR_TILE - 1) / PAIR_TILE, dealt = m <= PAIRS_WIDE_BLOCK ? threads : 1;
+        int64_t doubles = tiles / (2 * dealt) * dealt, panels = tiles - doubles;
+        PairsWideJob job = {x, w, bias, y, xs, ys, m, n, k, y_f32, doubles, panels - doubles, 0, NULL};
         if (m > PAIRS_WIDE_BLOCK) {
             int64_t blocks = (m + PAIRS_WIDE_BLOCK - 1) / PAIRS_WIDE_BLOCK;
-            parallel_for(pairs_wide_tasks, &job, (job.doubles + job.singles) * blocks, 1, threads, own);
+            parallel_for(pairs_wide_tasks, &job, panels * blocks, 1, threads, own);
             return;
         }
-        /* as many tiles per task as can be: panels of two tiles, a multiple of the tasks, then single
-           tiles (o_proj's 18 tiles on two threads: 9 and 9, where 9 panels took 5 and 4) */
-        job.doubles = tiles / (2 * threads) * threads;
-        job.singles = tiles - 2 * job.doubles;
-        int64_t panels = job.doubles + job.singles;
         job.stride = panels < threads ? panels : threads;
         job.claimed = calloc((size_t)panels, sizeof *job.claimed);
         parallel_for(pairs_wide_panels, &job, job.stride, 1, threads, own);
